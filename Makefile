@@ -1,0 +1,34 @@
+# Every target installs what it needs into .venv first, so a fresh clone needs nothing else.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fp8conv-installed
+DEMO_DIR := build/demo
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch 2.13.0 is the CPU wheel on this platform's disk; any other version downloads gigabytes.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	rm -rf $(DEMO_DIR)
+	$(PY) examples/make_tiny_checkpoint.py $(DEMO_DIR)/tiny-fp8
+	$(VENV)/bin/fp8conv inspect $(DEMO_DIR)/tiny-fp8
+	$(VENV)/bin/fp8conv convert $(DEMO_DIR)/tiny-fp8 --to bf16 -o $(DEMO_DIR)/tiny-bf16
+	$(VENV)/bin/fp8conv inspect $(DEMO_DIR)/tiny-bf16
+
+lint: setup
+	$(VENV)/bin/ruff check fp8conv tests examples
+	$(VENV)/bin/ruff format --check fp8conv tests examples
+
+test: setup lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf build .pytest_cache

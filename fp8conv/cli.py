@@ -1,0 +1,179 @@
+"""The command line: the only place that prints and chooses exit codes (1: bad input, 2: usage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .dtypes import DEQUANT_TARGETS
+from .errors import Fp8ConvError
+from .pipeline import convert
+from .plan import TARGETS
+from .report import InspectReport, inspect
+
+DEBUG_ENV = "FP8CONV_DEBUG"
+
+
+def _parse_block_size(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    parts = value.replace("x", ",").split(",")
+    try:
+        bn, bk = (int(p) for p in parts)
+    except ValueError:
+        raise click.BadParameter("expected two positive integers, e.g. 128,128") from None
+    if bn <= 0 or bk <= 0:
+        raise click.BadParameter("expected two positive integers, e.g. 128,128")
+    return (bn, bk)
+
+
+BLOCK_SIZE_OPTION = click.option(
+    "--block-size",
+    callback=_parse_block_size,
+    metavar="BN,BK",
+    help="Assert the block size (e.g. 128,128) when config.json does not state it; "
+    "every scale grid must agree.",
+)
+
+
+def _fail(exc: Fp8ConvError) -> None:
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exc()
+    click.echo(f"error: {exc.one_line()}", err=True)
+    if os.environ.get(DEBUG_ENV) != "1":
+        click.echo(f"(set {DEBUG_ENV}=1 for the full traceback)", err=True)
+    sys.exit(1)
+
+
+@click.group()
+@click.version_option(package_name="fp8conv")
+def main() -> None:
+    """Convert FP8 LLM checkpoints into formats other hardware and engines can run."""
+
+
+@main.command("inspect")
+@click.argument("checkpoint")
+@BLOCK_SIZE_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect_command(checkpoint: str, block_size: tuple[int, int] | None, as_json: bool) -> None:
+    """Describe CHECKPOINT from its headers only (no tensor data is read)."""
+    try:
+        report = inspect(checkpoint, block_size=block_size)
+    except Fp8ConvError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(_render_report(report))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _render_report(r: InspectReport) -> str:
+    block = f"{r.block_size[0]}x{r.block_size[1]} (from {r.block_size_from})" if r.block_size else "none"
+    lines = [
+        f"checkpoint:    {r.source}",
+        f"format:        {r.format}",
+        f"quant_method:  {r.quant_method or 'none'}",
+        f"block size:    {block}",
+        f"shards:        {r.shards}   tensors: {r.tensors}   "
+        f"size: {_gib(r.total_bytes)} ({r.total_bytes} bytes)",
+        "formats:       " + ", ".join(f"{k} {v}" for k, v in r.formats.items()),
+        "dtypes:        " + ", ".join(f"{k} {v}" for k, v in r.dtypes.items()),
+        "output size:   " + ", ".join(f"--to {k} ~{_gib(v)}" for k, v in r.estimated_output_bytes.items()),
+    ]
+    mtp = ", ".join(str(i) for i in r.mtp_layers) if r.mtp_layers else "none"
+    lines.append(
+        f"MTP layers:    {mtp}"
+        + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
+    )
+    lines.append(f"partial blocks: {len(r.partial_block_tensors)} tensor(s)")
+    for t in r.partial_block_tensors:
+        lines.append(f"  {t.name} {t.shape} -> grid {t.grid} of {t.block[0]}x{t.block[1]} blocks")
+    lines.append(f"problems:      {len(r.problems) or 'none'}")
+    lines += [f"  {p}" for p in r.problems]
+    lines += [f"warning: {w}" for w in r.warnings]
+    return "\n".join(lines)
+
+
+def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    if quiet or not sys.stderr.isatty():
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting")
+        bar["bar"].update(done - bar["bar"].n)
+
+    def close() -> None:
+        if "bar" in bar:
+            bar["bar"].close()
+
+    return update, close
+
+
+@main.command("convert")
+@click.argument("checkpoint")
+@click.option("--to", "target", type=click.Choice(TARGETS), required=True, help="Target format.")
+@click.option("-o", "--output", required=True, help="Output directory (must be empty, or --overwrite).")
+@click.option(
+    "--dtype",
+    type=click.Choice(list(DEQUANT_TARGETS)),
+    default="bfloat16",
+    show_default=True,
+    help="Output dtype of dequantized weights (--to bf16).",
+)
+@BLOCK_SIZE_OPTION
+@click.option("--overwrite", is_flag=True, help="Replace the checkpoint in a non-empty output directory.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+def convert_command(
+    checkpoint: str,
+    target: str,
+    output: str,
+    dtype: str,
+    block_size: tuple[int, int] | None,
+    overwrite: bool,
+    quiet: bool,
+) -> None:
+    """Convert CHECKPOINT (a folder or a .safetensors file) into OUTPUT."""
+    progress, close = _progress_bar(quiet)
+    try:
+        result = convert(
+            checkpoint,
+            output,
+            to=target,
+            dtype=dtype,
+            block_size=block_size,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    except Fp8ConvError as exc:
+        close()
+        _fail(exc)
+        return
+    close()
+    for w in result.warnings:
+        click.echo(f"warning: {w}", err=True)
+    for path, why in result.files_skipped:
+        click.echo(f"warning: {path} was not copied: {why}", err=True)
+    if not quiet:
+        rate = result.bytes_written / max(result.seconds, 1e-9) / 2**20
+        click.echo(
+            f"wrote {result.output}: {len(result.shards)} shard(s), {result.tensors_converted} tensor(s) "
+            f"converted, {result.tensors_copied} copied, {len(result.files_copied)} other file(s) copied, "
+            f"{_gib(result.bytes_written)} in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
+        )

@@ -1,0 +1,60 @@
+"""The safetensors dtype names, their element sizes and torch dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+# safetensors name -> bytes per element. Sub-byte packed types are not listed: fp8conv refuses them.
+ELEMENT_BYTES: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
+}
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+FP8_E4M3 = "F8_E4M3"
+FLOAT_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
+
+# Target dtypes of a dequantizing conversion: CLI name -> (safetensors name, torch dtype, config name).
+DEQUANT_TARGETS: dict[str, tuple[str, torch.dtype, str]] = {
+    "bfloat16": ("BF16", torch.bfloat16, "bfloat16"),
+    "float16": ("F16", torch.float16, "float16"),
+    "float32": ("F32", torch.float32, "float32"),
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return TORCH_DTYPES[name]

@@ -1,0 +1,341 @@
+"""The classifier: what format each weight is in, decided from dtypes, companion shapes and config.
+
+Never by element size, never by dividing a shape by a grid: the block size comes from config.json
+(or --block-size) and every scale grid must be exactly ceil(shape / block) to confirm it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .config import find_quantization_config
+from .dtypes import FLOAT_SCALE_DTYPES, FP8_E4M3
+from .errors import CheckpointError
+from .index import CheckpointIndex
+from .safetensors_file import TensorEntry
+
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
+PACKED_SUFFIXES = (".weight_packed", "_blocks")  # compressed-tensors packed FP4/INT4, gpt-oss MXFP4
+
+
+class Kind(str, Enum):
+    BLOCK = "block-fp8"
+    PER_TENSOR = "per-tensor-fp8"
+    CHANNEL = "channel-fp8"
+    UNQUANTIZED = "unquantized"
+    UNVERIFIED = "unverified"
+    UNSUPPORTED = "unsupported"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+CONVERTIBLE = frozenset({Kind.BLOCK, Kind.PER_TENSOR, Kind.CHANNEL})
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One quantized weight and the companions that travel with it."""
+
+    weight: str
+    kind: Kind
+    scale: str | None = None
+    companions: tuple[str, ...] = ()  # activation scales etc., consumed with the weight
+    block: tuple[int, int] | None = None  # the confirmed block size, for block-fp8
+    reason: str | None = None  # why unverified / unsupported
+    fix: str | None = None
+
+    def math_block(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The block that makes every convertible kind one computation: channel is (1, K), tensor (N, K)."""
+        n, k = shape[-2], shape[-1]
+        if self.kind is Kind.BLOCK and self.block:
+            return self.block
+        if self.kind is Kind.CHANNEL:
+            return (1, max(k, 1))
+        return (max(n, 1), max(k, 1))
+
+    @property
+    def consumed(self) -> tuple[str, ...]:
+        return ((self.scale,) if self.scale else ()) + self.companions
+
+
+@dataclass
+class Classification:
+    weights: dict[str, WeightFormat]  # quantized (or refused) weights by name
+    plain: list[str]  # passed through unchanged
+    problems: list[CheckpointError]  # refusals found while classifying
+    warnings: list[str]
+    block_size: tuple[int, int] | None
+    block_source: str | None  # "config.json", "config.json:text_config", "--block-size" or None
+    quant_method: str | None
+
+    @property
+    def checkpoint_format(self) -> str:
+        kinds = {w.kind for w in self.weights.values()}
+        if not kinds:
+            return str(Kind.UNQUANTIZED)
+        for worst in (Kind.UNSUPPORTED, Kind.UNVERIFIED):
+            if worst in kinds:
+                return str(worst)
+        if len(kinds) == 1:
+            return str(next(iter(kinds)))
+        return "mixed(" + "+".join(sorted(str(k) for k in kinds)) + ")"
+
+    def kind_counts(self) -> dict[str, int]:
+        counts = Counter(str(w.kind) for w in self.weights.values())
+        counts[str(Kind.UNQUANTIZED)] += len(self.plain)
+        return dict(sorted(counts.items()))
+
+
+@dataclass
+class _Context:
+    index: CheckpointIndex
+    block: tuple[int, int] | None
+    block_where: str | None
+    problems: list[CheckpointError] = field(default_factory=list)
+
+    def shard(self, name: str) -> str:
+        return self.index.shard_of(name).name
+
+
+def parse_block_size(value: Any, where: str) -> tuple[int, int]:
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        return (int(value[0]), int(value[1]))
+    raise CheckpointError(
+        f"weight_block_size {value!r} is not two positive integers",
+        shard=where,
+        fix="fix config.json or assert the block size with --block-size 128,128",
+    )
+
+
+def classify(
+    index: CheckpointIndex, config: dict[str, Any] | None, block_size: tuple[int, int] | None = None
+) -> Classification:
+    """Classify every tensor. `block_size` is the user's --block-size assertion, if any."""
+    qconfig, where = find_quantization_config(config)
+    quant_method = str(qconfig.get("quant_method")) if qconfig and "quant_method" in qconfig else None
+    problems: list[CheckpointError] = []
+    warnings: list[str] = []
+
+    config_block: tuple[int, int] | None = None
+    if qconfig is not None and qconfig.get("weight_block_size") is not None:
+        try:
+            config_block = parse_block_size(qconfig["weight_block_size"], where)
+        except CheckpointError as exc:
+            problems.append(exc)
+    if block_size is not None and config_block is not None and block_size != config_block:
+        problems.append(
+            CheckpointError(
+                f"weight_block_size is {list(config_block)} but --block-size asserts {list(block_size)}",
+                shard=where,
+                fix="drop --block-size, or fix config.json if you know it is wrong",
+            )
+        )
+    if quant_method not in (None, "fp8"):
+        problems.append(
+            CheckpointError(
+                f"quantization_config.quant_method {quant_method!r} is not supported yet",
+                shard=where,
+                fix="fp8conv reads quant_method 'fp8' checkpoints",
+            )
+        )
+    block, block_source = (block_size, "--block-size") if block_size else (config_block, where)
+    if block is None:
+        block_source = None
+    ctx = _Context(index, block, block_source, problems)
+
+    names = set(index.locations)
+    weights: dict[str, WeightFormat] = {}
+    consumed: set[str] = set()
+    for name in index.locations:
+        fmt = _classify_one(ctx, name, names)
+        if fmt is not None:
+            weights[name] = fmt
+            consumed.update(fmt.consumed)
+    for name in index.locations:
+        if name in weights or name in consumed:
+            continue
+        if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
+            problems.append(
+                CheckpointError(
+                    f"is a scale but there is no FP8 weight {_weight_of(name)!r} for it",
+                    tensor=name,
+                    shard=ctx.shard(name),
+                    fix="the checkpoint is incomplete: re-download the shard that holds the weight",
+                )
+            )
+    plain = [n for n in index.locations if n not in weights and n not in consumed]
+    plain = [n for n in plain if not n.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES)]
+    for fmt in weights.values():
+        if fmt.kind in (Kind.UNVERIFIED, Kind.UNSUPPORTED):
+            problems.append(
+                CheckpointError(
+                    f"is {fmt.kind}: {fmt.reason}",
+                    tensor=fmt.weight,
+                    shard=ctx.shard(fmt.weight),
+                    fix=fmt.fix,
+                )
+            )
+    if quant_method == "fp8" and not weights:
+        warnings.append(f"{where} declares quant_method 'fp8' but no tensor is FP8")
+    return Classification(
+        weights=weights,
+        plain=plain,
+        problems=problems,
+        warnings=warnings,
+        block_size=block,
+        block_source=block_source,
+        quant_method=quant_method,
+    )
+
+
+def _weight_of(companion: str) -> str:
+    for suffix in SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES:
+        if companion.endswith(suffix):
+            return companion[: -len(suffix)] + ".weight"
+    return companion
+
+
+def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | None:
+    """A WeightFormat for a weight that is quantized (or looks it), None for everything else."""
+    entry = ctx.index.entry(name)
+    if name.endswith(PACKED_SUFFIXES):
+        return WeightFormat(
+            name,
+            Kind.UNSUPPORTED,
+            companions=_companions(name.rsplit(".", 1)[0] if "." in name else name, names),
+            reason=f"packed {entry.dtype} weights (FP4/INT4, e.g. NVFP4 or MXFP4) are not FP8",
+            fix="fp8conv converts FP8 checkpoints only",
+        )
+    if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
+        return None
+    base = name[: -len(".weight")] if name.endswith(".weight") else None
+    scales = [base + s for s in SCALE_SUFFIXES if base and base + s in names]
+    if entry.dtype != FP8_E4M3:
+        if entry.dtype.startswith("F8_"):
+            return WeightFormat(
+                name,
+                Kind.UNSUPPORTED,
+                scale=scales[0] if scales else None,
+                companions=_companions(base, names) if base else (),
+                reason=f"{entry.dtype} weights are not float8_e4m3fn",
+                fix="fp8conv reads e4m3fn FP8 only",
+            )
+        if scales and entry.dtype in ("I8", "U8"):
+            return WeightFormat(
+                name,
+                Kind.UNSUPPORTED,
+                scale=scales[0],
+                companions=_companions(base, names) if base else (),
+                reason=f"{entry.dtype} weights with a scale are int8 or packed FP4, not FP8",
+                fix="fp8conv converts FP8 checkpoints only",
+            )
+        if scales:
+            ctx.problems.append(
+                CheckpointError(
+                    f"has a scale ({scales[0]}) but the weight is {entry.dtype}, not FP8",
+                    tensor=name,
+                    shard=ctx.shard(name),
+                    fix="the checkpoint is inconsistent: remove the stray scale or re-download",
+                )
+            )
+            return WeightFormat(name, Kind.UNQUANTIZED, scale=scales[0])
+        return None
+    # float8_e4m3fn from here on
+    if base is None:
+        return WeightFormat(
+            name,
+            Kind.UNSUPPORTED,
+            reason="an FP8 tensor that is not a '.weight' has no known scale",
+            fix="fp8conv converts FP8 linear weights with their scales",
+        )
+    if len(scales) > 1:
+        return WeightFormat(
+            name,
+            Kind.UNSUPPORTED,
+            scale=scales[0],
+            companions=(scales[1], *_companions(base, names)),
+            reason=f"has both {scales[0]} and {scales[1]}; which one applies is ambiguous",
+            fix="remove the stale scale",
+        )
+    if not scales:
+        ctx.problems.append(
+            CheckpointError(
+                f"is FP8 but has no scale ({base}.weight_scale_inv or {base}.weight_scale)",
+                tensor=name,
+                shard=ctx.shard(name),
+                fix="the checkpoint is incomplete: re-download the shard that holds the scale",
+            )
+        )
+        return WeightFormat(name, Kind.UNVERIFIED, reason="no scale", fix="re-download")
+    return _classify_scaled(ctx, entry, ctx.index.entry(scales[0]), _companions(base, names))
+
+
+def _companions(base: str, names: set[str]) -> tuple[str, ...]:
+    return tuple(base + s for s in ACTIVATION_SCALE_SUFFIXES if base + s in names)
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def _classify_scaled(
+    ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tuple[str, ...]
+) -> WeightFormat:
+    def make(kind: Kind, reason: str | None = None, fix: str | None = None, block=None) -> WeightFormat:
+        return WeightFormat(w.name, kind, s.name, companions, block=block, reason=reason, fix=fix)
+
+    if s.dtype not in FLOAT_SCALE_DTYPES:
+        return make(
+            Kind.UNSUPPORTED,
+            f"scale {s.name} is {s.dtype}; only float32/bfloat16/float16 scales are supported so far",
+            "UE8M0 (e8m0 / uint8 exponent) scales are not supported yet",
+        )
+    if len(w.shape) < 2:
+        return make(Kind.UNSUPPORTED, f"an FP8 weight of shape {list(w.shape)} is not a matrix")
+    lead, n = w.shape[:-2], w.shape[-2]
+    # one scale for the whole tensor, or one per expert of a fused [E, N, K] tensor
+    if (s.numel == 1 and len(s.shape) <= 1) or (lead and s.shape == lead):
+        return make(Kind.PER_TENSOR)
+    if s.shape == (*lead, n) and n > 1:
+        return make(Kind.CHANNEL)
+    if len(s.shape) != len(w.shape) or s.shape[:-2] != lead:
+        return make(
+            Kind.UNVERIFIED,
+            f"scale {s.name} has shape {list(s.shape)}, which fits no FP8 layout of {list(w.shape)}",
+            "the checkpoint is corrupt or in a format fp8conv does not know",
+        )
+    if ctx.block is None:
+        if s.shape == (*lead, n, 1):
+            return make(Kind.CHANNEL)
+        return make(
+            Kind.UNVERIFIED,
+            f"scale {s.name} is a {list(s.shape[-2:])} grid but no weight_block_size confirms the block size",
+            "if the checkpoint uses 128x128 blocks, assert it with --block-size 128,128",
+        )
+    expected = _grid(w.shape, ctx.block)
+    if s.shape != expected:
+        return make(
+            Kind.UNVERIFIED,
+            f"scale {s.name} has shape {list(s.shape)} but blocks of {list(ctx.block)} "
+            f"({ctx.block_where}) need {list(expected)}",
+            "the scale grid does not match the block size; check weight_block_size / --block-size",
+        )
+    return make(Kind.BLOCK, block=ctx.block)
+
+
+def has_partial_blocks(fmt: WeightFormat, shape: tuple[int, ...]) -> bool:
+    return (
+        fmt.kind is Kind.BLOCK
+        and fmt.block is not None
+        and (shape[-2] % fmt.block[0] != 0 or shape[-1] % fmt.block[1] != 0)
+    )

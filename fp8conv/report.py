@@ -1,0 +1,116 @@
+"""`fp8conv inspect`: what a checkpoint is, from headers only (no tensor bytes are read)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .dtypes import ELEMENT_BYTES
+from .formats import CONVERTIBLE, Classification, classify, has_partial_blocks
+from .source import Checkpoint, open_checkpoint
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+DEFAULT_BLOCK = (128, 128)
+
+
+@dataclass
+class PartialBlockTensor:
+    name: str
+    shape: list[int]
+    block: list[int]
+    grid: list[int]
+
+
+@dataclass
+class InspectReport:
+    source: str
+    format: str
+    quant_method: str | None
+    block_size: list[int] | None
+    block_size_from: str | None
+    shards: int
+    tensors: int
+    total_bytes: int
+    formats: dict[str, int]
+    dtypes: dict[str, int]
+    estimated_output_bytes: dict[str, int]
+    partial_block_tensors: list[PartialBlockTensor]
+    num_hidden_layers: int | None
+    mtp_layers: list[int]
+    problems: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect(source: str | os.PathLike[str], block_size: tuple[int, int] | None = None) -> InspectReport:
+    ckpt = open_checkpoint(source)
+    cls = classify(ckpt.index, ckpt.config, block_size)
+    layers = _num_hidden_layers(ckpt.config)
+    partial = []
+    for fmt in cls.weights.values():
+        shape = ckpt.index.entry(fmt.weight).shape
+        if has_partial_blocks(fmt, shape) and fmt.block:
+            grid = [math.ceil(shape[-2] / fmt.block[0]), math.ceil(shape[-1] / fmt.block[1])]
+            partial.append(PartialBlockTensor(fmt.weight, list(shape), list(fmt.block), grid))
+    dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
+    return InspectReport(
+        source=str(source),
+        format=cls.checkpoint_format,
+        quant_method=cls.quant_method,
+        block_size=list(cls.block_size) if cls.block_size else None,
+        block_size_from=cls.block_source,
+        shards=len(ckpt.index.shards),
+        tensors=len(ckpt.index.locations),
+        total_bytes=ckpt.index.total_bytes,
+        formats=cls.kind_counts(),
+        dtypes=dict(sorted(dtypes.items())),
+        estimated_output_bytes=estimate_output_bytes(ckpt, cls),
+        partial_block_tensors=partial,
+        num_hidden_layers=layers,
+        mtp_layers=_mtp_layers(ckpt, layers),
+        problems=[p.one_line() for p in cls.problems],
+        warnings=list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files],
+    )
+
+
+def estimate_output_bytes(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
+    """Bytes of tensor data each target would write; refused weights are counted as they are."""
+    plain = sum(ckpt.index.entry(n).nbytes for n in cls.plain)
+    out = {"bf16": plain, "channel": plain, "block": plain}
+    for fmt in cls.weights.values():
+        entry = ckpt.index.entry(fmt.weight)
+        if fmt.kind not in CONVERTIBLE:
+            same = entry.nbytes + sum(ckpt.index.entry(c).nbytes for c in fmt.consumed)
+            for target in out:
+                out[target] += same
+            continue
+        shape = entry.shape
+        rows = math.prod(shape[:-1])
+        bn, bk = fmt.block or cls.block_size or DEFAULT_BLOCK
+        grid = math.prod(shape[:-2]) * math.ceil(shape[-2] / bn) * math.ceil(shape[-1] / bk)
+        out["bf16"] += entry.numel * ELEMENT_BYTES["BF16"]
+        out["channel"] += entry.numel + rows * 4
+        out["block"] += entry.numel + grid * 4
+    return out
+
+
+def _num_hidden_layers(config: dict[str, Any] | None) -> int | None:
+    for section in (config or {}, (config or {}).get("text_config") or {}):
+        value = section.get("num_hidden_layers") if isinstance(section, dict) else None
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _mtp_layers(ckpt: Checkpoint, num_hidden_layers: int | None) -> list[int]:
+    """Layers numbered at or past num_hidden_layers: DeepSeek's multi-token-prediction layers."""
+    if num_hidden_layers is None:
+        return []
+    found = {int(m.group(1)) for name in ckpt.index.locations for m in [LAYER_RE.search(name)] if m}
+    return sorted(i for i in found if i >= num_hidden_layers)

@@ -1,0 +1,1 @@
+"""Rewriters: one module per target; each turns one classified weight into its output tensors."""

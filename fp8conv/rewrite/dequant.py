@@ -1,0 +1,36 @@
+"""Dequantize any convertible FP8 weight (block, channel, per-tensor) as one block computation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..backends import Backend
+from ..formats import WeightFormat
+
+
+def scale_grid(scale: torch.Tensor, fmt: WeightFormat, shape: tuple[int, ...]) -> torch.Tensor:
+    """The scale as a [M, gn, gk] grid over the weight's math_block (M = product of leading dims)."""
+    m = math.prod(shape[:-2])
+    bn, bk = fmt.math_block(shape)
+    gn, gk = math.ceil(shape[-2] / bn), math.ceil(shape[-1] / bk)
+    if scale.numel() == 1:
+        return scale.reshape(1, 1, 1).expand(m, gn, gk)
+    return scale.reshape(m, gn, gk)
+
+
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, out_dtype: torch.dtype, backend: Backend
+) -> torch.Tensor:
+    shape = tuple(weight.shape)
+    n, k = shape[-2], shape[-1]
+    out = torch.empty(shape, dtype=out_dtype)
+    if out.numel():
+        backend.dequantize_blocks(
+            weight.reshape(-1, n, k),
+            scale_grid(scale, fmt, shape),
+            fmt.math_block(shape),
+            out.view(-1, n, k),
+        )
+    return out

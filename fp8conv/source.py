@@ -1,0 +1,104 @@
+"""Resolve <ckpt> into a Checkpoint: its shards (via the index), its config and its other files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import CONFIG_NAME, load_config
+from .errors import CheckpointError
+from .index import INDEX_NAME, CheckpointIndex, load_index
+
+# Files that hold the same weights in another format: copying them would ship unconverted weights.
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
+# Folders that are tool metadata, never part of a model.
+SKIPPED_DIRS = frozenset({".git", ".cache", ".fp8conv", "__pycache__"})
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    index: CheckpointIndex
+    config: dict[str, Any] | None
+    single_file: bool
+    other_files: list[str] = field(default_factory=list)  # relative paths, copied unchanged
+    skipped_files: list[tuple[str, str]] = field(default_factory=list)  # (relative path, why)
+
+
+def open_checkpoint(location: str | os.PathLike[str]) -> Checkpoint:
+    path = Path(location)
+    if not path.exists():
+        hub_like = isinstance(location, str) and location.count("/") == 1 and not location.startswith(".")
+        fix = (
+            "downloading from the Hugging Face Hub is not implemented yet: run "
+            f"`hf download {location} --local-dir DIR` and pass DIR"
+            if hub_like
+            else "give a checkpoint directory or a .safetensors file"
+        )
+        raise CheckpointError(f"{location} does not exist", fix=fix)
+    if path.is_file():
+        return _open_single_file(path)
+    return _open_directory(path)
+
+
+def _open_single_file(path: Path) -> Checkpoint:
+    if path.suffix != ".safetensors":
+        raise CheckpointError(
+            "is not a .safetensors file",
+            shard=path.name,
+            fix="fp8conv reads safetensors only (it never unpickles .bin/.pt files)",
+        )
+    root = path.parent
+    config_path = root / CONFIG_NAME
+    config = load_config(config_path) if config_path.is_file() else None
+    index = load_index(root, [path.name], None)
+    return Checkpoint(root=root, index=index, config=config, single_file=True)
+
+
+def _open_directory(root: Path) -> Checkpoint:
+    index_file = root / INDEX_NAME
+    top_level = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+    if index_file.is_file():
+        index = load_index(root, [], index_file)
+    elif top_level:
+        index = load_index(root, top_level, None)
+    else:
+        bins = sorted(p.name for p in root.iterdir() if p.suffix in OTHER_WEIGHT_SUFFIXES)
+        hint = (
+            f"found {', '.join(bins[:3])}: fp8conv never unpickles .bin/.pt files; use a safetensors copy"
+            if bins
+            else "point at a folder holding *.safetensors (and model.safetensors.index.json)"
+        )
+        raise CheckpointError(f"{root} holds no .safetensors files", fix=hint)
+    config_path = root / CONFIG_NAME
+    config = load_config(config_path) if config_path.is_file() else None
+    ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
+    _list_other_files(ckpt)
+    return ckpt
+
+
+def _list_other_files(ckpt: Checkpoint) -> None:
+    """Everything that is not a shard, the index or config.json is copied, except other weights."""
+    own = {s.name for s in ckpt.index.shards} | {INDEX_NAME, CONFIG_NAME}
+    for dirpath, dirnames, filenames in os.walk(ckpt.root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+        for fname in sorted(filenames):
+            rel = (Path(dirpath) / fname).relative_to(ckpt.root).as_posix()
+            if rel in own:
+                continue
+            if fname.endswith(".safetensors") or fname.endswith(".safetensors.index.json"):
+                ckpt.skipped_files.append((rel, "safetensors weights that are not part of this checkpoint"))
+            elif fname.endswith(OTHER_WEIGHT_SUFFIXES) and _looks_like_weights(fname):
+                ckpt.skipped_files.append((rel, "weights in a pickle format fp8conv does not read"))
+            else:
+                ckpt.other_files.append(rel)
+
+
+def _looks_like_weights(fname: str) -> bool:
+    # tokenizers and training args also use .bin/.model; only skip files named like weights
+    stem = fname.lower()
+    return stem.startswith(("pytorch_model", "model", "consolidated", "tf_model", "flax_model")) or (
+        not stem.endswith(".bin")
+    )
