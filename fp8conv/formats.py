@@ -212,7 +212,7 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
         return WeightFormat(
             name,
             Kind.UNSUPPORTED,
-            companions=_companions(name.rsplit(".", 1)[0] if "." in name else name, names),
+            companions=_packed_companions(name, names),
             reason=f"packed {entry.dtype} weights (FP4/INT4, e.g. NVFP4 or MXFP4) are not FP8",
             fix="fp8conv converts FP8 checkpoints only",
         )
@@ -278,6 +278,15 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
         )
         return WeightFormat(name, Kind.UNVERIFIED, reason="no scale", fix="re-download")
     return _classify_scaled(ctx, entry, ctx.index.entry(scales[0]), _companions(base, names))
+
+
+def _packed_companions(name: str, names: set[str]) -> tuple[str, ...]:
+    """compressed-tensors: X.weight_packed + X.weight_scale/...; gpt-oss: X_blocks + X_scales."""
+    if name.endswith("_blocks"):
+        prefixes = (name[: -len("_blocks")] + "_scales",)
+    else:
+        prefixes = (name[: -len(".weight_packed")] + ".weight_", name[: -len(".weight_packed")] + ".input_")
+    return tuple(sorted(n for n in names if n != name and n.startswith(prefixes)))
 
 
 def _companions(base: str, names: set[str]) -> tuple[str, ...]:

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fp8conv.synthetic import TinyCheckpoint, build_tiny_deepseek
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def make_tiny(tmp_path: Path) -> Callable[..., TinyCheckpoint]:
+    """Build a tiny DeepSeek-like block-FP8 checkpoint in a fresh folder under tmp_path."""
+
+    def build(**kwargs) -> TinyCheckpoint:
+        return build_tiny_deepseek(tmp_path / f"ckpt{next(_counter)}", **kwargs)
+
+    return build
+
+
+@pytest.fixture
+def tiny(make_tiny) -> TinyCheckpoint:
+    return make_tiny()

@@ -1,0 +1,60 @@
+"""Helpers shared by the tests: read outputs with safetensors itself, write broken files on purpose."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def load_dir(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every top-level shard, read with safetensors itself."""
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        for name, t in load_file(shard).items():
+            assert name not in tensors, name
+            tensors[name] = t
+    return tensors
+
+
+def write_raw_safetensors(path: Path, header: dict, data: bytes, header_len: int | None = None) -> None:
+    """Write a safetensors file byte by byte, to make broken ones on purpose."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
+
+
+def dir_snapshot(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def write_checkpoint(
+    path: Path, tensors: dict[str, torch.Tensor], config: dict | None = None, shards: int = 1
+) -> Path:
+    """A small hand-made checkpoint: tensors dealt round-robin over `shards` files, with an index."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {n: names[i % shards] for i, n in enumerate(tensors)}
+    for fname in names:
+        save_file({n: t for n, t in tensors.items() if weight_map[n] == fname}, str(path / fname))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def fp8(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def fp8_block_config(block: list[int] | None = (128, 128)) -> dict:
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if block is not None:
+        qc["weight_block_size"] = list(block)
+    return {"model_type": "deepseek_v3", "torch_dtype": "bfloat16", "quantization_config": qc}

@@ -1,0 +1,99 @@
+"""The CPU backend against the independent reference, bit for bit, on awkward shapes and blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8conv.backends import get_backend
+from fp8conv.errors import OptionsError
+from fp8conv.formats import Kind, WeightFormat
+from fp8conv.rewrite.dequant import dequantize
+
+from .reference import dequant_block_reference, same_bits
+
+BLOCK_128 = WeightFormat("w", Kind.BLOCK, "s", block=(128, 128))
+SHAPES_AND_BLOCKS = [
+    ((448, 320), (128, 128)),  # 4-row grid with a partial last block: not 112-row blocks
+    ((576, 320), (128, 128)),  # kv_a_proj_with_mqa: 576 / 5 is not even divisible
+    ((192, 7), (128, 128)),  # K far below one block
+    ((1, 1), (128, 128)),
+    ((300, 257), (64, 32)),  # non-square block, ragged both ways
+    ((256, 256), (128, 128)),  # aligned
+    ((130, 600), (128, 128)),  # a chunk boundary inside the second grid row
+    ((1000, 40), (3, 7)),  # tiny odd blocks: many chunks, partial in both dims
+]
+
+
+def random_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Every finite e4m3fn code (NaN codes 0x7f/0xff excluded) at random."""
+    codes = torch.randint(0, 255, shape, generator=gen, dtype=torch.int16)
+    codes = torch.where(codes == 0x7F, torch.zeros_like(codes), codes)
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_matches_reference_bit_for_bit(shape, block, dtype):
+    gen = torch.Generator().manual_seed(hash((shape, block)) % 2**31)
+    q = random_fp8(shape, gen)
+    grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    # scales spanning many binades, so a scale applied to the wrong block changes the bits
+    scale = torch.exp2(torch.randint(-20, 4, grid, generator=gen).float()) * (
+        1 + torch.rand(grid, generator=gen)
+    )
+    fmt = WeightFormat("w", Kind.BLOCK, "s", block=block)
+    got = dequantize(q, scale, fmt, dtype, get_backend("cpu"))
+    assert same_bits(got, dequant_block_reference(q, scale, block, dtype))
+
+
+def test_guessing_block_from_grid_would_differ():
+    """Guard that the test data can catch the classic bug: 448 rows / 4 grid rows read as 112-row blocks."""
+    gen = torch.Generator().manual_seed(1)
+    q = random_fp8((448, 128), gen)
+    scale = torch.tensor([[1.0], [2.0], [4.0], [8.0]])
+    right = dequant_block_reference(q, scale, (128, 128))
+    wrong = (q.float().view(4, 112, 128) * scale[:, :, None]).view(448, 128).to(torch.bfloat16)
+    assert not same_bits(right, wrong)
+    assert same_bits(dequantize(q, scale, BLOCK_128, torch.bfloat16, get_backend("cpu")), right)
+
+
+def test_channel_and_per_tensor_are_block_math():
+    gen = torch.Generator().manual_seed(2)
+    q = random_fp8((200, 33), gen)
+    row_scale = torch.rand(200, 1, generator=gen) + 0.5
+    got = dequantize(q, row_scale, WeightFormat("w", Kind.CHANNEL, "s"), torch.bfloat16, get_backend("cpu"))
+    assert same_bits(got, (q.float() * row_scale).to(torch.bfloat16))
+    one = torch.tensor(0.37)
+    got = dequantize(q, one, WeightFormat("w", Kind.PER_TENSOR, "s"), torch.bfloat16, get_backend("cpu"))
+    assert same_bits(got, (q.float() * one).to(torch.bfloat16))
+
+
+def test_fused_expert_tensor_dequantizes_per_expert():
+    gen = torch.Generator().manual_seed(3)
+    q = random_fp8((3, 200, 130), gen)
+    scale = torch.rand(3, 2, 2, generator=gen) + 0.1
+    got = dequantize(
+        q, scale, WeightFormat("w", Kind.BLOCK, "s", block=(128, 128)), torch.bfloat16, get_backend("cpu")
+    )
+    for e in range(3):
+        assert same_bits(got[e], dequant_block_reference(q[e], scale[e], (128, 128)))
+
+
+def test_nan_codes_stay_nan():
+    q = torch.tensor([[0x7F, 0xFF, 0x01]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = dequantize(
+        q,
+        torch.ones(1, 1),
+        WeightFormat("w", Kind.BLOCK, "s", block=(128, 128)),
+        torch.bfloat16,
+        get_backend("cpu"),
+    )
+    assert torch.isnan(out[0, :2]).all() and not torch.isnan(out[0, 2])
+
+
+def test_unknown_device_is_refused_plainly():
+    with pytest.raises(OptionsError, match="device 'tpu' is not available"):
+        get_backend("tpu")
