@@ -1,0 +1,164 @@
+"""The CLI: one-line errors with exit 1, usage errors exit 2, progress only on a terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+from click.testing import CliRunner
+
+import fp8conv
+from fp8conv.cli import main
+
+from .helpers import load_dir
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_inspect_text(runner, tiny):
+    result = runner.invoke(main, ["inspect", str(tiny.path)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "format:        block-fp8" in out
+    assert "128x128 (from config.json)" in out
+    assert "block-fp8 48, unquantized 25" in out
+    assert "MTP layers:    2 (num_hidden_layers = 2)" in out
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight [576, 320] -> grid [5, 3]" in out
+    assert "problems:      none" in out
+
+
+def test_inspect_json(runner, tiny):
+    result = runner.invoke(main, ["inspect", str(tiny.path), "--json"])
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["format"] == "block-fp8" and doc["block_size"] == [128, 128]
+    assert doc["estimated_output_bytes"]["bf16"] > doc["total_bytes"]
+
+
+def test_inspect_lists_problems_instead_of_failing(runner, make_tiny):
+    ckpt = make_tiny(config_block=None)
+    result = runner.invoke(main, ["inspect", str(ckpt.path), "--json"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and doc["format"] == "unverified" and len(doc["problems"]) == 48
+
+
+def test_convert_then_summary(runner, tiny, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "48 tensor(s) converted, 25 copied" in result.stdout
+    assert "converting" not in result.stderr  # not a terminal: no progress bar
+    assert len(load_dir(out)) == 73
+
+
+def test_refusal_is_one_line_exit_1(runner, make_tiny, tmp_path):
+    ckpt = make_tiny(config_block=None)
+    result = runner.invoke(main, ["convert", str(ckpt.path), "--to", "bf16", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("error: tensor 'model.")
+    assert "--block-size 128,128" in lines[0] and "Traceback" not in result.stderr
+    assert lines[1] == "(set FP8CONV_DEBUG=1 for the full traceback)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_env_shows_traceback(runner, make_tiny, tmp_path):
+    ckpt = make_tiny(config_block=None)
+    result = runner.invoke(
+        main,
+        ["convert", str(ckpt.path), "--to", "bf16", "-o", str(tmp_path / "o")],
+        env={"FP8CONV_DEBUG": "1"},
+    )
+    assert result.exit_code == 1 and "Traceback" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "X", "-o", "Y"],  # --to missing
+        ["convert", "X", "--to", "fp4", "-o", "Y"],
+        ["convert", "X", "--to", "bf16", "-o", "Y", "--block-size", "128"],
+        ["convert", "X", "--to", "bf16", "-o", "Y", "--block-size", "0,128"],
+        ["frobnicate"],
+    ],
+)
+def test_usage_errors_exit_2(runner, args):
+    assert runner.invoke(main, args).exit_code == 2
+
+
+def test_block_size_option_reaches_the_classifier(runner, make_tiny, tmp_path):
+    ckpt = make_tiny(config_block=None)
+    args = [
+        "convert",
+        str(ckpt.path),
+        "--to",
+        "bf16",
+        "-o",
+        str(tmp_path / "out"),
+        "--block-size",
+        "128x128",
+        "-q",
+    ]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0 and result.stdout == ""
+
+
+def test_real_subprocess(tiny, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fp8conv", "convert", str(tiny.path), "--to", "bf16", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (out / "config.json").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1
+    assert again.stderr.startswith("error: output directory") and "--overwrite" in again.stderr
+
+
+def test_progress_bar_on_a_terminal(tiny, tmp_path):
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a real terminal's size
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp8conv",
+        "convert",
+        str(tiny.path),
+        "--to",
+        "bf16",
+        "-o",
+        str(tmp_path / "o"),
+    ]
+    proc = subprocess.Popen(cmd, stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # EIO once the child has closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(leader)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert "converting" in screen and "100%" in screen and "B/s" in screen
+
+
+def test_library_progress_callback(tiny, tmp_path):
+    seen = []
+    result = fp8conv.convert(
+        tiny.path, tmp_path / "o", to="bf16", progress=lambda done, total: seen.append((done, total))
+    )
+    assert seen[-1] == (result.bytes_written, result.bytes_written)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

@@ -1,0 +1,43 @@
+"""Peak memory is one tensor (plus its scale and output), not a shard: it must not grow with size."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from .helpers import fp8_block_config, write_checkpoint
+
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec (here, pytest's own
+# peak after building the input), while VmHWM belongs to the new process image alone.
+MEASURE = """
+import sys
+import fp8conv
+fp8conv.convert(sys.argv[1], sys.argv[2], to="bf16")
+status = open("/proc/self/status").read()
+print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
+"""
+
+
+def _peak_rss_kib(tmp_path, n_weights: int) -> int:
+    tensors = {}
+    gen = torch.Generator().manual_seed(n_weights)
+    for i in range(n_weights):  # 8 MiB of FP8 each, 16 MiB of bf16 out
+        codes = torch.randint(0, 126, (2048, 4096), generator=gen, dtype=torch.uint8)
+        tensors[f"layers.{i}.w.weight"] = codes.view(torch.float8_e4m3fn)
+        tensors[f"layers.{i}.w.weight_scale_inv"] = torch.rand(16, 32, generator=gen)
+    src = write_checkpoint(tmp_path / f"in{n_weights}", tensors, fp8_block_config(), shards=2)
+    del tensors
+    out = tmp_path / f"out{n_weights}"
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(src), str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip())
+
+
+def test_peak_memory_does_not_grow_with_checkpoint_size(tmp_path):
+    small = _peak_rss_kib(tmp_path, 2)  # 16 MiB in
+    large = _peak_rss_kib(tmp_path, 24)  # 192 MiB in, 384 MiB out: whole-shard buffering would add ~290 MiB
+    assert large - small < 48 * 1024, f"peak RSS grew from {small} KiB to {large} KiB"
