@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import termios
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -162,3 +163,16 @@ def test_library_progress_callback(tiny, tmp_path):
     )
     assert seen[-1] == (result.bytes_written, result.bytes_written)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_python_api_example_runs(tiny, tmp_path):
+    example = Path(__file__).parent.parent / "examples" / "convert_with_python.py"
+    done = subprocess.run(
+        [sys.executable, str(example), str(tiny.path), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "block-fp8, block size [128, 128], 0 problem(s)" in done.stdout
+    assert "48 tensors converted" in done.stdout

@@ -1,0 +1,27 @@
+"""The library API: inspect, then convert, without the CLI. The library never prints or exits.
+
+python examples/convert_with_python.py CHECKPOINT OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+import fp8conv
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        sys.exit("usage: convert_with_python.py CHECKPOINT OUT_DIR")
+    source, output = sys.argv[1], sys.argv[2]
+    report = fp8conv.inspect(source)
+    print(f"{source}: {report.format}, block size {report.block_size}, {len(report.problems)} problem(s)")
+    try:
+        result = fp8conv.convert(source, output, to="bf16")
+    except fp8conv.Fp8ConvError as exc:
+        sys.exit(f"refused: {exc}")
+    print(f"{result.tensors_converted} tensors converted into {result.output} in {result.seconds:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
