@@ -18,6 +18,7 @@ from .plan import TARGETS
 from .report import InspectReport, inspect
 
 DEBUG_ENV = "FP8CONV_DEBUG"
+PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
 
 
 def _parse_block_size(
@@ -99,8 +100,10 @@ def _render_report(r: InspectReport) -> str:
         + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
     )
     lines.append(f"partial blocks: {len(r.partial_block_tensors)} tensor(s)")
-    for t in r.partial_block_tensors:
+    for t in r.partial_block_tensors[:PARTIAL_LINES]:
         lines.append(f"  {t.name} {t.shape} -> grid {t.grid} of {t.block[0]}x{t.block[1]} blocks")
+    if len(r.partial_block_tensors) > PARTIAL_LINES:
+        lines.append(f"  ... and {len(r.partial_block_tensors) - PARTIAL_LINES} more (--json lists them all)")
     lines.append(f"problems:      {len(r.problems) or 'none'}")
     lines += [f"  {p}" for p in r.problems]
     lines += [f"warning: {w}" for w in r.warnings]

@@ -36,6 +36,7 @@ def test_inspect_text(runner, tiny):
     assert "MTP layers:    2 (num_hidden_layers = 2)" in out
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight [576, 320] -> grid [5, 3]" in out
     assert "problems:      none" in out
+    assert "... and 33 more (--json lists them all)" in out
 
 
 def test_inspect_json(runner, tiny):

@@ -19,6 +19,9 @@ from .reference import dequant_block_reference, same_bits
 
 def test_every_fp8_weight_is_one_rounding_of_the_float32_product(tiny, tmp_path):
     src = load_dir(tiny.path)
+    index = json.loads((tiny.path / "model.safetensors.index.json").read_text())["weight_map"]
+    moved = tiny.moved_scale
+    assert index[moved] != index[moved.removesuffix("_scale_inv")]  # a scale in another shard
     out = tmp_path / "out"
     result = fp8conv.convert(tiny.path, out, to="bf16")
     got = load_dir(out)
