@@ -141,6 +141,26 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="Output dtype of dequantized weights (--to bf16).",
 )
 @BLOCK_SIZE_OPTION
+@click.option(
+    "--fp8-max",
+    type=click.Choice(["448", "240"]),
+    default=None,
+    help="FP8 range to quantize to (--to channel): 448 standard, 240 for Gaudi2 (marked in the config).",
+)
+@click.option(
+    "--target",
+    "hardware",
+    type=click.Choice(["gaudi2", "gaudi3", "generic"]),
+    default=None,
+    help="Hardware shorthand: gaudi2 means --fp8-max 240; gaudi3 and generic mean 448.",
+)
+@click.option(
+    "--pad-for-tp",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="--to block: zero-pad MLP widths so each of N tensor-parallel ranks holds whole blocks.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint in a non-empty output directory.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
@@ -149,10 +169,16 @@ def convert_command(
     output: str,
     dtype: str,
     block_size: tuple[int, int] | None,
+    fp8_max: str | None,
+    hardware: str | None,
+    pad_for_tp: int | None,
     overwrite: bool,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder or a .safetensors file) into OUTPUT."""
+    implied = {"gaudi2": "240", "gaudi3": "448", "generic": "448"}.get(hardware or "")
+    if fp8_max and implied and fp8_max != implied:
+        raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
     progress, close = _progress_bar(quiet)
     try:
         result = convert(
@@ -161,6 +187,8 @@ def convert_command(
             to=target,
             dtype=dtype,
             block_size=block_size,
+            fp8_max=float(fp8_max or implied or 448),
+            pad_for_tp=pad_for_tp,
             overwrite=overwrite,
             progress=progress,
         )

@@ -58,5 +58,69 @@ def rewrite_for_dequantized(config: dict[str, Any], dtype_name: str) -> dict[str
     return out
 
 
+def _without_quantization(config: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(config)
+    out.pop("quantization_config", None)
+    for key in NESTED_CONFIG_KEYS:
+        if isinstance(out.get(key), dict):
+            out[key].pop("quantization_config", None)
+    return out
+
+
+def rewrite_for_channel(
+    config: dict[str, Any], ignore: list[str], fp8_dtype_flavor: str | None
+) -> dict[str, Any]:
+    """compressed-tensors FP8_DYNAMIC: channel-wise FP8 weights, dynamic per-token FP8 activations."""
+    out = _without_quantization(config)
+    quant: dict[str, Any] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "channel",
+                    "symmetric": True,
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": ignore,
+    }
+    if fp8_dtype_flavor:
+        # vllm-gaudi reads this and does not rescale 240-range weights a second time on Gaudi2
+        quant["fp8_dtype_flavor"] = fp8_dtype_flavor
+    out["quantization_config"] = quant
+    return out
+
+
+def rewrite_for_block(
+    config: dict[str, Any], block: tuple[int, int], not_converted: list[str]
+) -> dict[str, Any]:
+    """Block FP8 as DeepSeek ships it, with an explicit block size and the unquantized modules listed."""
+    out = _without_quantization(config)
+    quant: dict[str, Any] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",  # block-wise FP8 in vLLM / SGLang supports dynamic activations only
+        "weight_block_size": list(block),
+    }
+    if not_converted:
+        quant["modules_to_not_convert"] = not_converted  # transformers
+        quant["ignored_layers"] = not_converted  # vLLM
+    out["quantization_config"] = quant
+    return out
+
+
 def dump_json(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")

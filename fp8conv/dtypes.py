@@ -47,6 +47,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 FP8_E4M3 = "F8_E4M3"
 FLOAT_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
+# UE8M0 scales: float8_e8m0fnu, or uint8 exponents; both mean 2^(byte - 127)
+UE8M0_SCALE_DTYPES = frozenset({"F8_E8M0", "U8"})
+SCALE_DTYPES = FLOAT_SCALE_DTYPES | UE8M0_SCALE_DTYPES
 
 # Target dtypes of a dequantizing conversion: CLI name -> (safetensors name, torch dtype, config name).
 DEQUANT_TARGETS: dict[str, tuple[str, torch.dtype, str]] = {

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .config import find_quantization_config
-from .dtypes import FLOAT_SCALE_DTYPES, FP8_E4M3
+from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
+from .quant_config import QuantSettings, module_matches, read_quant_settings
 from .safetensors_file import TensorEntry
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
@@ -51,13 +51,12 @@ class WeightFormat:
     fix: str | None = None
 
     def math_block(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """The block that makes every convertible kind one computation: channel is (1, K), tensor (N, K)."""
-        n, k = shape[-2], shape[-1]
+        """The block that makes every convertible kind one computation: channel and tensor are (1, K)."""
+        k = shape[-1]
         if self.kind is Kind.BLOCK and self.block:
             return self.block
-        if self.kind is Kind.CHANNEL:
-            return (1, max(k, 1))
-        return (max(n, 1), max(k, 1))
+        # channel and per-tensor: one scale per row (per-tensor scales are broadcast to every row)
+        return (1, max(k, 1))
 
     @property
     def consumed(self) -> tuple[str, ...]:
@@ -72,7 +71,11 @@ class Classification:
     warnings: list[str]
     block_size: tuple[int, int] | None
     block_source: str | None  # "config.json", "config.json:text_config", "--block-size" or None
-    quant_method: str | None
+    settings: QuantSettings
+
+    @property
+    def quant_method(self) -> str | None:
+        return self.settings.method
 
     @property
     def checkpoint_format(self) -> str:
@@ -103,52 +106,23 @@ class _Context:
         return self.index.shard_of(name).name
 
 
-def parse_block_size(value: Any, where: str) -> tuple[int, int]:
-    if (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
-    ):
-        return (int(value[0]), int(value[1]))
-    raise CheckpointError(
-        f"weight_block_size {value!r} is not two positive integers",
-        shard=where,
-        fix="fix config.json or assert the block size with --block-size 128,128",
-    )
-
-
 def classify(
     index: CheckpointIndex, config: dict[str, Any] | None, block_size: tuple[int, int] | None = None
 ) -> Classification:
     """Classify every tensor. `block_size` is the user's --block-size assertion, if any."""
-    qconfig, where = find_quantization_config(config)
-    quant_method = str(qconfig.get("quant_method")) if qconfig and "quant_method" in qconfig else None
-    problems: list[CheckpointError] = []
+    settings = read_quant_settings(config)
+    where = settings.where
+    problems: list[CheckpointError] = list(settings.problems)
     warnings: list[str] = []
-
-    config_block: tuple[int, int] | None = None
-    if qconfig is not None and qconfig.get("weight_block_size") is not None:
-        try:
-            config_block = parse_block_size(qconfig["weight_block_size"], where)
-        except CheckpointError as exc:
-            problems.append(exc)
-    if block_size is not None and config_block is not None and block_size != config_block:
+    if block_size is not None and settings.block is not None and block_size != settings.block:
         problems.append(
             CheckpointError(
-                f"weight_block_size is {list(config_block)} but --block-size asserts {list(block_size)}",
+                f"the block size is {list(settings.block)} but --block-size asserts {list(block_size)}",
                 shard=where,
                 fix="drop --block-size, or fix config.json if you know it is wrong",
             )
         )
-    if quant_method not in (None, "fp8"):
-        problems.append(
-            CheckpointError(
-                f"quantization_config.quant_method {quant_method!r} is not supported yet",
-                shard=where,
-                fix="fp8conv reads quant_method 'fp8' checkpoints",
-            )
-        )
-    block, block_source = (block_size, "--block-size") if block_size else (config_block, where)
+    block, block_source = (block_size, "--block-size") if block_size else (settings.block, where)
     if block is None:
         block_source = None
     ctx = _Context(index, block, block_source, problems)
@@ -185,8 +159,10 @@ def classify(
                     fix=fmt.fix,
                 )
             )
-    if quant_method == "fp8" and not weights:
-        warnings.append(f"{where} declares quant_method 'fp8' but no tensor is FP8")
+        elif fmt.kind in CONVERTIBLE and module_matches(module_of(fmt.weight), settings.not_converted):
+            warnings.append(f"{fmt.weight} is FP8 although {where} lists its module as not converted")
+    if settings.method is not None and not weights:
+        warnings.append(f"{where} declares quant_method {settings.method!r} but no tensor is FP8")
     return Classification(
         weights=weights,
         plain=plain,
@@ -194,8 +170,12 @@ def classify(
         warnings=warnings,
         block_size=block,
         block_source=block_source,
-        quant_method=quant_method,
+        settings=settings,
     )
+
+
+def module_of(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight")
 
 
 def _weight_of(companion: str) -> str:
@@ -303,11 +283,11 @@ def _classify_scaled(
     def make(kind: Kind, reason: str | None = None, fix: str | None = None, block=None) -> WeightFormat:
         return WeightFormat(w.name, kind, s.name, companions, block=block, reason=reason, fix=fix)
 
-    if s.dtype not in FLOAT_SCALE_DTYPES:
+    if s.dtype not in SCALE_DTYPES:
         return make(
             Kind.UNSUPPORTED,
-            f"scale {s.name} is {s.dtype}; only float32/bfloat16/float16 scales are supported so far",
-            "UE8M0 (e8m0 / uint8 exponent) scales are not supported yet",
+            f"scale {s.name} is {s.dtype}; scales must be float32/bfloat16/float16 or UE8M0 (e8m0/uint8)",
+            "the checkpoint is corrupt or in a format fp8conv does not know",
         )
     if len(w.shape) < 2:
         return make(Kind.UNSUPPORTED, f"an FP8 weight of shape {list(w.shape)} is not a matrix")

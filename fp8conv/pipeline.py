@@ -10,14 +10,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backends import get_backend
+import torch
+
+from .backends import Backend, get_backend
 from .config import CONFIG_NAME, dump_json
-from .dtypes import DEQUANT_TARGETS
-from .errors import OptionsError, OutputError
+from .errors import OptionsError, OutputError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
-from .plan import SAFETENSORS_METADATA, TARGETS, ConversionPlan, plan_dequantize
-from .rewrite.dequant import dequantize
+from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, plan_conversion
+from .rewrite.jobs import run_job
+from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
 from .source import Checkpoint, open_checkpoint
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, fsync_dir, write_file_atomic
@@ -47,87 +49,106 @@ def convert(
     to: str = "bf16",
     dtype: str = "bfloat16",
     block_size: tuple[int, int] | None = None,
+    fp8_max: float = 448.0,
+    pad_for_tp: int | None = None,
     overwrite: bool = False,
     device: str = "cpu",
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input."""
     started = time.monotonic()
-    if to not in TARGETS:
-        raise OptionsError(f"--to {to} is not one of {', '.join(TARGETS)}")
-    if to != "bf16":
-        raise OptionsError(f"--to {to} is not implemented yet in this version", fix="use --to bf16")
+    options = ConvertOptions(
+        to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp
+    )
+    options.validate()
     backend = get_backend(device)
     ckpt = open_checkpoint(source)
     cls = classify(ckpt.index, ckpt.config, block_size)
-    plan = plan_dequantize(ckpt, cls, dtype)
+    if cls.problems:
+        raise PlanRefused(cls.problems)
+    plan = plan_conversion(ckpt, cls, options)
+    if plan.problems:
+        raise PlanRefused(plan.problems)
     out = Path(output)
     _check_output(ckpt, out, overwrite)
     _prepare_output(out)
-
-    total, done = plan.output_bytes, 0
-    out_dtype = DEQUANT_TARGETS[dtype][1]
-    copy_buffer = bytearray(COPY_CHUNK_BYTES)
-    converted = copied = 0
+    run = _Run(ckpt, plan, backend, progress)
     with ExitStack() as stack:
-        fds: dict[str, int] = {}
-
-        def fd_of(shard_name: str) -> int:
-            if shard_name not in fds:
-                fds[shard_name] = os.open(ckpt.index.root / shard_name, os.O_RDONLY)
-                stack.callback(os.close, fds[shard_name])
-            return fds[shard_name]
-
-        for shard in plan.shards:
-            writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA)
-            try:
-                for job in shard.jobs:
-                    src_shard = ckpt.index.shard_of(job.source)
-                    entry = src_shard.header.tensors[job.source]
-                    if job.fmt is None:
-                        writer.copy_range(
-                            job.spec.name, fd_of(src_shard.name), entry.start, entry.nbytes, copy_buffer
-                        )
-                        copied += 1
-                    else:
-                        weight = read_tensor(fd_of(src_shard.name), entry, src_shard.name)
-                        scale_name = job.fmt.scale
-                        assert scale_name is not None  # convertible formats always have one
-                        scale_shard = ckpt.index.shard_of(scale_name)
-                        scale = read_tensor(
-                            fd_of(scale_shard.name), ckpt.index.entry(scale_name), scale_shard.name
-                        )
-                        writer.write_tensor(
-                            job.spec.name, dequantize(weight, scale, job.fmt, out_dtype, backend)
-                        )
-                        converted += 1
-                    done += job.spec.nbytes
-                    if progress:
-                        progress(done, total)
-                writer.commit()
-            except BaseException:
-                writer.abort()
-                raise
-
+        run.execute(out, stack)
     _copy_other_files(ckpt, out, plan)
+    config = plan.config
+    if config is not None and plan.claims_ue8m0:
+        if run.all_scales_pow2:
+            config["quantization_config"]["scale_fmt"] = "ue8m0"
+        else:
+            plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
     # index and config last: until they exist, the output does not look like a finished checkpoint
     if plan.write_index:
         write_file_atomic(out / INDEX_NAME, dump_json(plan.index_document()))
-    if plan.config is not None:
-        write_file_atomic(out / CONFIG_NAME, dump_json(plan.config))
+    if config is not None:
+        write_file_atomic(out / CONFIG_NAME, dump_json(config))
     fsync_dir(out)
     return ConvertResult(
         output=out,
         target=plan.target,
         shards=[s.name for s in plan.shards],
-        tensors_converted=converted,
-        tensors_copied=copied,
-        bytes_written=total,
+        tensors_converted=run.converted,
+        tensors_copied=run.copied,
+        bytes_written=plan.output_bytes,
         seconds=time.monotonic() - started,
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
     )
+
+
+class _Run:
+    def __init__(
+        self, ckpt: Checkpoint, plan: ConversionPlan, backend: Backend, progress: ProgressCallback | None
+    ) -> None:
+        self.ckpt, self.plan, self.backend, self.progress = ckpt, plan, backend, progress
+        self.converted = self.copied = self.done = 0
+        self.all_scales_pow2 = True
+        self.fds: dict[str, int] = {}
+        self.copy_buffer = bytearray(COPY_CHUNK_BYTES)
+
+    def fd_of(self, shard_name: str, stack: ExitStack) -> int:
+        if shard_name not in self.fds:
+            self.fds[shard_name] = os.open(self.ckpt.index.root / shard_name, os.O_RDONLY)
+            stack.callback(os.close, self.fds[shard_name])
+        return self.fds[shard_name]
+
+    def execute(self, out: Path, stack: ExitStack) -> None:
+        index = self.ckpt.index
+
+        def read(name: str) -> torch.Tensor:
+            shard = index.shard_of(name)
+            return read_tensor(self.fd_of(shard.name, stack), index.entry(name), shard.name)
+
+        for shard in self.plan.shards:
+            writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA)
+            try:
+                for job in shard.jobs:
+                    entry = index.entry(job.source)
+                    if job.action is Action.COPY and job.spec.shape == entry.shape:
+                        fd = self.fd_of(index.shard_of(job.source).name, stack)
+                        writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
+                        self.copied += 1
+                    else:
+                        tensors = run_job(job, read, self.backend, self.plan.options.fp8_max)
+                        for spec, tensor in zip(job.outputs, tensors, strict=True):
+                            writer.write_tensor(spec.name, tensor)
+                        if len(tensors) > 1 and self.all_scales_pow2:
+                            self.all_scales_pow2 = all_powers_of_two(tensors[1])
+                        self.converted += job.action is not Action.COPY
+                        self.copied += job.action is Action.COPY
+                    self.done += job.nbytes
+                    if self.progress:
+                        self.progress(self.done, self.plan.output_bytes)
+                writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:

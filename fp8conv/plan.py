@@ -5,103 +5,268 @@ No tensor bytes are read here, so every refusal happens in seconds, before the l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from .config import rewrite_for_dequantized
-from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES
-from .errors import OptionsError, PlanRefused
-from .formats import CONVERTIBLE, Classification, WeightFormat
+from .config import rewrite_for_block, rewrite_for_channel, rewrite_for_dequantized
+from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3
+from .errors import CheckpointError, OptionsError
+from .formats import CONVERTIBLE, Classification, Kind, WeightFormat, module_of
+from .model_layout import (
+    MlpPadding,
+    fused_group,
+    is_quantizable_linear,
+    plan_mlp_padding,
+    updated_widths_config,
+)
+from .quant_config import module_matches
 from .source import Checkpoint
 from .writer import TensorSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
 TARGETS = ("bf16", "channel", "block")
+FP8_MAX_STANDARD = 448.0
+FP8_MAX_GAUDI2 = 240.0
+DEFAULT_BLOCK = (128, 128)
+
+
+class Action(str, Enum):
+    COPY = "copy"  # the bytes, unchanged (zero-padded along the MLP width with --pad-for-tp)
+    DEQUANTIZE = "dequantize"  # FP8 -> bf16/f16/f32
+    QUANTIZE = "quantize"  # FP8 (dequantized in float32) or float -> FP8 with new channel/block scales
+    KEEP_BLOCKS = "keep-blocks"  # block FP8 kept as is: weight bytes, scales widened to float32
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    to: str = "bf16"
+    dtype: str = "bfloat16"  # --to bf16: the output dtype
+    block_size: tuple[int, int] | None = None  # asserts the input's block size; the output's for --to block
+    fp8_max: float = FP8_MAX_STANDARD  # 240: the Gaudi2 range (--to channel)
+    pad_for_tp: int | None = None  # --to block: pad MLP widths so each of N ranks holds whole blocks
+
+    def validate(self) -> None:
+        if self.to not in TARGETS:
+            raise OptionsError(f"--to {self.to} is not one of {', '.join(TARGETS)}")
+        if self.dtype not in DEQUANT_TARGETS:
+            raise OptionsError(f"--dtype {self.dtype} is not one of {', '.join(DEQUANT_TARGETS)}")
+        if self.fp8_max not in (FP8_MAX_STANDARD, FP8_MAX_GAUDI2):
+            raise OptionsError(f"--fp8-max {self.fp8_max:g} is not 448 (standard) or 240 (Gaudi2)")
+        if self.fp8_max != FP8_MAX_STANDARD and self.to != "channel":
+            raise OptionsError(
+                "--fp8-max 240 / --target gaudi2 applies to --to channel only",
+                fix="only the compressed-tensors config can tell vllm-gaudi the weights are pre-scaled",
+            )
+        if self.pad_for_tp is not None and (self.to != "block" or self.pad_for_tp < 1):
+            raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block only")
 
 
 @dataclass(frozen=True)
 class Job:
-    """One output tensor: copied byte for byte from `source`, or dequantized from it with `fmt`."""
+    """One input weight (or plain tensor) and the output tensors it becomes: the weight first."""
 
-    spec: TensorSpec
     source: str
-    fmt: WeightFormat | None = None
+    action: Action
+    outputs: tuple[TensorSpec, ...]
+    fmt: WeightFormat | None = None  # how the source is quantized; None for a float tensor
+    out_block: tuple[int, int] | None = None  # QUANTIZE: output block; None means one scale per row
 
     @property
-    def is_copy(self) -> bool:
-        return self.fmt is None
+    def spec(self) -> TensorSpec:
+        return self.outputs[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
 
 
 @dataclass(frozen=True)
 class ShardPlan:
     name: str  # output file name, relative to the output directory
-    source_shard: str
     jobs: list[Job]
 
     @property
     def specs(self) -> list[TensorSpec]:
-        return [j.spec for j in self.jobs]
+        """Layout order: larger elements first keeps every tensor aligned, as safetensors itself does."""
+        specs = [o for j in self.jobs for o in j.outputs]
+        return sorted(specs, key=lambda s: -ELEMENT_BYTES[s.dtype])
 
     @property
     def nbytes(self) -> int:
-        return sum(j.spec.nbytes for j in self.jobs)
+        return sum(j.nbytes for j in self.jobs)
 
 
 @dataclass
 class ConversionPlan:
-    target: str
-    dtype_name: str
+    options: ConvertOptions
     shards: list[ShardPlan]
     write_index: bool
     config: dict[str, Any] | None
     copy_files: list[str]
     skipped_files: list[tuple[str, str]]
+    claims_ue8m0: bool = False  # --to block: write scale_fmt ue8m0 if every output scale is a power of two
+    problems: list[CheckpointError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return self.options.to
 
     @property
     def output_bytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
 
     def index_document(self) -> dict[str, Any]:
-        weight_map = {j.spec.name: s.name for s in self.shards for j in s.jobs}
-        return {
-            "metadata": {"total_size": self.output_bytes},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
+        weight_map = {o.name: s.name for s in self.shards for j in s.jobs for o in j.outputs}
+        return {"metadata": {"total_size": self.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def plan_dequantize(ckpt: Checkpoint, cls: Classification, dtype_name: str = "bfloat16") -> ConversionPlan:
-    """Plan --to bf16 (or float16/float32): every convertible FP8 weight dequantized, all else copied."""
-    if dtype_name not in DEQUANT_TARGETS:
-        raise OptionsError(f"--dtype {dtype_name} is not one of {', '.join(DEQUANT_TARGETS)}")
-    if cls.problems:
-        raise PlanRefused(cls.problems)
-    out_dtype = DEQUANT_TARGETS[dtype_name][0]
-    index = ckpt.index
-    plain = set(cls.plain)
-    shards = []
-    for shard in index.shards:
-        jobs = []
-        for name, entry in shard.header.tensors.items():
-            fmt = cls.weights.get(name)
-            if fmt is not None and fmt.kind in CONVERTIBLE:
-                jobs.append(Job(TensorSpec(name, out_dtype, entry.shape), name, fmt))
-            elif name in plain:
-                jobs.append(Job(TensorSpec(name, entry.dtype, entry.shape), name))
-        # larger elements first keeps every tensor aligned to its element size, as safetensors does
-        jobs.sort(key=lambda j: -ELEMENT_BYTES[j.spec.dtype])
-        shards.append(ShardPlan(shard.name, shard.name, jobs))
-    config = rewrite_for_dequantized(ckpt.config, dtype_name) if ckpt.config is not None else None
-    warnings = list(cls.warnings)
-    if config is None:
-        warnings.append("the input has no config.json, so the output has none either")
-    return ConversionPlan(
-        target="bf16",
-        dtype_name=dtype_name,
+def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptions) -> ConversionPlan:
+    """Every output tensor and file. Refused inputs are planned as copies; the caller checks problems."""
+    options.validate()
+    planner = _Planner(ckpt, cls, options)
+    shards = [ShardPlan(shard.name, planner.jobs_for(shard.name)) for shard in ckpt.index.shards]
+    plan = ConversionPlan(
+        options=options,
         shards=shards,
-        write_index=index.index_file is not None or len(shards) > 1,
-        config=config,
+        write_index=ckpt.index.index_file is not None or len(shards) > 1,
+        config=planner.output_config(),
         copy_files=list(ckpt.other_files),
         skipped_files=list(ckpt.skipped_files),
-        warnings=warnings,
+        claims_ue8m0=options.to == "block" and cls.settings.scale_fmt == "ue8m0",
+        problems=list(cls.problems) + planner.problems + _fused_mismatches(shards, ckpt),
+        warnings=list(cls.warnings) + planner.warnings,
     )
+    if plan.config is None:
+        plan.warnings.append("the input has no config.json, so the output has none either")
+    return plan
+
+
+class _Planner:
+    def __init__(self, ckpt: Checkpoint, cls: Classification, options: ConvertOptions) -> None:
+        self.ckpt, self.cls, self.options = ckpt, cls, options
+        self.problems: list[CheckpointError] = []
+        self.warnings: list[str] = []
+        self.unquantized_linears: list[str] = []
+        self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
+        # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
+        self.quantize_floats = options.to != "bf16" and not any(
+            w.kind in CONVERTIBLE for w in cls.weights.values()
+        )
+        self.padding: MlpPadding | None = None
+        if options.pad_for_tp:
+            self.padding = plan_mlp_padding(ckpt.config, options.pad_for_tp, self.out_block)
+        self.plain = set(cls.plain)
+
+    def jobs_for(self, shard_name: str) -> list[Job]:
+        shard = next(s for s in self.ckpt.index.shards if s.name == shard_name)
+        jobs = []
+        for name, entry in shard.header.tensors.items():
+            fmt = self.cls.weights.get(name)
+            try:
+                shape = self._padded(name, entry.shape, shard_name)
+            except CheckpointError as exc:
+                self.problems.append(exc)
+                shape = entry.shape
+            if fmt is not None and fmt.kind in CONVERTIBLE:
+                jobs.append(self._quantized_job(name, fmt, entry.shape, shape))
+            elif name in self.plain or fmt is not None:
+                jobs.append(self._plain_job(name, entry.dtype, entry.shape, shape))
+        return jobs
+
+    def _padded(self, name: str, shape: tuple[int, ...], shard: str) -> tuple[int, ...]:
+        if self.padding is None:
+            return shape
+        return self.padding.padded_shape(name, shape, shard) or shape
+
+    def _quantized_job(self, name: str, fmt: WeightFormat, shape: tuple[int, ...], out_shape) -> Job:
+        to = self.options.to
+        if to == "bf16":
+            out_dtype = DEQUANT_TARGETS[self.options.dtype][0]
+            return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt)
+        base = module_of(name)
+        if to == "channel":
+            return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), fmt, None)
+        keep = (
+            fmt.kind is Kind.BLOCK
+            and fmt.block == self.out_block
+            and self.options.fp8_max == FP8_MAX_STANDARD
+        )
+        action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
+        return Job(name, action, _block_outputs(base, out_shape, self.out_block), fmt, self.out_block)
+
+    def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], out_shape) -> Job:
+        is_linear = is_quantizable_linear(name, dtype, len(shape))
+        listed = module_matches(module_of(name), self.cls.settings.not_converted)
+        if self.quantize_floats and is_linear and not listed:
+            base = module_of(name)
+            if self.options.to == "channel":
+                return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None)
+            return Job(
+                name, Action.QUANTIZE, _block_outputs(base, out_shape, self.out_block), None, self.out_block
+            )
+        if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and "embed" not in name:
+            self.unquantized_linears.append(module_of(name))
+        return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),))
+
+    def output_config(self) -> dict[str, Any] | None:
+        config = self.ckpt.config
+        if config is None:
+            return None
+        to = self.options.to
+        if to == "bf16":
+            return rewrite_for_dequantized(config, self.options.dtype)
+        ignore = sorted(set(self.unquantized_linears))
+        if to == "channel":
+            flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
+            return rewrite_for_channel(config, ignore, flavor)
+        out = rewrite_for_block(config, self.out_block, ignore)
+        if self.padding is not None:
+            updated_widths_config(out, self.padding)
+        if self.cls.settings.activation_scheme == "static":
+            self.warnings.append(
+                "activation_scheme was static; block FP8 is written with dynamic activations"
+            )
+        return out
+
+
+def _channel_outputs(base: str, shape: tuple[int, ...]) -> tuple[TensorSpec, ...]:
+    return (
+        TensorSpec(base + ".weight", FP8_E4M3, shape),
+        TensorSpec(base + ".weight_scale", "F32", (*shape[:-1], 1)),
+    )
+
+
+def _block_outputs(base: str, shape: tuple[int, ...], block: tuple[int, int]) -> tuple[TensorSpec, ...]:
+    grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+    return (
+        TensorSpec(base + ".weight", FP8_E4M3, shape),
+        TensorSpec(base + ".weight_scale_inv", "F32", grid),
+    )
+
+
+def _fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint) -> list[CheckpointError]:
+    """Modules an engine fuses must all be quantized or all not, or vLLM refuses to load them."""
+    schemes: dict[str, dict[str, bool]] = {}
+    for shard in shards:
+        for job in shard.jobs:
+            group = fused_group(job.source)
+            if group is not None:
+                quantized = job.spec.dtype == FP8_E4M3
+                schemes.setdefault(group, {})[job.source] = quantized
+    problems = []
+    for members in schemes.values():
+        if len(set(members.values())) > 1:
+            fp8 = sorted(n for n, q in members.items() if q)
+            plain = sorted(n for n, q in members.items() if not q)
+            problems.append(
+                CheckpointError(
+                    f"would be FP8 while {plain[0]} stays unquantized, but engines fuse them into one layer",
+                    tensor=fp8[0],
+                    shard=ckpt.index.shard_of(fp8[0]).name,
+                    fix="quantize both or neither (check modules_to_not_convert / ignore lists)",
+                )
+            )
+    return problems

@@ -57,71 +57,76 @@ def temp_path(final: Path) -> Path:
 
 
 class ShardWriter:
-    """Writes the tensors of one planned shard in order; commit() makes the file appear."""
+    """Writes one planned shard. Every tensor's offset is known from the plan, so tensors may arrive
+    in any order (a weight and its scale are computed together but laid out apart); commit() checks
+    that every planned tensor arrived, then makes the file appear under its final name."""
 
     def __init__(self, final_path: Path, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
         self.final_path = final_path
-        self.specs = specs
         self.temp = temp_path(final_path)
-        self._next = 0
-        self._pending = 0  # bytes still owed by the current tensor
+        header = safetensors_header(specs, metadata)
+        self._specs: dict[str, tuple[TensorSpec, int]] = {}
+        offset = len(header)
+        for spec in specs:
+            self._specs[spec.name] = (spec, offset)
+            offset += spec.nbytes
+        self._written: set[str] = set()
         final_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.temp, "wb")  # noqa: SIM115 - closed in commit()/abort()
-        self._write(safetensors_header(specs, metadata))
+        self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pwrite(memoryview(header), 0)
 
-    def begin(self, name: str) -> None:
-        if self._pending:
-            raise RuntimeError(f"tensor {self.specs[self._next - 1].name} is incomplete")
-        spec = self.specs[self._next]
-        if spec.name != name:
-            raise RuntimeError(f"writing {name} but the plan expects {spec.name} next")
-        self._next += 1
-        self._pending = spec.nbytes
-
-    def write_bytes(self, data: memoryview | bytes) -> None:
-        if len(data) > self._pending:
-            raise RuntimeError(f"tensor {self.specs[self._next - 1].name} got more bytes than planned")
-        self._write(data)
-        self._pending -= len(data)
+    def _claim(self, name: str) -> tuple[TensorSpec, int]:
+        if name not in self._specs:
+            raise RuntimeError(f"{name} is not planned for {self.final_path.name}")
+        if name in self._written:
+            raise RuntimeError(f"{name} was written twice")
+        self._written.add(name)
+        return self._specs[name]
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        self.begin(name)
-        spec = self.specs[self._next - 1]
-        if tuple(tensor.shape) != spec.shape:
-            raise RuntimeError(f"{name}: shape {tuple(tensor.shape)} != planned {spec.shape}")
-        self.write_bytes(as_writable_memoryview(tensor.contiguous()))
+        spec, offset = self._claim(name)
+        if tuple(tensor.shape) != spec.shape or tensor.element_size() != ELEMENT_BYTES[spec.dtype]:
+            raise RuntimeError(f"{name}: {tensor.dtype}{tuple(tensor.shape)} is not the planned {spec}")
+        self._pwrite(as_writable_memoryview(tensor.contiguous()), offset)
 
     def copy_range(self, name: str, fd: int, start: int, nbytes: int, buffer: bytearray) -> None:
         """Copy a tensor's raw bytes from another file, byte for byte."""
-        self.begin(name)
+        spec, offset = self._claim(name)
+        if nbytes != spec.nbytes:
+            raise RuntimeError(f"{name}: copying {nbytes} bytes into a {spec.nbytes}-byte slot")
         view = memoryview(buffer)
         done = 0
         while done < nbytes:
             n = os.preadv(fd, [view[: min(len(buffer), nbytes - done)]], start + done)
             if n == 0:
                 raise OutputError("input ended while copying", tensor=name)
-            self.write_bytes(view[:n])
+            self._pwrite(view[:n], offset + done)
             done += n
 
     def commit(self) -> None:
-        if self._pending or self._next != len(self.specs):
-            raise RuntimeError(f"{self.final_path.name}: not every planned tensor was written")
+        missing = set(self._specs) - self._written
+        if missing:
+            raise RuntimeError(f"{self.final_path.name}: {len(missing)} planned tensor(s) never written")
         try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
             os.replace(self.temp, self.final_path)
         except OSError as exc:
             self.abort()
             raise _output_error(exc, self.final_path) from exc
 
     def abort(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         self.temp.unlink(missing_ok=True)
 
-    def _write(self, data: memoryview | bytes) -> None:
+    def _pwrite(self, data: memoryview, offset: int) -> None:
         try:
-            self._file.write(data)
+            while len(data):
+                n = os.pwrite(self._fd, data, offset)
+                data, offset = data[n:], offset + n
         except OSError as exc:
             raise _output_error(exc, self.final_path) from exc
 

@@ -284,7 +284,7 @@ def test_interrupted_run_does_not_look_complete(tiny, tmp_path, monkeypatch):
     import fp8conv.pipeline as pipeline
 
     calls = {"n": 0}
-    real = pipeline.dequantize
+    real = pipeline.run_job
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -292,7 +292,7 @@ def test_interrupted_run_does_not_look_complete(tiny, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "dequantize", failing)
+    monkeypatch.setattr(pipeline, "run_job", failing)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         fp8conv.convert(tiny.path, out, to="bf16")
@@ -320,7 +320,9 @@ def test_other_weight_files_are_not_copied(tiny, tmp_path):
     assert (tmp_path / "out" / "training_args.bin").exists()
 
 
-def test_other_targets_say_plainly_they_are_not_there_yet(tiny, tmp_path):
-    _refused(tiny.path, tmp_path / "out", "--to channel is not implemented yet", to="channel")
+def test_options_that_do_not_fit_the_target_are_refused(tiny, tmp_path):
     _refused(tiny.path, tmp_path / "out", "--to fp4 is not one of", to="fp4")
+    _refused(tiny.path, tmp_path / "out", "applies to --to channel only", to="block", fp8_max=240.0)
+    _refused(tiny.path, tmp_path / "out", "applies to --to block only", to="channel", pad_for_tp=4)
+    _refused(tiny.path, tmp_path / "out", "is not 448 (standard) or 240", to="channel", fp8_max=300.0)
     assert not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -30,8 +31,15 @@ def _peak_rss_kib(tmp_path, n_weights: int) -> int:
     src = write_checkpoint(tmp_path / f"in{n_weights}", tensors, fp8_block_config(), shards=2)
     del tensors
     out = tmp_path / f"out{n_weights}"
+    # a fixed mmap threshold: glibc's dynamic one (up to 32 MiB) keeps freed 16 MiB buffers in the heap
+    # now and then, which measures the allocator's mood rather than what fp8conv holds on to
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(src), str(out)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", MEASURE, str(src), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     return int(done.stdout.strip())
@@ -40,4 +48,4 @@ def _peak_rss_kib(tmp_path, n_weights: int) -> int:
 def test_peak_memory_does_not_grow_with_checkpoint_size(tmp_path):
     small = _peak_rss_kib(tmp_path, 2)  # 16 MiB in
     large = _peak_rss_kib(tmp_path, 24)  # 192 MiB in, 384 MiB out: whole-shard buffering would add ~290 MiB
-    assert large - small < 48 * 1024, f"peak RSS grew from {small} KiB to {large} KiB"
+    assert large - small < 64 * 1024, f"peak RSS grew from {small} KiB to {large} KiB"

@@ -22,6 +22,22 @@ class Backend(Protocol):
         """
         ...
 
+    def quantize_blocks(
+        self,
+        weight: torch.Tensor,
+        block: tuple[int, int],
+        fp8_max: float,
+        q_out: torch.Tensor,
+        scale_out: torch.Tensor,
+    ) -> None:
+        """Quantize float32 weight [M, N, K] to float8_e4m3fn blocks of `block` (channel: (1, K)).
+
+        Per block, over the block zero-padded to full size: scale = amax / fp8_max in float32 (1.0 for
+        an all-zero block, so it stays zero, never NaN); q = clamp(w / scale, -fp8_max, fp8_max) cast
+        to float8_e4m3fn (round to nearest even). scale_out: [M, ceil(N/bn), ceil(K/bk)] float32.
+        """
+        ...
+
 
 def get_backend(device: str) -> Backend:
     from .cpu import CpuBackend

@@ -31,3 +31,28 @@ class CpuBackend:
                 if full_k < k:
                     prod[:, full_k:].mul_(s[:, -1:])
                 out[m, r0:r1].copy_(prod)
+
+    def quantize_blocks(
+        self,
+        weight: torch.Tensor,
+        block: tuple[int, int],
+        fp8_max: float,
+        q_out: torch.Tensor,
+        scale_out: torch.Tensor,
+    ) -> None:
+        bn, bk = block
+        m_count, n, k = weight.shape
+        gk = -(-k // bk)
+        rows_per_chunk = max(bn, (CHUNK_ROWS // bn) * bn)
+        for m in range(m_count):
+            for r0 in range(0, n, rows_per_chunk):
+                r1 = min(n, r0 + rows_per_chunk)
+                g0, g1 = r0 // bn, -(-r1 // bn)
+                padded = torch.zeros((g1 - g0) * bn, gk * bk, dtype=torch.float32)
+                padded[: r1 - r0, :k] = weight[m, r0:r1]
+                blocks = padded.view(g1 - g0, bn, gk, bk)
+                amax = blocks.abs().amax(dim=(1, 3))
+                scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+                q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+                q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k]
+                scale_out[m, g0:g1] = scale

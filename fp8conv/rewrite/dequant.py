@@ -8,15 +8,19 @@ import torch
 
 from ..backends import Backend
 from ..formats import WeightFormat
+from .scales import scale_to_float32
 
 
 def scale_grid(scale: torch.Tensor, fmt: WeightFormat, shape: tuple[int, ...]) -> torch.Tensor:
     """The scale as a [M, gn, gk] grid over the weight's math_block (M = product of leading dims)."""
+    scale = scale_to_float32(scale)
     m = math.prod(shape[:-2])
     bn, bk = fmt.math_block(shape)
     gn, gk = math.ceil(shape[-2] / bn), math.ceil(shape[-1] / bk)
-    if scale.numel() == 1:
+    if scale.numel() == 1:  # one scale for the whole tensor
         return scale.reshape(1, 1, 1).expand(m, gn, gk)
+    if scale.numel() == m and gn > 1:  # one per expert of a fused [E, N, K] tensor
+        return scale.reshape(m, 1, 1).expand(m, gn, gk)
     return scale.reshape(m, gn, gk)
 
 
