@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,19 @@ class TinyCheckpoint:
     config: dict[str, Any] | None
     fp8_weights: list[str] = field(default_factory=list)
     moved_scale: str | None = None  # a scale written to another shard than its weight
+    dialect: str = "block"
+    linear_weights: list[str] = field(default_factory=list)  # quantized in every dialect but bf16
 
 
-def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's recipe: zero-pad to whole blocks, scale = block amax / 448, crop the padding."""
+def quantize_block_fp8(
+    w: torch.Tensor,
+    block: tuple[int, int],
+    scale_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's recipe: zero-pad to whole blocks, scale = block amax / 448, crop the padding.
+
+    `scale_fn` adjusts the scales before quantizing (e.g. round them to bf16 or up to a power of two).
+    """
     n, k = w.shape
     bn, bk = block
     gn, gk = math.ceil(n / bn), math.ceil(k / bk)
@@ -58,11 +68,115 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     blocks = padded.view(gn, bn, gk, bk)
     amax = blocks.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    if scale_fn is not None:
+        scale = scale_fn(scale)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale.contiguous()
 
 
-def tiny_config(shape: TinyModelShape, block: tuple[int, int] | None) -> dict[str, Any]:
+def _pow2_at_least(scale: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(scale)))
+
+
+def _e8m0_bytes(pow2_scale: torch.Tensor) -> torch.Tensor:
+    return (torch.log2(pow2_scale).round().to(torch.int32) + 127).to(torch.uint8)
+
+
+# The input dialects the factory writes: how each FP8 linear and its companions are stored.
+DIALECTS = (
+    "block",  # DeepSeek-V3/R1, Qwen3-FP8: weight_scale_inv float32 grid
+    "block-bf16-scales",  # some Qwen3 dense: the same grid stored as bf16
+    "ue8m0",  # DeepSeek-V3.1: scale_fmt ue8m0, float32 scales (o_proj scales not powers of two)
+    "ue8m0-e8m0",  # UE8M0 scales stored as float8_e8m0fnu
+    "ue8m0-u8",  # UE8M0 scales stored as uint8 exponents
+    "per-tensor",  # AutoFP8 / vLLM: weight_scale 0-D, input_scale
+    "per-tensor-mistral",  # transformers / Mistral: weight_scale_inv 0-D, activation_scale
+    "channel",  # weight_scale [N]
+    "ct-tensor",  # compressed-tensors, strategy tensor: weight_scale [1], input_scale [1]
+    "ct-channel",  # compressed-tensors, strategy channel: weight_scale [N, 1]
+    "ct-block",  # compressed-tensors, strategy block: weight_scale grid
+    "bf16",  # unquantized (e.g. after fine-tuning)
+)
+
+
+def _quantized_tensors(
+    dialect: str, name: str, w: torch.Tensor, block: tuple[int, int]
+) -> dict[str, torch.Tensor]:
+    base = name.removesuffix(".weight")
+    n, k = w.shape
+    if dialect == "bf16":
+        return {name: w.to(torch.bfloat16)}
+    if dialect in ("block", "ct-block"):
+        q, s = quantize_block_fp8(w, block)
+        return {name: q, name + ("_scale_inv" if dialect == "block" else "_scale"): s}
+    if dialect == "block-bf16-scales":
+        q, s = quantize_block_fp8(w, block, lambda x: x.to(torch.bfloat16).float())
+        return {name: q, name + "_scale_inv": s.to(torch.bfloat16)}
+    if dialect.startswith("ue8m0"):
+        exact_pow2 = dialect != "ue8m0" or not name.endswith("o_proj.weight")
+        q, s = quantize_block_fp8(w, block, _pow2_at_least if exact_pow2 else None)
+        if dialect == "ue8m0-e8m0":
+            return {name: q, name + "_scale_inv": _e8m0_bytes(s).view(torch.float8_e8m0fnu)}
+        if dialect == "ue8m0-u8":
+            return {name: q, name + "_scale_inv": _e8m0_bytes(s)}
+        return {name: q, name + "_scale_inv": s}
+    if dialect in ("per-tensor", "per-tensor-mistral", "ct-tensor"):
+        q, s = quantize_block_fp8(w, (n, k))
+        act = torch.tensor(0.05)
+        if dialect == "per-tensor":
+            return {name: q, name + "_scale": s.reshape(()), base + ".input_scale": act}
+        if dialect == "per-tensor-mistral":
+            return {name: q, name + "_scale_inv": s.reshape(()), base + ".activation_scale": act}
+        return {name: q, name + "_scale": s.reshape(1), base + ".input_scale": act.reshape(1)}
+    if dialect in ("channel", "ct-channel"):
+        q, s = quantize_block_fp8(w, (1, k))
+        return {name: q, name + "_scale": s.reshape(n) if dialect == "channel" else s}
+    raise ValueError(f"unknown dialect {dialect!r}; one of {', '.join(DIALECTS)}")
+
+
+_CT_IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*eh_proj$", "re:.*shared_head\\.head$"]
+
+
+def dialect_quantization_config(dialect: str, block: tuple[int, int] | None) -> dict[str, Any] | None:
+    """The quantization_config each dialect ships with (None: no quantization_config at all)."""
+    if dialect == "bf16":
+        return None
+    if dialect.startswith("ct-"):
+        strategy = dialect[3:]
+        weights: dict[str, Any] = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
+        if strategy == "block":
+            weights["block_structure"] = list(block or (128, 128))
+        acts = {"num_bits": 8, "type": "float", "strategy": "tensor" if strategy == "tensor" else "token"}
+        acts["dynamic"] = strategy != "tensor"
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+            },
+            "ignore": _CT_IGNORE,
+        }
+    if dialect == "per-tensor":
+        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    if dialect == "per-tensor-mistral":
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "static",
+            "weight_block_size": None,
+            "modules_to_not_convert": ["lm_head"],
+        }
+    if dialect == "channel":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if block is not None:
+        config["weight_block_size"] = list(block)
+    if dialect.startswith("ue8m0"):
+        config["scale_fmt"] = "ue8m0"
+    return config
+
+
+def tiny_config(shape: TinyModelShape) -> dict[str, Any]:
     s = shape
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -97,13 +211,6 @@ def tiny_config(shape: TinyModelShape, block: tuple[int, int] | None) -> dict[st
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
-    if block is not None:
-        config["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": list(block),
-        }
     return config
 
 
@@ -178,8 +285,9 @@ def build_tiny_deepseek(
     with_config: bool = True,
     move_a_scale: bool = True,
     seed: int = 0,
+    dialect: str = "block",
 ) -> TinyCheckpoint:
-    """Write a tiny block-FP8 DeepSeek-V3-like checkpoint into `path`.
+    """Write a tiny DeepSeek-V3-like FP8 checkpoint (block FP8 unless `dialect` says otherwise) into `path`.
 
     `config_block` is what config.json claims: "same" as `block`, None for no weight_block_size, or a
     different block to make the grids disagree with the config.
@@ -199,7 +307,7 @@ def build_tiny_deepseek(
     specs["lm_head.weight"] = ((s.vocab_size, s.hidden_size), "bf16")
 
     tensors: dict[str, torch.Tensor] = {}
-    fp8_weights = []
+    linear_weights = []
     for name, (tshape, kind) in specs.items():
         if kind == "norm":
             tensors[name] = (1 + 0.1 * torch.randn(tshape, generator=gen)).to(torch.bfloat16)
@@ -211,14 +319,15 @@ def build_tiny_deepseek(
             # rows of very different magnitude, so a scale applied to the wrong rows shows
             row_gain = torch.exp(torch.randn(tshape[0], 1, generator=gen))
             w = 0.02 * torch.randn(tshape, generator=gen) * row_gain
-            q, scale = quantize_block_fp8(w, block)
-            tensors[name], tensors[name + "_scale_inv"] = q, scale
-            fp8_weights.append(name)
+            tensors.update(_quantized_tensors(dialect, name, w, block))
+            linear_weights.append(name)
 
     shard_of = _assign_shards(list(tensors), num_shards)
     moved = None
-    if move_a_scale and num_shards > 1:
-        moved = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
+    moved_weight = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    scales = [n for n in tensors if n.startswith(moved_weight + "_scale")]
+    if move_a_scale and num_shards > 1 and scales:
+        moved = scales[0]
         shard_of[moved] = (shard_of[moved] + 1) % num_shards
     names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
     if num_shards == 1 and not with_index:
@@ -234,13 +343,17 @@ def build_tiny_deepseek(
         }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     claimed = block if config_block == "same" else config_block
-    config = tiny_config(s, claimed if not isinstance(claimed, str) else None) if with_config else None
+    config = tiny_config(s) if with_config else None
     if config is not None:
+        quant = dialect_quantization_config(dialect, claimed if not isinstance(claimed, str) else None)
+        if quant is not None:
+            config["quantization_config"] = quant
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for rel, text in SIDE_FILES.items():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text(text)
-    return TinyCheckpoint(out, names, config, fp8_weights, moved)
+    fp8_weights = [] if dialect == "bf16" else linear_weights
+    return TinyCheckpoint(out, names, config, fp8_weights, moved, dialect, linear_weights)
 
 
 def _assign_shards(names: list[str], num_shards: int) -> dict[str, int]:

@@ -25,3 +25,45 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """Stored scale -> float32 values; UE8M0 bytes b mean 2^(b-127), computed here in float64."""
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        exponent = scale.view(torch.uint8).to(torch.float64)
+        return torch.pow(2.0, exponent - 127).to(torch.float32)
+    return scale.to(torch.float32)
+
+
+def dequant_reference(tensors: dict[str, torch.Tensor], weight: str) -> torch.Tensor:
+    """The float32 product float32(q) * float32(scale) for any dialect, chosen by the scale's shape."""
+    q = tensors[weight]
+    scale = tensors.get(weight + "_scale_inv", tensors.get(weight + "_scale"))
+    s = scale_values(scale)
+    n = q.shape[-2]
+    if s.numel() == 1:
+        return q.to(torch.float32) * s.reshape(())
+    if tuple(s.shape) in ((n,), (n, 1)):
+        return q.to(torch.float32) * s.reshape(n, 1)
+    return dequant_block_reference(q, s, (128, 128), torch.float32)  # the factory's block size
+
+
+def quantize_reference(
+    w: torch.Tensor, block: tuple[int, int] | None, fp8_max: float = 448.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad to whole blocks, scale = amax / fp8_max (1 for all-zero), clamp, cast; block None = per row."""
+    n, k = w.shape
+    bn, bk = block or (1, k)
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
+    padded[:n, :k] = w
+    blocks = padded.view(gn, bn, gk, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+    q = torch.clamp(blocks / scale[:, None, :, None], -fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    return q.reshape(gn * bn, gk * bk)[:n, :k], scale
+
+
+def within_fp8_bound(deq: torch.Tensor, ref: torch.Tensor, amax: torch.Tensor) -> bool:
+    """|dequant(out) - ref| <= 2^-4 |ref| + amax * 2^-9 (amax broadcast per row or per element)."""
+    return bool(((deq - ref).abs() <= ref.abs() * 2**-4 + amax * 2**-9).all())
