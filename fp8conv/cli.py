@@ -12,9 +12,9 @@ from typing import Any
 import click
 
 from .dtypes import DEQUANT_TARGETS
-from .errors import Fp8ConvError
+from .errors import Fp8ConvError, OptionsError
 from .pipeline import convert
-from .plan import TARGETS
+from .plan import TARGETS, ConvertOptions
 from .report import InspectReport, inspect
 
 DEBUG_ENV = "FP8CONV_DEBUG"
@@ -104,6 +104,12 @@ def _render_report(r: InspectReport) -> str:
         lines.append(f"  {t.name} {t.shape} -> grid {t.grid} of {t.block[0]}x{t.block[1]} blocks")
     if len(r.partial_block_tensors) > PARTIAL_LINES:
         lines.append(f"  ... and {len(r.partial_block_tensors) - PARTIAL_LINES} more (--json lists them all)")
+    block = f"{r.block_size[0]}x{r.block_size[1]}" if r.block_size else "128x128"
+    lines.append(f"tensor parallel: MLP widths that do not split into whole {block} blocks per rank")
+    for tp, bad in r.tp_indivisible.items():
+        lines.append(f"  TP={tp:<3} " + ("ok" if not bad else "not divisible: " + "; ".join(bad)))
+    if any(r.tp_indivisible.values()):
+        lines.append("  (convert --to block --pad-for-tp N zero-pads the MLP widths to fix this)")
     lines.append(f"problems:      {len(r.problems) or 'none'}")
     lines += [f"  {p}" for p in r.problems]
     lines += [f"warning: {w}" for w in r.warnings]
@@ -179,6 +185,11 @@ def convert_command(
     implied = {"gaudi2": "240", "gaudi3": "448", "generic": "448"}.get(hardware or "")
     if fp8_max and implied and fp8_max != implied:
         raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
+    range_max = float(fp8_max or implied or 448)
+    try:  # options that do not fit together are usage errors (exit 2), found before any work
+        ConvertOptions(target, dtype, block_size, range_max, pad_for_tp).validate()
+    except OptionsError as exc:
+        raise click.UsageError(exc.one_line()) from None
     progress, close = _progress_bar(quiet)
     try:
         result = convert(
@@ -187,7 +198,7 @@ def convert_command(
             to=target,
             dtype=dtype,
             block_size=block_size,
-            fp8_max=float(fp8_max or implied or 448),
+            fp8_max=range_max,
             pad_for_tp=pad_for_tp,
             overwrite=overwrite,
             progress=progress,

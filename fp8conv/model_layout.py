@@ -137,16 +137,19 @@ def updated_widths_config(config: dict[str, Any], padding: MlpPadding) -> None:
 
 
 def tp_report(
-    config: dict[str, Any] | None, block: tuple[int, int], tps=(1, 2, 4, 8, 16, 32)
+    config: dict[str, Any] | None, block: tuple[int, int], tps: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 ) -> dict[str, list[str]]:
-    """For each TP size, the MLP widths that would not give every rank whole blocks."""
+    """For each TP size, the MLP widths whose per-rank slice is not whole blocks, as vLLM's
+    validate_fp8_block_shape checks them: gate/up rows (merged, column-parallel) by block_n at any TP,
+    down columns (row-parallel) by block_k once split across ranks."""
     widths = mlp_widths(config)
     report: dict[str, list[str]] = {}
     for tp in tps:
         bad = []
         for role, w in widths.items():
             per_rank = w / tp
-            if w % tp or (w // tp) % block[0] or (w // tp) % block[1]:
-                bad.append(f"{role}={w} ({per_rank:g} per rank, block {block[0]}x{block[1]})")
+            whole = w % tp == 0 and (w // tp) % block[0] == 0 and (tp == 1 or (w // tp) % block[1] == 0)
+            if not whole:
+                bad.append(f"{role} {w} -> {per_rank:g}/rank")
         report[str(tp)] = bad
     return report

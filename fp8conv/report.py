@@ -9,12 +9,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .dtypes import ELEMENT_BYTES
-from .formats import CONVERTIBLE, Classification, classify, has_partial_blocks
+from .formats import Classification, classify, has_partial_blocks
+from .model_layout import tp_report
+from .plan import DEFAULT_BLOCK, TARGETS, ConvertOptions, plan_conversion
 from .source import Checkpoint, open_checkpoint
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-DEFAULT_BLOCK = (128, 128)
 
 
 @dataclass
@@ -41,6 +41,7 @@ class InspectReport:
     partial_block_tensors: list[PartialBlockTensor]
     num_hidden_layers: int | None
     mtp_layers: list[int]
+    tp_indivisible: dict[str, list[str]]  # TP size -> MLP widths that would not give each rank whole blocks
     problems: list[str]
     warnings: list[str] = field(default_factory=list)
 
@@ -74,30 +75,16 @@ def inspect(source: str | os.PathLike[str], block_size: tuple[int, int] | None =
         partial_block_tensors=partial,
         num_hidden_layers=layers,
         mtp_layers=_mtp_layers(ckpt, layers),
+        tp_indivisible=tp_report(ckpt.config, cls.block_size or DEFAULT_BLOCK),
         problems=[p.one_line() for p in cls.problems],
         warnings=list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files],
     )
 
 
 def estimate_output_bytes(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
-    """Bytes of tensor data each target would write; refused weights are counted as they are."""
-    plain = sum(ckpt.index.entry(n).nbytes for n in cls.plain)
-    out = {"bf16": plain, "channel": plain, "block": plain}
-    for fmt in cls.weights.values():
-        entry = ckpt.index.entry(fmt.weight)
-        if fmt.kind not in CONVERTIBLE:
-            same = entry.nbytes + sum(ckpt.index.entry(c).nbytes for c in fmt.consumed)
-            for target in out:
-                out[target] += same
-            continue
-        shape = entry.shape
-        rows = math.prod(shape[:-1])
-        bn, bk = fmt.block or cls.block_size or DEFAULT_BLOCK
-        grid = math.prod(shape[:-2]) * math.ceil(shape[-2] / bn) * math.ceil(shape[-1] / bk)
-        out["bf16"] += entry.numel * ELEMENT_BYTES["BF16"]
-        out["channel"] += entry.numel + rows * 4
-        out["block"] += entry.numel + grid * 4
-    return out
+    """Bytes of tensor data each target would write, from the same plan convert would run
+    (weights that would be refused are counted as they are)."""
+    return {to: plan_conversion(ckpt, cls, ConvertOptions(to=to)).output_bytes for to in TARGETS}
 
 
 def _num_hidden_layers(config: dict[str, Any] | None) -> int | None:

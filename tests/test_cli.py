@@ -177,3 +177,32 @@ def test_python_api_example_runs(tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "block-fp8, block size [128, 128], 0 problem(s)" in done.stdout
     assert "48 tensors converted" in done.stdout
+
+
+def test_gaudi2_target_and_conflicting_range(runner, tiny, tmp_path):
+    out = tmp_path / "g2"
+    result = runner.invoke(
+        main, ["convert", str(tiny.path), "--to", "channel", "--target", "gaudi2", "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert (
+        json.loads((out / "config.json").read_text())["quantization_config"]["fp8_dtype_flavor"]
+        == "float8_e4m3fnuz"
+    )
+    args = ["convert", str(tiny.path), "--to", "channel", "--target", "gaudi2", "--fp8-max", "448", "-o", "x"]
+    conflict = runner.invoke(main, args)
+    assert conflict.exit_code == 2 and "--target gaudi2 means --fp8-max 240" in conflict.stderr
+    wrong_target = runner.invoke(
+        main, ["convert", str(tiny.path), "--to", "block", "--fp8-max", "240", "-o", "y"]
+    )
+    assert wrong_target.exit_code == 2 and "applies to --to channel only" in wrong_target.stderr
+
+
+def test_pad_for_tp_from_the_cli(runner, tiny, tmp_path):
+    out = tmp_path / "padded"
+    args = ["convert", str(tiny.path), "--to", "block", "--pad-for-tp", "8", "-o", str(out)]
+    assert runner.invoke(main, args).exit_code == 0
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 1024
+    shown = runner.invoke(main, ["inspect", str(tiny.path)]).stdout
+    assert "TP=4   not divisible: intermediate_size 448 -> 112/rank" in shown
+    assert "TP=8   ok" in runner.invoke(main, ["inspect", str(out)]).stdout

@@ -1,0 +1,144 @@
+"""The outputs load in transformers (and transformers + compressed-tensors) and compute what the
+reference-dequantized weights compute; the TP-padded model computes exactly what the unpadded one does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fp8conv
+
+from .helpers import load_dir
+from .reference import dequant_reference, same_bits
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.tensor([[1, 7, 42, 3, 99, 250, 17, 5]])
+MTP_PREFIX = "model.layers.2."  # transformers' DeepseekV3 has no MTP layer: it reports these as unexpected
+
+
+def _reference_model_dir(tmp_path, ckpt_path, dequantized: dict[str, torch.Tensor]):
+    """The same model with plain bf16 weights computed by the tests' own reference, no quantization."""
+    from safetensors.torch import save_file
+
+    ref = tmp_path / "reference-model"
+    ref.mkdir()
+    save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((ckpt_path / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (ref / "config.json").write_text(json.dumps(config))
+    return ref
+
+
+def _logits(path, dtype=torch.bfloat16, **kwargs):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, output_loading_info=True, **kwargs
+    )
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert all(k.startswith(MTP_PREFIX) for k in info["unexpected_keys"]), info["unexpected_keys"]
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+def test_transformers_loads_bf16_output(tiny, tmp_path):
+    out = tmp_path / "bf16"
+    fp8conv.convert(tiny.path, out, to="bf16")
+    src = load_dir(tiny.path)
+    reference = {
+        n: (dequant_reference(src, n).to(torch.bfloat16) if n in tiny.fp8_weights else t)
+        for n, t in src.items()
+        if not n.endswith("_scale_inv")
+    }
+    ref_dir = _reference_model_dir(tmp_path, tiny.path, reference)
+    got, expected = _logits(out), _logits(ref_dir)
+    assert got.abs().max() > 0 and same_bits(got, expected)
+
+
+def test_transformers_with_compressed_tensors_loads_channel_output(tiny, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    out = tmp_path / "channel"
+    fp8conv.convert(tiny.path, out, to="channel")
+    got = load_dir(out)
+    reference = {}
+    for name, t in got.items():
+        if name.endswith("_scale"):
+            continue
+        scale = got.get(name + "_scale")
+        reference[name] = (t.to(torch.float32) * scale).to(torch.bfloat16) if scale is not None else t
+    ref_dir = _reference_model_dir(tmp_path, tiny.path, reference)
+    # decompressed to bf16: the weights the reference computes, so the logits must be identical
+    decompressed = _logits(
+        out, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
+    assert same_bits(decompressed, _logits(ref_dir))
+    # and as users load it by default (FP8 weights with dynamic per-token FP8 activations)
+    compressed = _logits(out)
+    assert torch.isfinite(compressed).all()
+    assert (compressed - decompressed).abs().max() < 0.25 * decompressed.abs().max()
+
+
+def test_padded_block_output_computes_the_same_function(tiny, tmp_path):
+    fp8conv.convert(tiny.path, tmp_path / "block", to="block")
+    fp8conv.convert(tiny.path, tmp_path / "padded", to="block", pad_for_tp=4)
+    config = json.loads((tmp_path / "padded" / "config.json").read_text())
+    assert config["intermediate_size"] == 512 and config["moe_intermediate_size"] == 512  # 448, 192 before
+    assert fp8conv.inspect(tmp_path / "padded").tp_indivisible["4"] == []
+    assert fp8conv.inspect(tmp_path / "block").tp_indivisible["4"] != []
+    plain, padded = load_dir(tmp_path / "block"), load_dir(tmp_path / "padded")
+    for name in (
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.1.mlp.experts.3.up_proj",
+        "model.layers.2.mlp.shared_experts.gate_proj",
+    ):
+        w, s = padded[name + ".weight"], padded[name + ".weight_scale_inv"]
+        rows, grid_rows = plain[name + ".weight"].shape[0], plain[name + ".weight_scale_inv"].shape[0]
+        assert w.shape[0] == 512 and s.shape[0] == 4
+        assert same_bits(w[:rows], plain[name + ".weight"]) and (w[rows:].view(torch.uint8) == 0).all()
+        assert same_bits(s[:grid_rows], plain[name + ".weight_scale_inv"]) and (s[grid_rows:] == 1).all()
+    down = "model.layers.1.mlp.experts.0.down_proj.weight"
+    assert padded[down].shape == (320, 512) and (padded[down][:, 192:].view(torch.uint8) == 0).all()
+
+    for name in ("block", "padded"):
+        fp8conv.convert(tmp_path / name, tmp_path / f"{name}-bf16", to="bf16")
+    for dtype in (torch.bfloat16, torch.float32):
+        assert same_bits(_logits(tmp_path / "padded-bf16", dtype), _logits(tmp_path / "block-bf16", dtype))
+
+
+def test_padded_mlp_is_the_same_function_in_plain_torch(tiny, tmp_path):
+    """silu(0) * 0 = 0 and zero down columns add nothing: the dense MLP, by hand, before and after."""
+    fp8conv.convert(tiny.path, tmp_path / "plain", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "padded", to="block", pad_for_tp=8)
+    fp8conv.convert(tmp_path / "padded", tmp_path / "padded-bf16", to="bf16")
+    a, b = load_dir(tmp_path / "plain"), load_dir(tmp_path / "padded-bf16")
+    x = torch.randn(5, 320, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def mlp(t, prefix):
+        g, u, d = (t[prefix + p + ".weight"].to(torch.float64) for p in ("gate_proj", "up_proj", "down_proj"))
+        return (torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ d.T
+
+    assert b["model.layers.0.mlp.gate_proj.weight"].shape == (1024, 320)  # 448 -> 8 ranks x 128
+    torch.testing.assert_close(
+        mlp(a, "model.layers.0.mlp."), mlp(b, "model.layers.0.mlp."), rtol=1e-12, atol=0
+    )
+
+
+def test_padding_from_bf16_quantizes_the_padded_weight(make_tiny, tmp_path):
+    ckpt = make_tiny(dialect="bf16")
+    fp8conv.convert(ckpt.path, tmp_path / "block", to="block")
+    fp8conv.convert(ckpt.path, tmp_path / "padded", to="block", pad_for_tp=2)
+    plain, padded = load_dir(tmp_path / "block"), load_dir(tmp_path / "padded")
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert padded[name].shape == (320, 512)
+    assert same_bits(padded[name][:, :448], plain[name])  # zero padding does not change a block's amax
+
+
+def test_padding_refuses_when_config_and_tensors_disagree(tiny, tmp_path):
+    config_path = tiny.path / "config.json"
+    config = json.loads(config_path.read_text())
+    config["moe_intermediate_size"] = 256
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(fp8conv.CheckpointError, match="moe_intermediate_size") as info:
+        fp8conv.convert(tiny.path, tmp_path / "out", to="block", pad_for_tp=4)
+    assert "mlp.experts." in str(info.value) and not (tmp_path / "out").exists()
