@@ -236,3 +236,25 @@ def test_fused_modules_share_one_scheme(make_tiny, tmp_path):
         fp8conv.convert(ckpt.path, tmp_path / "out", to="channel")
     assert "model.layers.0.mlp.up_proj.weight" in str(info.value)
     fp8conv.convert(ckpt.path, tmp_path / "bf16", to="bf16")  # dequantizing everything is fine
+
+
+def test_modules_listed_as_not_converted_stay_unquantized_and_listed(make_tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = make_tiny(num_shards=1, with_index=False, dialect="per-tensor")
+    shard = ckpt.path / "model.safetensors"
+    tensors = load_file(shard)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    tensors[name] = dequant_reference(tensors, name).to(torch.bfloat16)
+    for companion in (name + "_scale", "model.layers.1.self_attn.o_proj.input_scale"):
+        del tensors[companion]
+    save_file(tensors, str(shard))
+    config = json.loads((ckpt.path / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ["lm_head", "model.layers.1.self_attn.o_proj"]
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    for target, key in (("channel", "ignore"), ("block", "modules_to_not_convert")):
+        fp8conv.convert(ckpt.path, tmp_path / target, to=target)
+        got = load_dir(tmp_path / target)
+        assert same_bits(got[name], tensors[name]) and name + "_scale" not in got
+        qc = json.loads((tmp_path / target / "config.json").read_text())["quantization_config"]
+        assert "model.layers.1.self_attn.o_proj" in qc[key] and "lm_head" in qc[key]

@@ -56,6 +56,7 @@ def test_transformers_loads_bf16_output(tiny, tmp_path):
     assert got.abs().max() > 0 and same_bits(got, expected)
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
 def test_transformers_with_compressed_tensors_loads_channel_output(tiny, tmp_path):
     pytest.importorskip("compressed_tensors")
     out = tmp_path / "channel"
