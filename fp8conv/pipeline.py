@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +20,14 @@ from .config import CONFIG_NAME, dump_json
 from .errors import OptionsError, OutputError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
-from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, plan_conversion
+from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .rewrite.jobs import run_job
 from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
 from .source import Checkpoint, open_checkpoint
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, fsync_dir, write_file_atomic
 
+WRITE_BEHIND = 2  # jobs whose output may wait for the writer thread
 # progress(bytes_written_so_far, total_bytes_planned)
 ProgressCallback = Callable[[int, int], None]
 
@@ -110,45 +114,86 @@ class _Run:
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
         self.fds: dict[str, int] = {}
+        self.fds_lock = threading.Lock()
         self.copy_buffer = bytearray(COPY_CHUNK_BYTES)
 
     def fd_of(self, shard_name: str, stack: ExitStack) -> int:
-        if shard_name not in self.fds:
-            self.fds[shard_name] = os.open(self.ckpt.index.root / shard_name, os.O_RDONLY)
-            stack.callback(os.close, self.fds[shard_name])
-        return self.fds[shard_name]
+        with self.fds_lock:  # the reader thread and this one both open shards
+            if shard_name not in self.fds:
+                self.fds[shard_name] = os.open(self.ckpt.index.root / shard_name, os.O_RDONLY)
+                stack.callback(os.close, self.fds[shard_name])
+            return self.fds[shard_name]
 
     def execute(self, out: Path, stack: ExitStack) -> None:
-        index = self.ckpt.index
-
-        def read(name: str) -> torch.Tensor:
-            shard = index.shard_of(name)
-            return read_tensor(self.fd_of(shard.name, stack), index.entry(name), shard.name)
-
+        """Three stages overlap: a reader thread fetches the next job's tensors, this thread computes,
+        a writer thread writes the previous job's output. At most READ_AHEAD + WRITE_BEHIND + 1 jobs
+        are in memory at once, so peak memory is a few tensors, whatever the checkpoint's size."""
+        reader = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-read"))
+        writer_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-write"))
         for shard in self.plan.shards:
             writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA)
+            pending: deque[Future[None]] = deque()
             try:
-                for job in shard.jobs:
-                    entry = index.entry(job.source)
-                    if job.action is Action.COPY and job.spec.shape == entry.shape:
-                        fd = self.fd_of(index.shard_of(job.source).name, stack)
-                        writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
-                        self.copied += 1
-                    else:
-                        tensors = run_job(job, read, self.backend, self.plan.options.fp8_max)
-                        for spec, tensor in zip(job.outputs, tensors, strict=True):
-                            writer.write_tensor(spec.name, tensor)
-                        if len(tensors) > 1 and self.all_scales_pow2:
-                            self.all_scales_pow2 = all_powers_of_two(tensors[1])
-                        self.converted += job.action is not Action.COPY
-                        self.copied += job.action is Action.COPY
+                jobs = shard.jobs
+                fetched = reader.submit(self._read_inputs, jobs[0], stack) if jobs else None
+                for i, job in enumerate(jobs):
+                    assert fetched is not None
+                    inputs = fetched.result()
+                    fetched = (
+                        reader.submit(self._read_inputs, jobs[i + 1], stack) if i + 1 < len(jobs) else None
+                    )
+                    write = self._compute(job, inputs, writer, stack)
+                    pending.append(writer_pool.submit(write))
+                    while len(pending) > WRITE_BEHIND:
+                        pending.popleft().result()
                     self.done += job.nbytes
                     if self.progress:
                         self.progress(self.done, self.plan.output_bytes)
+                while pending:
+                    pending.popleft().result()
                 writer.commit()
             except BaseException:
+                for future in pending:
+                    future.cancel()
+                for future in pending:
+                    if not future.cancelled():
+                        future.exception()  # let a running write finish before the file goes
                 writer.abort()
                 raise
+
+    def _is_raw_copy(self, job: Job) -> bool:
+        return job.action is Action.COPY and job.spec.shape == self.ckpt.index.entry(job.source).shape
+
+    def _read_inputs(self, job: Job, stack: ExitStack) -> dict[str, torch.Tensor]:
+        if self._is_raw_copy(job):
+            return {}  # copied file to file by the writer, never held whole
+        names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
+        index = self.ckpt.index
+        return {
+            n: read_tensor(self.fd_of(index.shard_of(n).name, stack), index.entry(n), index.shard_of(n).name)
+            for n in names
+        }
+
+    def _compute(
+        self, job: Job, inputs: dict[str, torch.Tensor], writer: ShardWriter, stack: ExitStack
+    ) -> Callable[[], None]:
+        """Do the arithmetic now; return the write, to run on the writer thread."""
+        if self._is_raw_copy(job):
+            entry = self.ckpt.index.entry(job.source)
+            fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
+            self.copied += 1
+            return lambda: writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
+        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max)
+        if len(tensors) > 1 and self.all_scales_pow2:
+            self.all_scales_pow2 = all_powers_of_two(tensors[1])
+        self.converted += job.action is not Action.COPY
+        self.copied += job.action is Action.COPY
+
+        def write() -> None:
+            for spec, tensor in zip(job.outputs, tensors, strict=True):
+                writer.write_tensor(spec.name, tensor)
+
+        return write
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:

@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from fp8conv.backends import get_backend
+from fp8conv.backends import available_devices, get_backend
 from fp8conv.errors import OptionsError
 from fp8conv.formats import Kind, WeightFormat
 from fp8conv.rewrite.dequant import dequantize
+from fp8conv.rewrite.quant import quantize
 
-from .reference import dequant_block_reference, same_bits
+from .reference import dequant_block_reference, quantize_reference, same_bits
 
 BLOCK_128 = WeightFormat("w", Kind.BLOCK, "s", block=(128, 128))
 SHAPES_AND_BLOCKS = [
@@ -34,9 +35,16 @@ def random_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return codes.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
+DEVICES = [
+    pytest.param(d, marks=pytest.mark.skipif(d not in available_devices(), reason=f"no {d} device here"))
+    for d in ("cpu", "reference", "cuda", "hpu")
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cpu_matches_reference_bit_for_bit(shape, block, dtype):
+def test_dequantize_matches_reference_bit_for_bit(device, shape, block, dtype):
     gen = torch.Generator().manual_seed(hash((shape, block)) % 2**31)
     q = random_fp8(shape, gen)
     grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
@@ -45,8 +53,31 @@ def test_cpu_matches_reference_bit_for_bit(shape, block, dtype):
         1 + torch.rand(grid, generator=gen)
     )
     fmt = WeightFormat("w", Kind.BLOCK, "s", block=block)
-    got = dequantize(q, scale, fmt, dtype, get_backend("cpu"))
+    got = dequantize(q, scale, fmt, dtype, get_backend(device))
     assert same_bits(got, dequant_block_reference(q, scale, block, dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("shape", "block"), [*SHAPES_AND_BLOCKS, ((300, 257), None), ((1, 5), None)])
+@pytest.mark.parametrize("fp8_max", [448.0, 240.0])
+def test_quantize_matches_reference_bit_for_bit(device, shape, block, fp8_max):
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape[0], 1, generator=gen) * 4)
+    w[0] = 0  # an all-zero row: scale 1, stays zero
+    q, scale = quantize(w, block, fp8_max, get_backend(device))
+    expected_q, expected_scale = quantize_reference(w, block, fp8_max)
+    assert same_bits(q, expected_q) and same_bits(scale, expected_scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_e4m3_code_dequantizes_exactly(device):
+    """All 256 codes (NaNs, both zeros, subnormals, 448) against torch's own cast, with odd scales."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3, 1).view(torch.float8_e4m3fn)
+    scale = torch.tensor([[1.0], [2.0**-130], [3.0e5]])  # a float32 subnormal scale too
+    got = dequantize(
+        codes, scale, WeightFormat("w", Kind.BLOCK, "s", block=(1, 256)), torch.float32, get_backend(device)
+    )
+    assert same_bits(got, codes.to(torch.float32) * scale)
 
 
 def test_guessing_block_from_grid_would_differ():
@@ -94,6 +125,10 @@ def test_nan_codes_stay_nan():
     assert torch.isnan(out[0, :2]).all() and not torch.isnan(out[0, 2])
 
 
-def test_unknown_device_is_refused_plainly():
+def test_unknown_or_absent_device_is_refused_plainly():
     with pytest.raises(OptionsError, match="device 'tpu' is not available"):
         get_backend("tpu")
+    for device in ("cuda", "hpu"):
+        if device not in available_devices():
+            with pytest.raises(OptionsError, match=f"--device {device}: no"):
+                get_backend(device)

@@ -1,12 +1,19 @@
-"""Backends do the arithmetic; everything else is device-independent. Picked by name from a registry."""
+"""Backends do the arithmetic; everything else is device-independent. Picked by name from a registry.
+
+Every backend must produce the reference's bits: float32 product and one rounding for dequantizing;
+amax, scale and division in float32, clamp, then one cast for quantizing.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
 
 from ..errors import OptionsError
+
+DEVICES = ("auto", "cpu", "reference", "cuda", "hpu")
 
 
 class Backend(Protocol):
@@ -39,11 +46,42 @@ class Backend(Protocol):
         ...
 
 
+def available_devices() -> list[str]:
+    found = ["cpu", "reference"]
+    if torch.cuda.is_available():
+        found.append("cuda")
+    if hpu_available():
+        found.append("hpu")
+    return found
+
+
+def hpu_available() -> bool:
+    if importlib.util.find_spec("habana_frameworks") is None:
+        return False
+    import habana_frameworks.torch.core  # noqa: F401  registers the "hpu" device with torch
+
+    return bool(getattr(torch, "hpu", None) and torch.hpu.is_available())
+
+
 def get_backend(device: str) -> Backend:
+    """`auto` is the CPU: the GPU path has not been measured faster for a disk-bound job here."""
     from .cpu import CpuBackend
+    from .torch_device import TorchDeviceBackend
 
     if device in ("auto", "cpu"):
         return CpuBackend()
-    raise OptionsError(
-        f"device {device!r} is not available in this version of fp8conv", fix="use --device cpu"
-    )
+    if device == "reference":
+        return TorchDeviceBackend("cpu", name="reference")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise OptionsError("--device cuda: no CUDA device is available", fix="use --device cpu")
+        return TorchDeviceBackend("cuda", name="cuda")
+    if device == "hpu":
+        if not hpu_available():
+            raise OptionsError(
+                "--device hpu: no Intel Gaudi device (habana_frameworks) is available", fix="use --device cpu"
+            )
+        from .hpu import HpuBackend
+
+        return HpuBackend()
+    raise OptionsError(f"device {device!r} is not available", fix=f"use one of {', '.join(DEVICES)}")

@@ -1,58 +1,71 @@
-"""The CPU backend: row chunks of whole blocks, so memory stays a few MB above the tensor itself."""
+"""The fast CPU backend. Bit-identical to the reference, several times faster:
+
+- float8_e4m3fn -> float32 without torch's scalar cast: the e4m3 byte, sign-extended to int16,
+  shifted left 7 and with bit 14 cleared, is the float16 whose value is the e4m3 value / 256
+  (subnormals included); float16 -> float32 is a vectorized cast, and the 256 is folded into the
+  scale (x256 is exact, and (w/256) * (256*s) is the same real product, so the float32 rounding is
+  the same). The two NaN codes are patched separately, only in chunks that hold them.
+- Scratch buffers are reused across chunks and tensors: fresh allocations cost page faults.
+"""
 
 from __future__ import annotations
 
 import torch
 
-# Rows per chunk (rounded up to whole blocks): keeps the float32 temporary small and cache-friendly.
-CHUNK_ROWS = 256
+from .torch_device import TorchDeviceBackend
+
+ROWS_PER_CHUNK = 256
+CLEAR_BIT_14 = -16385  # 0xBFFF as int16: the sign-extension copy of the sign bit lands on bit 14
+E4M3_NAN_AS_F16 = 0x3F80  # |code| 0x7F after the shift: the e4m3 NaN
+NAN_EXPONENT_BIT = 0x4000
 
 
-class CpuBackend:
-    name = "cpu"
+class CpuBackend(TorchDeviceBackend):
+    def __init__(self) -> None:
+        super().__init__("cpu", name="cpu")
+        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def _buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._scratch.get((key, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._scratch[(key, dtype)] = buf
+        return buf[:numel]
 
     def dequantize_blocks(
         self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor
     ) -> None:
         bn, bk = block
         m_count, n, k = weight.shape
-        full_k = (k // bk) * bk  # columns covered by whole blocks; the rest share the last grid column
-        rows_per_chunk = max(bn, (CHUNK_ROWS // bn) * bn)
+        full_k = (k // bk) * bk
+        step = max(bn, (ROWS_PER_CHUNK // bn) * bn)
         scale = scale.to(torch.float32)
+        if bool((scale.abs() >= 2.0**120).any()):  # x256 could overflow: not the same product any more
+            super().dequantize_blocks(weight, scale, block, out)
+            return
+        scale256 = scale * 256.0
+        codes = weight.view(torch.int8)
         for m in range(m_count):
-            for r0 in range(0, n, rows_per_chunk):
-                r1 = min(n, r0 + rows_per_chunk)
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
                 rows = r1 - r0
-                # each row's scales: grid rows repeated bn times, cropped to the chunk (partial last block)
-                s = scale[m, r0 // bn : (r1 + bn - 1) // bn].repeat_interleave(bn, dim=0)[:rows]
-                prod = weight[m, r0:r1].to(torch.float32)
+                bits = self._buffer("bits", rows * k, torch.int16).view(rows, k)
+                bits.copy_(codes[m, r0:r1])  # sign-extending
+                bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
+                self._patch_nans(bits)
+                prod = self._buffer("prod", rows * k, torch.float32).view(rows, k)
+                prod.copy_(bits.view(torch.float16))
+                s = scale256[m, r0 // bn : (r1 + bn - 1) // bn]
+                if bn > 1:
+                    s = s.repeat_interleave(bn, dim=0)[:rows]
                 if full_k:
                     prod[:, :full_k].view(rows, full_k // bk, bk).mul_(s[:, : full_k // bk, None])
                 if full_k < k:
                     prod[:, full_k:].mul_(s[:, -1:])
                 out[m, r0:r1].copy_(prod)
 
-    def quantize_blocks(
-        self,
-        weight: torch.Tensor,
-        block: tuple[int, int],
-        fp8_max: float,
-        q_out: torch.Tensor,
-        scale_out: torch.Tensor,
-    ) -> None:
-        bn, bk = block
-        m_count, n, k = weight.shape
-        gk = -(-k // bk)
-        rows_per_chunk = max(bn, (CHUNK_ROWS // bn) * bn)
-        for m in range(m_count):
-            for r0 in range(0, n, rows_per_chunk):
-                r1 = min(n, r0 + rows_per_chunk)
-                g0, g1 = r0 // bn, -(-r1 // bn)
-                padded = torch.zeros((g1 - g0) * bn, gk * bk, dtype=torch.float32)
-                padded[: r1 - r0, :k] = weight[m, r0:r1]
-                blocks = padded.view(g1 - g0, bn, gk, bk)
-                amax = blocks.abs().amax(dim=(1, 3))
-                scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-                q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
-                q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k]
-                scale_out[m, g0:g1] = scale
+    @staticmethod
+    def _patch_nans(bits: torch.Tensor) -> None:
+        nan = bits.bitwise_and(0x7FFF) == E4M3_NAN_AS_F16
+        if bool(nan.any()):  # setting bit 14 back makes the float16 NaN torch's own cast gives (sign kept)
+            torch.where(nan, bits.bitwise_or(NAN_EXPONENT_BIT), bits, out=bits)

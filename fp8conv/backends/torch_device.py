@@ -1,0 +1,66 @@
+"""The plain-torch backend: the definition of the numbers, on any torch device.
+
+On "cpu" it is the reference every other backend must match bit for bit; the same code serves CUDA
+and HPU (float32 product, one rounding; amax and division in float32; clamp, then cast).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
+
+
+class TorchDeviceBackend:
+    def __init__(self, device: str = "cpu", name: str = "reference") -> None:
+        self.device = torch.device(device)
+        self.name = name
+
+    def _chunks(self, n: int, bn: int) -> range:
+        return range(0, n, max(bn, (ROWS_PER_CHUNK // bn) * bn))
+
+    def dequantize_blocks(
+        self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor
+    ) -> None:
+        bn, bk = block
+        m_count, n, k = weight.shape
+        full_k = (k // bk) * bk  # columns covered by whole blocks; the rest share the last grid column
+        step = self._chunks(n, bn).step
+        scale = scale.to(self.device, torch.float32)
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                rows = r1 - r0
+                # each row's scales: grid rows repeated bn times, cropped to the chunk (partial last block)
+                s = scale[m, r0 // bn : (r1 + bn - 1) // bn].repeat_interleave(bn, dim=0)[:rows]
+                prod = weight[m, r0:r1].to(self.device).to(torch.float32)
+                if full_k:
+                    prod[:, :full_k].view(rows, full_k // bk, bk).mul_(s[:, : full_k // bk, None])
+                if full_k < k:
+                    prod[:, full_k:].mul_(s[:, -1:])
+                out[m, r0:r1].copy_(prod.to(out.dtype))
+
+    def quantize_blocks(
+        self,
+        weight: torch.Tensor,
+        block: tuple[int, int],
+        fp8_max: float,
+        q_out: torch.Tensor,
+        scale_out: torch.Tensor,
+    ) -> None:
+        bn, bk = block
+        m_count, n, k = weight.shape
+        gk = -(-k // bk)
+        step = self._chunks(n, bn).step
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                g0, g1 = r0 // bn, -(-r1 // bn)
+                padded = torch.zeros((g1 - g0) * bn, gk * bk, dtype=torch.float32, device=self.device)
+                padded[: r1 - r0, :k] = weight[m, r0:r1].to(self.device)
+                blocks = padded.view(g1 - g0, bn, gk, bk)
+                amax = blocks.abs().amax(dim=(1, 3))
+                scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+                q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+                q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k].cpu()
+                scale_out[m, g0:g1] = scale.cpu()
