@@ -25,6 +25,7 @@ from .rewrite.jobs import run_job
 from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
 from .source import Checkpoint, open_checkpoint
+from .stream import BandStreamer, streamable
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, fsync_dir, write_file_atomic
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the writer thread
@@ -116,6 +117,7 @@ class _Run:
         self.fds: dict[str, int] = {}
         self.fds_lock = threading.Lock()
         self.copy_buffer = bytearray(COPY_CHUNK_BYTES)
+        self.streamer: BandStreamer | None = None
 
     def fd_of(self, shard_name: str, stack: ExitStack) -> int:
         with self.fds_lock:  # the reader thread and this one both open shards
@@ -130,6 +132,8 @@ class _Run:
         are in memory at once, so peak memory is a few tensors, whatever the checkpoint's size."""
         reader = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-read"))
         writer_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-write"))
+        self.streamer = BandStreamer(reader, writer_pool, self.backend, self.plan.options.fp8_max)
+        commits: deque[Future[None]] = deque()  # a shard's fsync and rename overlap the next shard
         for shard in self.plan.shards:
             writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA)
             pending: deque[Future[None]] = deque()
@@ -139,9 +143,8 @@ class _Run:
                 for i, job in enumerate(jobs):
                     assert fetched is not None
                     inputs = fetched.result()
-                    fetched = (
-                        reader.submit(self._read_inputs, jobs[i + 1], stack) if i + 1 < len(jobs) else None
-                    )
+                    if i + 1 < len(jobs):
+                        fetched = reader.submit(self._read_inputs, jobs[i + 1], stack)
                     write = self._compute(job, inputs, writer, stack)
                     pending.append(writer_pool.submit(write))
                     while len(pending) > WRITE_BEHIND:
@@ -151,7 +154,7 @@ class _Run:
                         self.progress(self.done, self.plan.output_bytes)
                 while pending:
                     pending.popleft().result()
-                writer.commit()
+                commits.append(writer_pool.submit(writer.commit))
             except BaseException:
                 for future in pending:
                     future.cancel()
@@ -160,6 +163,11 @@ class _Run:
                         future.exception()  # let a running write finish before the file goes
                 writer.abort()
                 raise
+            finally:
+                while len(commits) > 1 or (commits and commits[0].done()):
+                    commits.popleft().result()
+        while commits:
+            commits.popleft().result()
 
     def _is_raw_copy(self, job: Job) -> bool:
         return job.action is Action.COPY and job.spec.shape == self.ckpt.index.entry(job.source).shape
@@ -168,6 +176,8 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
+        if streamable(job, self.ckpt.index.entry(job.source)):
+            names = names[1:]  # the weight itself is streamed band by band
         index = self.ckpt.index
         return {
             n: read_tensor(self.fd_of(index.shard_of(n).name, stack), index.entry(n), index.shard_of(n).name)
@@ -183,6 +193,15 @@ class _Run:
             fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
             self.copied += 1
             return lambda: writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
+        entry = self.ckpt.index.entry(job.source)
+        if streamable(job, entry):
+            assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
+            fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
+            new_scale = self.streamer.run(job, entry, fd, inputs[job.fmt.scale], writer)
+            if new_scale is not None and self.all_scales_pow2:
+                self.all_scales_pow2 = all_powers_of_two(new_scale)
+            self.converted += 1
+            return lambda: None
         tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max)
         if len(tensors) > 1 and self.all_scales_pow2:
             self.all_scales_pow2 = all_powers_of_two(tensors[1])

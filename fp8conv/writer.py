@@ -70,18 +70,27 @@ class ShardWriter:
         for spec in specs:
             self._specs[spec.name] = (spec, offset)
             offset += spec.nbytes
-        self._written: set[str] = set()
+        self._written: dict[str, int] = {}  # bytes received per tensor
         final_path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._pwrite(memoryview(header), 0)
 
-    def _claim(self, name: str) -> tuple[TensorSpec, int]:
+    def _claim(self, name: str, nbytes: int | None = None) -> tuple[TensorSpec, int]:
+        """Account for `nbytes` of tensor `name` (all of it when None)."""
         if name not in self._specs:
             raise RuntimeError(f"{name} is not planned for {self.final_path.name}")
-        if name in self._written:
-            raise RuntimeError(f"{name} was written twice")
-        self._written.add(name)
-        return self._specs[name]
+        spec, offset = self._specs[name]
+        done = self._written.get(name, 0) + (spec.nbytes if nbytes is None else nbytes)
+        if done > spec.nbytes:
+            raise RuntimeError(f"{name} got more bytes than planned")
+        self._written[name] = done
+        return spec, offset
+
+    def write_part(self, name: str, byte_offset: int, part: torch.Tensor) -> None:
+        """A band of rows of a tensor, at its byte offset within the tensor."""
+        data = as_writable_memoryview(part.contiguous())
+        _, offset = self._claim(name, len(data))
+        self._pwrite(data, offset + byte_offset)
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
         spec, offset = self._claim(name)
@@ -104,7 +113,7 @@ class ShardWriter:
             done += n
 
     def commit(self) -> None:
-        missing = set(self._specs) - self._written
+        missing = [n for n, (spec, _) in self._specs.items() if self._written.get(n, 0) != spec.nbytes]
         if missing:
             raise RuntimeError(f"{self.final_path.name}: {len(missing)} planned tensor(s) never written")
         try:

@@ -326,3 +326,18 @@ def test_options_that_do_not_fit_the_target_are_refused(tiny, tmp_path):
     _refused(tiny.path, tmp_path / "out", "applies to --to block only", to="channel", pad_for_tp=4)
     _refused(tiny.path, tmp_path / "out", "is not 448 (standard) or 240", to="channel", fp8_max=300.0)
     assert not (tmp_path / "out").exists()
+
+
+def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, monkeypatch):
+    import fp8conv.stream as stream
+
+    fp8conv.convert(tiny.path, tmp_path / "whole", to="bf16")
+    streamed = []
+    real_run = stream.BandStreamer.run
+    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
+    monkeypatch.setattr(
+        stream.BandStreamer, "run", lambda self, job, *a: streamed.append(job) or real_run(self, job, *a)
+    )
+    fp8conv.convert(tiny.path, tmp_path / "bands", to="bf16")
+    assert len(streamed) == len(tiny.fp8_weights)
+    assert dir_snapshot(tmp_path / "whole") == dir_snapshot(tmp_path / "bands")

@@ -13,6 +13,17 @@ from fp8conv.synthetic import DIALECTS
 from .helpers import load_dir
 from .reference import dequant_reference, quantize_reference, same_bits, scale_values, within_fp8_bound
 
+
+@pytest.fixture(autouse=True, params=["whole", "bands"])
+def execution(request, monkeypatch):
+    """Each test twice: whole tensors, and streamed in bands of rows small enough to split every weight."""
+    if request.param == "bands":
+        import fp8conv.stream
+
+        monkeypatch.setattr(fp8conv.stream, "BAND_ELEMENTS", 3000)
+    return request.param
+
+
 KEEPS_BLOCKS = {"block", "block-bf16-scales", "ue8m0", "ue8m0-e8m0", "ue8m0-u8", "ct-block"}
 UNQUANTIZED_LINEARS = {
     "lm_head",

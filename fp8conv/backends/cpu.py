@@ -4,8 +4,10 @@
   shifted left 7 and with bit 14 cleared, is the float16 whose value is the e4m3 value / 256
   (subnormals included); float16 -> float32 is a vectorized cast, and the 256 is folded into the
   scale (x256 is exact, and (w/256) * (256*s) is the same real product, so the float32 rounding is
-  the same). The two NaN codes are patched separately, only in chunks that hold them.
-- Scratch buffers are reused across chunks and tensors: fresh allocations cost page faults.
+  the same). Scales of 2^120 or more (where x256 could overflow) go the reference way. The two NaN
+  codes are found once per tensor with two max-reductions and patched only when present.
+- Work in row chunks that stay in cache, through scratch buffers reused across chunks and tensors:
+  fresh allocations cost page faults, large temporaries cost memory bandwidth.
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ import torch
 
 from .torch_device import TorchDeviceBackend
 
-ROWS_PER_CHUNK = 256
+CHUNK_ELEMENTS = 1 << 19  # ~512K elements: int16 + float32 scratch stay within a few MB
 CLEAR_BIT_14 = -16385  # 0xBFFF as int16: the sign-extension copy of the sign bit lands on bit 14
 E4M3_NAN_AS_F16 = 0x3F80  # |code| 0x7F after the shift: the e4m3 NaN
 NAN_EXPONENT_BIT = 0x4000
+SCALE_LIMIT = 2.0**120
+
+
+def chunk_rows(n: int, k: int, bn: int) -> int:
+    """Rows per chunk: whole blocks when a block is small, else a divisor of bn (so a chunk never
+    straddles two grid rows and shares one row of scales)."""
+    target = max(1, CHUNK_ELEMENTS // max(k, 1))
+    if target >= bn:
+        return (target // bn) * bn
+    return next(d for d in range(min(target, bn), 0, -1) if bn % d == 0)
 
 
 class CpuBackend(TorchDeviceBackend):
@@ -32,40 +44,73 @@ class CpuBackend(TorchDeviceBackend):
             self._scratch[(key, dtype)] = buf
         return buf[:numel]
 
+    @staticmethod
+    def _row_scales(grid: torch.Tensor, r0: int, rows: int, bn: int) -> torch.Tensor:
+        """[rows or 1, gk] scales for rows r0..r0+rows of one matrix."""
+        if rows <= bn and r0 // bn == (r0 + rows - 1) // bn:
+            return grid[r0 // bn][None]
+        g0 = r0 // bn
+        return grid[g0 : (r0 + rows + bn - 1) // bn].repeat_interleave(bn, dim=0)[r0 - g0 * bn :][:rows]
+
     def dequantize_blocks(
         self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor
     ) -> None:
-        bn, bk = block
-        m_count, n, k = weight.shape
-        full_k = (k // bk) * bk
-        step = max(bn, (ROWS_PER_CHUNK // bn) * bn)
         scale = scale.to(torch.float32)
-        if bool((scale.abs() >= 2.0**120).any()):  # x256 could overflow: not the same product any more
+        if bool((scale.abs() >= SCALE_LIMIT).any()):  # x256 could overflow: not the same product any more
             super().dequantize_blocks(weight, scale, block, out)
             return
+        bn, bk = block
+        m_count, n, k = weight.shape
+        full_k, gk_full = (k // bk) * bk, k // bk
+        step = chunk_rows(n, k, bn)
         scale256 = scale * 256.0
         codes = weight.view(torch.int8)
+        has_nan = int(codes.max()) == 0x7F or int(codes.view(torch.uint8).max()) == 0xFF
         for m in range(m_count):
             for r0 in range(0, n, step):
-                r1 = min(n, r0 + step)
-                rows = r1 - r0
+                rows = min(step, n - r0)
                 bits = self._buffer("bits", rows * k, torch.int16).view(rows, k)
-                bits.copy_(codes[m, r0:r1])  # sign-extending
+                bits.copy_(codes[m, r0 : r0 + rows])  # sign-extending
                 bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
-                self._patch_nans(bits)
+                if has_nan:
+                    nan = bits.bitwise_and(0x7FFF) == E4M3_NAN_AS_F16
+                    torch.where(
+                        nan, bits.bitwise_or(NAN_EXPONENT_BIT), bits, out=bits
+                    )  # torch's NaN, sign kept
                 prod = self._buffer("prod", rows * k, torch.float32).view(rows, k)
                 prod.copy_(bits.view(torch.float16))
-                s = scale256[m, r0 // bn : (r1 + bn - 1) // bn]
-                if bn > 1:
-                    s = s.repeat_interleave(bn, dim=0)[:rows]
+                s = self._row_scales(scale256[m], r0, rows, bn)
                 if full_k:
-                    prod[:, :full_k].view(rows, full_k // bk, bk).mul_(s[:, : full_k // bk, None])
+                    prod[:, :full_k].view(rows, gk_full, bk).mul_(s[:, :gk_full, None])
                 if full_k < k:
                     prod[:, full_k:].mul_(s[:, -1:])
-                out[m, r0:r1].copy_(prod)
+                out[m, r0 : r0 + rows].copy_(prod)
 
-    @staticmethod
-    def _patch_nans(bits: torch.Tensor) -> None:
-        nan = bits.bitwise_and(0x7FFF) == E4M3_NAN_AS_F16
-        if bool(nan.any()):  # setting bit 14 back makes the float16 NaN torch's own cast gives (sign kept)
-            torch.where(nan, bits.bitwise_or(NAN_EXPONENT_BIT), bits, out=bits)
+    def quantize_blocks(
+        self,
+        weight: torch.Tensor,
+        block: tuple[int, int],
+        fp8_max: float,
+        q_out: torch.Tensor,
+        scale_out: torch.Tensor,
+    ) -> None:
+        bn, bk = block
+        m_count, n, k = weight.shape
+        if k % bk or (n % bn and n > bn):  # partial blocks: the reference pads them, simply
+            super().quantize_blocks(weight, block, fp8_max, q_out, scale_out)
+            return
+        gk = k // bk
+        step = max(bn, (max(1, CHUNK_ELEMENTS // max(k, 1)) // bn) * bn) if n >= bn else n
+        inf = float("inf")
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                rows = min(step, n - r0)
+                g0, gn = r0 // bn, -(-rows // bn)
+                bn_eff = bn if rows >= bn else rows
+                w = weight[m, r0 : r0 + rows].view(gn, bn_eff, gk, bk)
+                amax = torch.linalg.vector_norm(w, ord=inf, dim=(1, 3))
+                s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+                tmp = self._buffer("q32", rows * k, torch.float32).view(gn, bn_eff, gk, bk)
+                torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max)
+                q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
+                scale_out[m, g0 : g0 + gn] = s

@@ -1,0 +1,208 @@
+"""`make bench`: fp8conv against the I/O floor, the plain-torch way and compressed-tensors, side by side.
+
+Every variant runs as its own process, alternating, `--reps` times; the table reports medians, the
+ratio to the I/O floor of the same output size, throughput (input + output bytes) and the peak RSS of
+the whole process tree (polled from /proc). Writes bench/results.json and bench/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import synth  # noqa: E402
+
+import fp8conv  # noqa: E402
+
+
+def tree_rss_bytes(pid: int) -> int:
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += (
+                next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) * 1024
+            )
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total
+
+
+def timed(cmd: list[str]) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS of the process tree, and the tail of stderr (for failures)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+
+    def poll() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    _, err = proc.communicate()
+    seconds = time.perf_counter() - start
+    poller.join()
+    if proc.returncode != 0:
+        return (
+            float("nan"),
+            peak[0],
+            err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}",
+        )
+    return seconds, peak[0], ""
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool) -> dict:
+    src = synth.build(work / f"in-{size_gib:g}", size_gib)
+    in_bytes = dir_bytes(src)
+    py = sys.executable
+    out = work / "out"
+    variants: dict[str, tuple[list[str], str | None]] = {}
+    outputs: dict[str, int] = {}
+    report = fp8conv.inspect(src)
+    for target, extra in (("bf16", []), ("channel", []), ("block", ["--pad-for-tp", "8"])):
+        label = f"fp8conv --to {target}" + (" --pad-for-tp 8" if extra else "")
+        variants[label] = (
+            [py, "-m", "fp8conv", "convert", str(src), "--to", target, "-o", str(out), "-q", *extra],
+            target,
+        )
+        outputs[target] = report.estimated_output_bytes[target]
+        floor = f"I/O floor ({target} output size)"
+        variants[floor] = ([py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])], None)
+    if with_baselines:
+        variants["plain torch --to bf16"] = ([py, str(HERE / "plain_torch.py"), str(src), str(out)], "bf16")
+        variants["compressed-tensors --to bf16 (ragged shapes)"] = (
+            [py, str(HERE / "ct_convert.py"), str(src), str(out)],
+            "bf16",
+        )
+    results: dict[str, dict] = {name: {"times_s": [], "peak_rss_bytes": 0, "error": ""} for name in variants}
+    for _ in range(reps):
+        for name, (cmd, _target) in variants.items():
+            shutil.rmtree(out, ignore_errors=True)
+            seconds, peak, err = timed(cmd)
+            results[name]["times_s"].append(seconds)
+            results[name]["peak_rss_bytes"] = max(results[name]["peak_rss_bytes"], peak)
+            results[name]["error"] = results[name]["error"] or err
+    shutil.rmtree(out, ignore_errors=True)
+    for name, r in results.items():
+        times = [t for t in r["times_s"] if t == t]
+        r["median_s"] = statistics.median(times) if times else None
+    for target in ("bf16", "channel", "block"):
+        floor = results[f"I/O floor ({target} output size)"]["median_s"]
+        for name, (cmd, t) in variants.items():
+            if t == target and results[name]["median_s"]:
+                results[name]["ratio_to_floor"] = results[name]["median_s"] / floor
+                results[name]["gb_per_s"] = (in_bytes + outputs[target]) / results[name]["median_s"] / 1e9
+    shutil.rmtree(src)
+    return {"input_bytes": in_bytes, "output_bytes": outputs, "variants": results}
+
+
+def run_aligned(size_gib: float, reps: int, work: Path) -> dict:
+    """compressed-tensors fails on ragged shapes, so it is also timed on an all-aligned checkpoint."""
+    src = synth.build(work / "aligned", size_gib, ragged=False)
+    py = sys.executable
+    out = work / "out"
+    out_bytes = fp8conv.inspect(src).estimated_output_bytes["bf16"]
+    variants = {
+        "fp8conv --to bf16": [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q"],
+        "compressed-tensors --to bf16": [py, str(HERE / "ct_convert.py"), str(src), str(out)],
+        "I/O floor (bf16 output size)": [py, str(HERE / "io_floor.py"), str(src), str(out), str(out_bytes)],
+    }
+    results: dict[str, dict] = {name: {"times_s": [], "peak_rss_bytes": 0, "error": ""} for name in variants}
+    for _ in range(reps):
+        for name, cmd in variants.items():
+            shutil.rmtree(out, ignore_errors=True)
+            seconds, peak, err = timed(cmd)
+            results[name]["times_s"].append(seconds)
+            results[name]["peak_rss_bytes"] = max(results[name]["peak_rss_bytes"], peak)
+            results[name]["error"] = results[name]["error"] or err
+    shutil.rmtree(out, ignore_errors=True)
+    in_bytes = dir_bytes(src)
+    floor = statistics.median(results["I/O floor (bf16 output size)"]["times_s"])
+    for r in results.values():
+        times = [t for t in r["times_s"] if t == t]
+        r["median_s"] = statistics.median(times) if times else None
+        if r["median_s"]:
+            r["ratio_to_floor"] = r["median_s"] / floor
+            r["gb_per_s"] = (in_bytes + out_bytes) / r["median_s"] / 1e9
+    shutil.rmtree(src)
+    return {"input_bytes": in_bytes, "output_bytes": {"bf16": out_bytes}, "variants": results}
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"Machine: {doc['machine']}", ""]
+    for title, section in doc["runs"].items():
+        lines += [
+            f"### {title}: {section['input_bytes'] / 2**30:.2f} GiB in",
+            "",
+            "| variant | median s | x I/O floor | GB/s (in+out) | peak RSS MiB | runs |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for name, r in section["variants"].items():
+            med = f"{r['median_s']:.2f}" if r.get("median_s") else "failed"
+            ratio = (
+                f"{r['ratio_to_floor']:.2f}"
+                if r.get("ratio_to_floor")
+                else ("1.00" if "floor" in name else "-")
+            )
+            gbps = f"{r['gb_per_s']:.2f}" if r.get("gb_per_s") else "-"
+            runs = ", ".join("fail" if t != t else f"{t:.1f}" for t in r["times_s"])
+            lines.append(
+                f"| {name} | {med} | {ratio} | {gbps} | {r['peak_rss_bytes'] / 2**20:.0f} | {runs} |"
+            )
+            if r.get("error"):
+                lines.append(f"| ↳ error | {r['error'][:150]} | | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="1,4", help="input sizes in GiB, comma separated")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--work", default="build/bench")
+    parser.add_argument("--no-baselines", action="store_true", help="skip plain torch and compressed-tensors")
+    args = parser.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sizes = [float(s) for s in args.sizes.split(",")]
+    doc = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, "
+        f"torch {__import__('torch').__version__}, fp8conv {fp8conv.__version__}",
+        "reps": args.reps,
+        "runs": {},
+    }
+    for i, size in enumerate(sizes):
+        baselines = not args.no_baselines and i == len(sizes) - 1
+        doc["runs"][f"DeepSeek-like shapes, {size:g} GiB"] = run_size(size, args.reps, work, baselines)
+        print(f"done {size:g} GiB", file=sys.stderr)
+    if not args.no_baselines:
+        doc["runs"][f"all-aligned shapes, {sizes[-1]:g} GiB"] = run_aligned(sizes[-1], args.reps, work)
+    (HERE / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (HERE / "results.md").write_text(markdown(doc) + "\n")
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
