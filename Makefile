@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp8conv-installed
 DEMO_DIR := build/demo
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q
+
+# Not part of `make test`: builds multi-GiB synthetic checkpoints and takes several minutes.
+# Writes bench/results.json and bench/results.md; BENCH_ARGS="--sizes 1,8 --reps 5" to change.
+bench: setup
+	$(PY) bench/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build .pytest_cache

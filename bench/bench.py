@@ -44,7 +44,10 @@ def tree_rss_bytes(pid: int) -> int:
 
 
 def timed(cmd: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS of the process tree, and the tail of stderr (for failures)."""
+    """Wall seconds, peak RSS of the process tree, and the tail of stderr (for failures).
+
+    The previous run's dirty pages are flushed first (untimed), so no run pays for another's writeback."""
+    os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+import torch
 
+from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS
 from .errors import Fp8ConvError, OptionsError
 from .pipeline import convert
@@ -167,6 +169,19 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     metavar="N",
     help="--to block: zero-pad MLP widths so each of N tensor-parallel ranks holds whole blocks.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(list(DEVICES)),
+    default="auto",
+    show_default=True,
+    help="Where the arithmetic runs; auto is the CPU (the job is disk-bound).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch threads for the arithmetic (default: cores - 1, leaving a core for reading and writing).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint in a non-empty output directory.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
@@ -178,6 +193,8 @@ def convert_command(
     fp8_max: str | None,
     hardware: str | None,
     pad_for_tp: int | None,
+    device: str,
+    threads: int | None,
     overwrite: bool,
     quiet: bool,
 ) -> None:
@@ -190,6 +207,9 @@ def convert_command(
         ConvertOptions(target, dtype, block_size, range_max, pad_for_tp).validate()
     except OptionsError as exc:
         raise click.UsageError(exc.one_line()) from None
+    # The process is the CLI's: it may size torch's thread pool (the library never touches it). On 2 cores,
+    # 2 arithmetic threads starve the reader and writer threads and the whole run gets slower.
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
     progress, close = _progress_bar(quiet)
     try:
         result = convert(
@@ -200,6 +220,7 @@ def convert_command(
             block_size=block_size,
             fp8_max=range_max,
             pad_for_tp=pad_for_tp,
+            device=device,
             overwrite=overwrite,
             progress=progress,
         )

@@ -101,16 +101,16 @@ class CpuBackend(TorchDeviceBackend):
             return
         gk = k // bk
         step = max(bn, (max(1, CHUNK_ELEMENTS // max(k, 1)) // bn) * bn) if n >= bn else n
-        inf = float("inf")
         for m in range(m_count):
             for r0 in range(0, n, step):
                 rows = min(step, n - r0)
                 g0, gn = r0 // bn, -(-rows // bn)
                 bn_eff = bn if rows >= bn else rows
                 w = weight[m, r0 : r0 + rows].view(gn, bn_eff, gk, bk)
-                amax = torch.linalg.vector_norm(w, ord=inf, dim=(1, 3))
-                s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
                 tmp = self._buffer("q32", rows * k, torch.float32).view(gn, bn_eff, gk, bk)
+                # abs then amax: torch's abs-max reductions (vector_norm inf, aminmax) are ~15x slower
+                amax = torch.abs(w, out=tmp).amax(dim=3).amax(dim=1)
+                s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
                 torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max)
                 q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
                 scale_out[m, g0 : g0 + gn] = s
