@@ -24,8 +24,8 @@ demo: setup
 	$(VENV)/bin/fp8conv inspect $(DEMO_DIR)/tiny-bf16
 
 lint: setup
-	$(VENV)/bin/ruff check fp8conv tests examples
-	$(VENV)/bin/ruff format --check fp8conv tests examples
+	$(VENV)/bin/ruff check fp8conv tests examples bench
+	$(VENV)/bin/ruff format --check fp8conv tests examples bench
 
 test: setup lint
 	$(PY) -m pytest -q

@@ -107,12 +107,12 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool) -> di
             results[name]["peak_rss_bytes"] = max(results[name]["peak_rss_bytes"], peak)
             results[name]["error"] = results[name]["error"] or err
     shutil.rmtree(out, ignore_errors=True)
-    for name, r in results.items():
+    for r in results.values():
         times = [t for t in r["times_s"] if t == t]
         r["median_s"] = statistics.median(times) if times else None
     for target in ("bf16", "channel", "block"):
         floor = results[f"I/O floor ({target} output size)"]["median_s"]
-        for name, (cmd, t) in variants.items():
+        for name, (_cmd, t) in variants.items():
             if t == target and results[name]["median_s"]:
                 results[name]["ratio_to_floor"] = results[name]["median_s"] / floor
                 results[name]["gb_per_s"] = (in_bytes + outputs[target]) / results[name]["median_s"] / 1e9
