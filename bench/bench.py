@@ -33,9 +33,7 @@ def tree_rss_bytes(pid: int) -> int:
         p = todo.pop()
         try:
             status = Path(f"/proc/{p}/status").read_text()
-            total += (
-                next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) * 1024
-            )
+            total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) * 1024
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, StopIteration, ValueError):
@@ -163,16 +161,10 @@ def markdown(doc: dict) -> str:
         ]
         for name, r in section["variants"].items():
             med = f"{r['median_s']:.2f}" if r.get("median_s") else "failed"
-            ratio = (
-                f"{r['ratio_to_floor']:.2f}"
-                if r.get("ratio_to_floor")
-                else ("1.00" if "floor" in name else "-")
-            )
+            ratio = f"{r['ratio_to_floor']:.2f}" if r.get("ratio_to_floor") else ("1.00" if "floor" in name else "-")
             gbps = f"{r['gb_per_s']:.2f}" if r.get("gb_per_s") else "-"
             runs = ", ".join("fail" if t != t else f"{t:.1f}" for t in r["times_s"])
-            lines.append(
-                f"| {name} | {med} | {ratio} | {gbps} | {r['peak_rss_bytes'] / 2**20:.0f} | {runs} |"
-            )
+            lines.append(f"| {name} | {med} | {ratio} | {gbps} | {r['peak_rss_bytes'] / 2**20:.0f} | {runs} |")
             if r.get("error"):
                 lines.append(f"| ↳ error | {r['error'][:150]} | | | | |")
         lines.append("")

@@ -23,9 +23,7 @@ DEBUG_ENV = "FP8CONV_DEBUG"
 PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
 
 
-def _parse_block_size(
-    ctx: click.Context, param: click.Parameter, value: str | None
-) -> tuple[int, int] | None:
+def _parse_block_size(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
     parts = value.replace("x", ",").split(",")
@@ -42,8 +40,7 @@ BLOCK_SIZE_OPTION = click.option(
     "--block-size",
     callback=_parse_block_size,
     metavar="BN,BK",
-    help="Assert the block size (e.g. 128,128) when config.json does not state it; "
-    "every scale grid must agree.",
+    help="Assert the block size (e.g. 128,128) when config.json does not state it; every scale grid must agree.",
 )
 
 
@@ -90,16 +87,14 @@ def _render_report(r: InspectReport) -> str:
         f"format:        {r.format}",
         f"quant_method:  {r.quant_method or 'none'}",
         f"block size:    {block}",
-        f"shards:        {r.shards}   tensors: {r.tensors}   "
-        f"size: {_gib(r.total_bytes)} ({r.total_bytes} bytes)",
+        f"shards:        {r.shards}   tensors: {r.tensors}   size: {_gib(r.total_bytes)} ({r.total_bytes} bytes)",
         "formats:       " + ", ".join(f"{k} {v}" for k, v in r.formats.items()),
         "dtypes:        " + ", ".join(f"{k} {v}" for k, v in r.dtypes.items()),
         "output size:   " + ", ".join(f"--to {k} ~{_gib(v)}" for k, v in r.estimated_output_bytes.items()),
     ]
     mtp = ", ".join(str(i) for i in r.mtp_layers) if r.mtp_layers else "none"
     lines.append(
-        f"MTP layers:    {mtp}"
-        + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
+        f"MTP layers:    {mtp}" + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
     )
     lines.append(f"partial blocks: {len(r.partial_block_tensors)} tensor(s)")
     for t in r.partial_block_tensors[:PARTIAL_LINES]:
@@ -183,6 +178,12 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="torch threads for the arithmetic (default: cores - 1, leaving a core for reading and writing).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint in a non-empty output directory.")
+@click.option(
+    "--allow-nonfinite",
+    is_flag=True,
+    help="Convert weights whose scales hold NaN/Inf, listing them, instead of refusing.",
+)
+@click.option("--no-space-check", is_flag=True, help="Do not compare the planned output size with the free space.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
     checkpoint: str,
@@ -196,6 +197,8 @@ def convert_command(
     device: str,
     threads: int | None,
     overwrite: bool,
+    allow_nonfinite: bool,
+    no_space_check: bool,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder or a .safetensors file) into OUTPUT."""
@@ -222,6 +225,8 @@ def convert_command(
             pad_for_tp=pad_for_tp,
             device=device,
             overwrite=overwrite,
+            allow_nonfinite=allow_nonfinite,
+            space_check=not no_space_check,
             progress=progress,
         )
     except Fp8ConvError as exc:

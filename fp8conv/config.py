@@ -67,9 +67,7 @@ def _without_quantization(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def rewrite_for_channel(
-    config: dict[str, Any], ignore: list[str], fp8_dtype_flavor: str | None
-) -> dict[str, Any]:
+def rewrite_for_channel(config: dict[str, Any], ignore: list[str], fp8_dtype_flavor: str | None) -> dict[str, Any]:
     """compressed-tensors FP8_DYNAMIC: channel-wise FP8 weights, dynamic per-token FP8 activations."""
     out = _without_quantization(config)
     quant: dict[str, Any] = {
@@ -104,9 +102,7 @@ def rewrite_for_channel(
     return out
 
 
-def rewrite_for_block(
-    config: dict[str, Any], block: tuple[int, int], not_converted: list[str]
-) -> dict[str, Any]:
+def rewrite_for_block(config: dict[str, Any], block: tuple[int, int], not_converted: list[str]) -> dict[str, Any]:
     """Block FP8 as DeepSeek ships it, with an explicit block size and the unquantized modules listed."""
     out = _without_quantization(config)
     quant: dict[str, Any] = {

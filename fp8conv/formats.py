@@ -277,9 +277,7 @@ def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
 
 
-def _classify_scaled(
-    ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tuple[str, ...]
-) -> WeightFormat:
+def _classify_scaled(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tuple[str, ...]) -> WeightFormat:
     def make(kind: Kind, reason: str | None = None, fix: str | None = None, block=None) -> WeightFormat:
         return WeightFormat(w.name, kind, s.name, companions, block=block, reason=reason, fix=fix)
 

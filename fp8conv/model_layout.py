@@ -44,12 +44,7 @@ FUSED_EXPERTS = re.compile(_MLP + r"experts\.(?:gate_up_proj|down_proj)$")
 
 
 def is_quantizable_linear(name: str, dtype: str, ndim: int) -> bool:
-    return (
-        name.endswith(".weight")
-        and dtype in FLOAT_DTYPES
-        and ndim in (2, 3)
-        and not NEVER_QUANTIZED.search(name)
-    )
+    return name.endswith(".weight") and dtype in FLOAT_DTYPES and ndim in (2, 3) and not NEVER_QUANTIZED.search(name)
 
 
 def fused_group(name: str) -> str | None:
@@ -68,9 +63,7 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 def mlp_widths(config: dict[str, Any] | None) -> dict[str, int]:
     """Each intermediate width the MLP tensors use, by role."""
     c = text_config(config or {})
-    widths = {
-        k: c.get(k) for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
-    }
+    widths = {k: c.get(k) for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")}
     widths = {k: v for k, v in widths.items() if isinstance(v, int) and v > 0}
     n_shared = c.get("n_shared_experts")
     if "moe_intermediate_size" in widths and isinstance(n_shared, int) and n_shared > 0:

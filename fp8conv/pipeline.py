@@ -21,6 +21,7 @@ from .errors import OptionsError, OutputError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
+from .preflight import check_free_space, check_scales
 from .rewrite.jobs import run_job
 from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
@@ -58,13 +59,13 @@ def convert(
     pad_for_tp: int | None = None,
     overwrite: bool = False,
     device: str = "cpu",
+    allow_nonfinite: bool = False,
+    space_check: bool = True,
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input."""
     started = time.monotonic()
-    options = ConvertOptions(
-        to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp
-    )
+    options = ConvertOptions(to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp)
     options.validate()
     backend = get_backend(device)
     ckpt = open_checkpoint(source)
@@ -72,10 +73,15 @@ def convert(
     if cls.problems:
         raise PlanRefused(cls.problems)
     plan = plan_conversion(ckpt, cls, options)
-    if plan.problems:
-        raise PlanRefused(plan.problems)
+    scale_problems, scale_warnings = check_scales(ckpt, cls, allow_nonfinite)
+    if plan.problems or scale_problems:
+        raise PlanRefused(plan.problems + scale_problems)
+    plan.warnings += scale_warnings
     out = Path(output)
     _check_output(ckpt, out, overwrite)
+    if space_check:
+        copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
+        check_free_space(out, plan.output_bytes + copied)
     _prepare_output(out)
     run = _Run(ckpt, plan, backend, progress)
     with ExitStack() as stack:

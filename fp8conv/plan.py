@@ -152,9 +152,7 @@ class _Planner:
         self.unquantized_linears: list[str] = []
         self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
         # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
-        self.quantize_floats = options.to != "bf16" and not any(
-            w.kind in CONVERTIBLE for w in cls.weights.values()
-        )
+        self.quantize_floats = options.to != "bf16" and not any(w.kind in CONVERTIBLE for w in cls.weights.values())
         self.padding: MlpPadding | None = None
         if options.pad_for_tp:
             self.padding = plan_mlp_padding(ckpt.config, options.pad_for_tp, self.out_block)
@@ -189,11 +187,7 @@ class _Planner:
         base = module_of(name)
         if to == "channel":
             return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), fmt, None)
-        keep = (
-            fmt.kind is Kind.BLOCK
-            and fmt.block == self.out_block
-            and self.options.fp8_max == FP8_MAX_STANDARD
-        )
+        keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
         action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
         return Job(name, action, _block_outputs(base, out_shape, self.out_block), fmt, self.out_block)
 
@@ -204,9 +198,7 @@ class _Planner:
             base = module_of(name)
             if self.options.to == "channel":
                 return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None)
-            return Job(
-                name, Action.QUANTIZE, _block_outputs(base, out_shape, self.out_block), None, self.out_block
-            )
+            return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, self.out_block), None, self.out_block)
         if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and "embed" not in name:
             self.unquantized_linears.append(module_of(name))
         return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),))
@@ -226,9 +218,7 @@ class _Planner:
         if self.padding is not None:
             updated_widths_config(out, self.padding)
         if self.cls.settings.activation_scheme == "static":
-            self.warnings.append(
-                "activation_scheme was static; block FP8 is written with dynamic activations"
-            )
+            self.warnings.append("activation_scheme was static; block FP8 is written with dynamic activations")
         return out
 
 

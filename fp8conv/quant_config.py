@@ -66,9 +66,7 @@ def _read_fp8(q: dict[str, Any], s: QuantSettings) -> None:
             s.problems.append(exc)
     if q.get("fmt", "e4m3") != "e4m3":
         s.problems.append(
-            CheckpointError(
-                f"fmt {q.get('fmt')!r} is not e4m3", shard=s.where, fix="fp8conv reads e4m3 FP8 only"
-            )
+            CheckpointError(f"fmt {q.get('fmt')!r} is not e4m3", shard=s.where, fix="fp8conv reads e4m3 FP8 only")
         )
     s.activation_scheme = q.get("activation_scheme")
     s.scale_fmt = q.get("scale_fmt")
@@ -82,9 +80,7 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         s.problems.append(
-            CheckpointError(
-                "compressed-tensors config has no config_groups", shard=s.where, fix="fix config.json"
-            )
+            CheckpointError("compressed-tensors config has no config_groups", shard=s.where, fix="fix config.json")
         )
         return
     blocks = set()
@@ -93,11 +89,7 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
         fmt = (group.get("format") if isinstance(group, dict) else None) or top_format
         if not isinstance(weights, dict):
             continue
-        if (
-            weights.get("type") != "float"
-            or weights.get("num_bits") != 8
-            or fmt not in FLOAT_QUANTIZED_FORMATS
-        ):
+        if weights.get("type") != "float" or weights.get("num_bits") != 8 or fmt not in FLOAT_QUANTIZED_FORMATS:
             s.problems.append(
                 CheckpointError(
                     f"compressed-tensors group {gname!r} is {fmt} {weights.get('type')}"

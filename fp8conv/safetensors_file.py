@@ -55,9 +55,7 @@ def read_header(path: Path, display_name: str | None = None) -> ShardHeader:
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(
-                    "file is too short to be safetensors", shard=shard, fix="re-download this shard"
-                )
+                raise CheckpointError("file is too short to be safetensors", shard=shard, fix="re-download this shard")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
                 raise CheckpointError(
@@ -71,9 +69,7 @@ def read_header(path: Path, display_name: str | None = None) -> ShardHeader:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"header is not valid JSON ({exc})", shard=shard, fix="re-download this shard"
-        ) from exc
+        raise CheckpointError(f"header is not valid JSON ({exc})", shard=shard, fix="re-download this shard") from exc
     if not isinstance(header, dict):
         raise CheckpointError("header is not a JSON object", shard=shard, fix="re-download this shard")
     data_start = 8 + header_len

@@ -34,9 +34,7 @@ def streamable(job: Job, entry: TensorEntry) -> bool:
 
 
 class BandStreamer:
-    def __init__(
-        self, reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, backend: Backend, fp8_max: float
-    ):
+    def __init__(self, reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, backend: Backend, fp8_max: float):
         self.reader, self.writer, self.backend, self.fp8_max = reader, writer, backend, fp8_max
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -47,9 +45,7 @@ class BandStreamer:
             self._buffers[(key, slot)] = buf
         return buf[:nbytes]
 
-    def run(
-        self, job: Job, entry: TensorEntry, fd: int, scale: torch.Tensor, out: ShardWriter
-    ) -> torch.Tensor | None:
+    def run(self, job: Job, entry: TensorEntry, fd: int, scale: torch.Tensor, out: ShardWriter) -> torch.Tensor | None:
         """Stream one job; returns the new scale tensor for a QUANTIZE job (written too)."""
         assert job.fmt is not None
         n, k = entry.shape

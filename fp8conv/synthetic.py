@@ -99,9 +99,7 @@ DIALECTS = (
 )
 
 
-def _quantized_tensors(
-    dialect: str, name: str, w: torch.Tensor, block: tuple[int, int]
-) -> dict[str, torch.Tensor]:
+def _quantized_tensors(dialect: str, name: str, w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
     base = name.removesuffix(".weight")
     n, k = w.shape
     if dialect == "bf16":
@@ -152,9 +150,7 @@ def dialect_quantization_config(dialect: str, block: tuple[int, int] | None) -> 
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
             "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
-            },
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
             "ignore": _CT_IGNORE,
         }
     if dialect == "per-tensor":

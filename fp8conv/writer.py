@@ -141,9 +141,7 @@ class ShardWriter:
 
 
 def _output_error(exc: OSError, path: Path) -> OutputError:
-    return OutputError(
-        f"writing failed: {exc.strerror or exc}", shard=path.name, fix="free disk space and retry"
-    )
+    return OutputError(f"writing failed: {exc.strerror or exc}", shard=path.name, fix="free disk space and retry")
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:

@@ -30,9 +30,7 @@ def dir_snapshot(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def write_checkpoint(
-    path: Path, tensors: dict[str, torch.Tensor], config: dict | None = None, shards: int = 1
-) -> Path:
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict | None = None, shards: int = 1) -> Path:
     """A small hand-made checkpoint: tensors dealt round-robin over `shards` files, with an index."""
     from safetensors.torch import save_file
 

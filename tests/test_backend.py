@@ -49,9 +49,7 @@ def test_dequantize_matches_reference_bit_for_bit(device, shape, block, dtype):
     q = random_fp8(shape, gen)
     grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
     # scales spanning many binades, so a scale applied to the wrong block changes the bits
-    scale = torch.exp2(torch.randint(-20, 4, grid, generator=gen).float()) * (
-        1 + torch.rand(grid, generator=gen)
-    )
+    scale = torch.exp2(torch.randint(-20, 4, grid, generator=gen).float()) * (1 + torch.rand(grid, generator=gen))
     fmt = WeightFormat("w", Kind.BLOCK, "s", block=block)
     got = dequantize(q, scale, fmt, dtype, get_backend(device))
     assert same_bits(got, dequant_block_reference(q, scale, block, dtype))
@@ -106,9 +104,7 @@ def test_fused_expert_tensor_dequantizes_per_expert():
     gen = torch.Generator().manual_seed(3)
     q = random_fp8((3, 200, 130), gen)
     scale = torch.rand(3, 2, 2, generator=gen) + 0.1
-    got = dequantize(
-        q, scale, WeightFormat("w", Kind.BLOCK, "s", block=(128, 128)), torch.bfloat16, get_backend("cpu")
-    )
+    got = dequantize(q, scale, WeightFormat("w", Kind.BLOCK, "s", block=(128, 128)), torch.bfloat16, get_backend("cpu"))
     for e in range(3):
         assert same_bits(got[e], dequant_block_reference(q[e], scale[e], (128, 128)))
 

@@ -181,20 +181,13 @@ def test_python_api_example_runs(tiny, tmp_path):
 
 def test_gaudi2_target_and_conflicting_range(runner, tiny, tmp_path):
     out = tmp_path / "g2"
-    result = runner.invoke(
-        main, ["convert", str(tiny.path), "--to", "channel", "--target", "gaudi2", "-o", str(out)]
-    )
+    result = runner.invoke(main, ["convert", str(tiny.path), "--to", "channel", "--target", "gaudi2", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert (
-        json.loads((out / "config.json").read_text())["quantization_config"]["fp8_dtype_flavor"]
-        == "float8_e4m3fnuz"
-    )
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["fp8_dtype_flavor"] == "float8_e4m3fnuz"
     args = ["convert", str(tiny.path), "--to", "channel", "--target", "gaudi2", "--fp8-max", "448", "-o", "x"]
     conflict = runner.invoke(main, args)
     assert conflict.exit_code == 2 and "--target gaudi2 means --fp8-max 240" in conflict.stderr
-    wrong_target = runner.invoke(
-        main, ["convert", str(tiny.path), "--to", "block", "--fp8-max", "240", "-o", "y"]
-    )
+    wrong_target = runner.invoke(main, ["convert", str(tiny.path), "--to", "block", "--fp8-max", "240", "-o", "y"])
     assert wrong_target.exit_code == 2 and "applies to --to channel only" in wrong_target.stderr
 
 

@@ -121,9 +121,7 @@ def test_other_dtypes(tiny, tmp_path, dtype, torch_dtype):
     fp8conv.convert(tiny.path, tmp_path / "out", to="bf16", dtype=dtype)
     got = load_dir(tmp_path / "out")
     name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
-    assert same_bits(
-        got[name], dequant_block_reference(src[name], src[name + "_scale_inv"], (128, 128), torch_dtype)
-    )
+    assert same_bits(got[name], dequant_block_reference(src[name], src[name + "_scale_inv"], (128, 128), torch_dtype))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == dtype
 
 
@@ -133,9 +131,7 @@ def test_odd_block_size_from_config(make_tiny, tmp_path):
     fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16")
     got = load_dir(tmp_path / "out")
     for name in ckpt.fp8_weights:
-        assert same_bits(got[name], dequant_block_reference(src[name], src[name + "_scale_inv"], (64, 96))), (
-            name
-        )
+        assert same_bits(got[name], dequant_block_reference(src[name], src[name + "_scale_inv"], (64, 96))), name
 
 
 def test_single_file_and_unindexed_directory(make_tiny, tmp_path):

@@ -70,9 +70,7 @@ def test_transformers_with_compressed_tensors_loads_channel_output(tiny, tmp_pat
         reference[name] = (t.to(torch.float32) * scale).to(torch.bfloat16) if scale is not None else t
     ref_dir = _reference_model_dir(tmp_path, tiny.path, reference)
     # decompressed to bf16: the weights the reference computes, so the logits must be identical
-    decompressed = _logits(
-        out, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
-    )
+    decompressed = _logits(out, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
     assert same_bits(decompressed, _logits(ref_dir))
     # and as users load it by default (FP8 weights with dynamic per-token FP8 activations)
     compressed = _logits(out)
@@ -120,9 +118,7 @@ def test_padded_mlp_is_the_same_function_in_plain_torch(tiny, tmp_path):
         return (torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ d.T
 
     assert b["model.layers.0.mlp.gate_proj.weight"].shape == (1024, 320)  # 448 -> 8 ranks x 128
-    torch.testing.assert_close(
-        mlp(a, "model.layers.0.mlp."), mlp(b, "model.layers.0.mlp."), rtol=1e-12, atol=0
-    )
+    torch.testing.assert_close(mlp(a, "model.layers.0.mlp."), mlp(b, "model.layers.0.mlp."), rtol=1e-12, atol=0)
 
 
 def test_padding_from_bf16_quantizes_the_padded_weight(make_tiny, tmp_path):

@@ -32,9 +32,7 @@ def test_block_grids_confirmed_including_partial_blocks(tmp_path):
         fp8_block_config(),
     )
     assert cls.problems == []
-    assert {n: w.kind for n, w in cls.weights.items()} == {
-        n: Kind.BLOCK for n in ("a.weight", "b.weight", "c.weight")
-    }
+    assert {n: w.kind for n, w in cls.weights.items()} == {n: Kind.BLOCK for n in ("a.weight", "b.weight", "c.weight")}
     assert cls.checkpoint_format == "block-fp8"
 
 
@@ -143,9 +141,7 @@ def test_unsupported_formats_are_named_never_guessed(tmp_path, tensors, reason):
 
 
 def test_unknown_quant_method_is_refused(tmp_path):
-    cls = _classify(
-        tmp_path, {"x.weight": torch.zeros(2, 2)}, {"quantization_config": {"quant_method": "awq"}}
-    )
+    cls = _classify(tmp_path, {"x.weight": torch.zeros(2, 2)}, {"quantization_config": {"quant_method": "awq"}})
     assert "'awq' is not supported" in cls.problems[0].one_line()
 
 

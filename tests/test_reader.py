@@ -128,9 +128,7 @@ def test_duplicate_tensor_across_shards(tmp_path):
     d.mkdir()
     save_file({"a.weight": torch.ones(2)}, str(d / "one.safetensors"))
     save_file({"a.weight": torch.ones(2)}, str(d / "two.safetensors"))
-    with pytest.raises(
-        CheckpointError, match=re.escape("appears in both one.safetensors and two.safetensors")
-    ) as info:
+    with pytest.raises(CheckpointError, match=re.escape("appears in both one.safetensors and two.safetensors")) as info:
         _convert(d, tmp_path)
     assert "a.weight" in str(info.value)
 

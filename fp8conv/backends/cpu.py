@@ -74,15 +74,9 @@ class CpuBackend(TorchDeviceBackend):
                 bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
                 if has_nan:
                     nan = bits.bitwise_and(0x7FFF) == E4M3_NAN_AS_F16
-                    torch.where(
-                        nan, bits.bitwise_or(NAN_EXPONENT_BIT), bits, out=bits
-                    )  # torch's NaN, sign kept
+                    torch.where(nan, bits.bitwise_or(NAN_EXPONENT_BIT), bits, out=bits)  # torch's NaN, sign kept
                 direct = out.dtype == torch.float32 and out.is_contiguous()  # no extra copy pass
-                prod = (
-                    out[m, r0 : r0 + rows]
-                    if direct
-                    else self._buffer("prod", rows * k, torch.float32).view(rows, k)
-                )
+                prod = out[m, r0 : r0 + rows] if direct else self._buffer("prod", rows * k, torch.float32).view(rows, k)
                 prod.copy_(bits.view(torch.float16))
                 s = self._row_scales(scale256[m], r0, rows, bn)
                 if full_k:
