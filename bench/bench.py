@@ -69,6 +69,23 @@ def timed(cmd: list[str]) -> tuple[float, int, str]:
     return seconds, peak[0], ""
 
 
+def run_alternating(commands: dict[str, list[str]], reps: int, out: Path) -> dict[str, dict]:
+    """Every command once per repetition, in turn; medians over the runs that succeeded."""
+    results: dict[str, dict] = {name: {"times_s": [], "peak_rss_bytes": 0, "error": ""} for name in commands}
+    for _ in range(reps):
+        for name, cmd in commands.items():
+            shutil.rmtree(out, ignore_errors=True)
+            seconds, peak, err = timed(cmd)
+            results[name]["times_s"].append(seconds)
+            results[name]["peak_rss_bytes"] = max(results[name]["peak_rss_bytes"], peak)
+            results[name]["error"] = results[name]["error"] or err
+    shutil.rmtree(out, ignore_errors=True)
+    for r in results.values():
+        times = [t for t in r["times_s"] if t == t]
+        r["median_s"] = statistics.median(times) if times else None
+    return results
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
@@ -96,18 +113,7 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool) -> di
             [py, str(HERE / "ct_convert.py"), str(src), str(out)],
             "bf16",
         )
-    results: dict[str, dict] = {name: {"times_s": [], "peak_rss_bytes": 0, "error": ""} for name in variants}
-    for _ in range(reps):
-        for name, (cmd, _target) in variants.items():
-            shutil.rmtree(out, ignore_errors=True)
-            seconds, peak, err = timed(cmd)
-            results[name]["times_s"].append(seconds)
-            results[name]["peak_rss_bytes"] = max(results[name]["peak_rss_bytes"], peak)
-            results[name]["error"] = results[name]["error"] or err
-    shutil.rmtree(out, ignore_errors=True)
-    for r in results.values():
-        times = [t for t in r["times_s"] if t == t]
-        r["median_s"] = statistics.median(times) if times else None
+    results = run_alternating({name: cmd for name, (cmd, _target) in variants.items()}, reps, out)
     for target in ("bf16", "channel", "block"):
         floor = results[f"I/O floor ({target} output size)"]["median_s"]
         for name, (_cmd, t) in variants.items():
@@ -129,20 +135,10 @@ def run_aligned(size_gib: float, reps: int, work: Path) -> dict:
         "compressed-tensors --to bf16": [py, str(HERE / "ct_convert.py"), str(src), str(out)],
         "I/O floor (bf16 output size)": [py, str(HERE / "io_floor.py"), str(src), str(out), str(out_bytes)],
     }
-    results: dict[str, dict] = {name: {"times_s": [], "peak_rss_bytes": 0, "error": ""} for name in variants}
-    for _ in range(reps):
-        for name, cmd in variants.items():
-            shutil.rmtree(out, ignore_errors=True)
-            seconds, peak, err = timed(cmd)
-            results[name]["times_s"].append(seconds)
-            results[name]["peak_rss_bytes"] = max(results[name]["peak_rss_bytes"], peak)
-            results[name]["error"] = results[name]["error"] or err
-    shutil.rmtree(out, ignore_errors=True)
+    results = run_alternating(variants, reps, out)
     in_bytes = dir_bytes(src)
-    floor = statistics.median(results["I/O floor (bf16 output size)"]["times_s"])
+    floor = results["I/O floor (bf16 output size)"]["median_s"]
     for r in results.values():
-        times = [t for t in r["times_s"] if t == t]
-        r["median_s"] = statistics.median(times) if times else None
         if r["median_s"]:
             r["ratio_to_floor"] = r["median_s"] / floor
             r["gb_per_s"] = (in_bytes + out_bytes) / r["median_s"] / 1e9
