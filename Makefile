@@ -21,7 +21,9 @@ demo: setup
 	$(PY) examples/make_tiny_checkpoint.py $(DEMO_DIR)/tiny-fp8
 	$(VENV)/bin/fp8conv inspect $(DEMO_DIR)/tiny-fp8
 	$(VENV)/bin/fp8conv convert $(DEMO_DIR)/tiny-fp8 --to bf16 -o $(DEMO_DIR)/tiny-bf16
-	$(VENV)/bin/fp8conv inspect $(DEMO_DIR)/tiny-bf16
+	$(VENV)/bin/fp8conv convert $(DEMO_DIR)/tiny-fp8 --to channel -o $(DEMO_DIR)/tiny-channel
+	$(VENV)/bin/fp8conv convert $(DEMO_DIR)/tiny-fp8 --to block --pad-for-tp 4 -o $(DEMO_DIR)/tiny-block-tp4
+	$(VENV)/bin/fp8conv inspect $(DEMO_DIR)/tiny-block-tp4
 
 lint: setup
 	$(VENV)/bin/ruff check fp8conv tests examples bench
