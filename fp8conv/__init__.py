@@ -3,12 +3,14 @@
 from .errors import CheckpointError, Fp8ConvError, OptionsError, OutputError, PlanRefused
 from .formats import Kind
 from .pipeline import ConvertResult, convert
+from .plan import ConvertOptions
 from .report import InspectReport, inspect
-
-__version__ = "0.1.0"
+from .verify import VerifyResult, verify
+from .version import __version__
 
 __all__ = [
     "CheckpointError",
+    "ConvertOptions",
     "ConvertResult",
     "Fp8ConvError",
     "InspectReport",
@@ -16,7 +18,9 @@ __all__ = [
     "OptionsError",
     "OutputError",
     "PlanRefused",
+    "VerifyResult",
     "__version__",
     "convert",
     "inspect",
+    "verify",
 ]

@@ -18,6 +18,7 @@ from .errors import Fp8ConvError, OptionsError
 from .pipeline import convert
 from .plan import TARGETS, ConvertOptions
 from .report import InspectReport, inspect
+from .verify import VerifyResult, verify
 
 DEBUG_ENV = "FP8CONV_DEBUG"
 PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
@@ -184,6 +185,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="Convert weights whose scales hold NaN/Inf, listing them, instead of refusing.",
 )
 @click.option("--no-space-check", is_flag=True, help="Do not compare the planned output size with the free space.")
+@click.option("--verify", "verify_after", is_flag=True, help="Read the output back and check it (fp8conv verify).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
     checkpoint: str,
@@ -199,6 +201,7 @@ def convert_command(
     overwrite: bool,
     allow_nonfinite: bool,
     no_space_check: bool,
+    verify_after: bool,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder or a .safetensors file) into OUTPUT."""
@@ -227,6 +230,7 @@ def convert_command(
             overwrite=overwrite,
             allow_nonfinite=allow_nonfinite,
             space_check=not no_space_check,
+            verify_after=verify_after,
             progress=progress,
         )
     except Fp8ConvError as exc:
@@ -245,3 +249,37 @@ def convert_command(
             f"converted, {result.tensors_copied} copied, {len(result.files_copied)} other file(s) copied, "
             f"{_gib(result.bytes_written)} in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
         )
+    if result.verified is not None:
+        _report_verify(result.verified)
+
+
+def _report_verify(result: VerifyResult) -> None:
+    for failure in result.failures:
+        click.echo(f"verify: {failure}", err=True)
+    verdict = "ok" if result.ok else "FAILED"
+    click.echo(
+        f"verify {verdict}: {result.tensors_sampled} of {result.tensors_checked} tensors checked numerically, "
+        f"structure of all, in {result.seconds:.1f} s"
+    )
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command("verify")
+@click.argument("checkpoint")
+@click.argument("output")
+@click.option(
+    "--sample",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Fraction of tensors whose numbers are checked (the structure is always checked whole).",
+)
+def verify_command(checkpoint: str, output: str, sample: float) -> None:
+    """Check OUTPUT against CHECKPOINT, with the options recorded in OUTPUT/.fp8conv/manifest.json."""
+    try:
+        result = verify(checkpoint, output, sample=sample)
+    except Fp8ConvError as exc:
+        _fail(exc)
+        return
+    _report_verify(result)

@@ -27,6 +27,8 @@ from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
 from .source import Checkpoint, open_checkpoint
 from .stream import BandStreamer, streamable
+from .verify import VerifyResult, verify, write_manifest
+from .version import __version__
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, fsync_dir, write_file_atomic
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the writer thread
@@ -46,6 +48,7 @@ class ConvertResult:
     files_copied: list[str]
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
+    verified: VerifyResult | None = None  # with verify_after
 
 
 def convert(
@@ -61,6 +64,7 @@ def convert(
     device: str = "cpu",
     allow_nonfinite: bool = False,
     space_check: bool = True,
+    verify_after: bool = False,
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input."""
@@ -93,12 +97,14 @@ def convert(
             config["quantization_config"]["scale_fmt"] = "ue8m0"
         else:
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
+    write_manifest(out, options, __version__)
     # index and config last: until they exist, the output does not look like a finished checkpoint
     if plan.write_index:
         write_file_atomic(out / INDEX_NAME, dump_json(plan.index_document()))
     if config is not None:
         write_file_atomic(out / CONFIG_NAME, dump_json(config))
     fsync_dir(out)
+    verified = verify(source, out, options=options) if verify_after else None
     return ConvertResult(
         output=out,
         target=plan.target,
@@ -110,6 +116,7 @@ def convert(
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
+        verified=verified,
     )
 
 

@@ -1,0 +1,196 @@
+"""`fp8conv verify`: read an output back and check it against its input and the plan that made it.
+
+Structure (always, every tensor): the shard files, tensor names, dtypes and shapes the plan expects,
+the index (weight map and total_size) and config.json. Numbers (every tensor, or a deterministic
+`sample` fraction): copies byte-identical; bf16 bit-identical to one rounding of the float32 product;
+channel and block FP8 within the FP8 rounding bound |q*s - w| <= 2^-4 |w| + amax * 2^-9 of the
+dequantized input (amax per row, or per block), and bit-identical to the reference backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .backends.torch_device import TorchDeviceBackend
+from .config import CONFIG_NAME
+from .errors import OptionsError
+from .formats import classify
+from .index import INDEX_NAME
+from .plan import Action, ConversionPlan, ConvertOptions, Job, plan_conversion
+from .rewrite.dequant import dequantize
+from .rewrite.jobs import run_job
+from .safetensors_file import ShardHeader, read_header, read_tensor
+from .source import open_checkpoint
+
+MANIFEST = Path(".fp8conv") / "manifest.json"
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    tensors_checked: int
+    tensors_sampled: int
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def write_manifest(out: Path, options: ConvertOptions, version: str) -> None:
+    """The options that shaped the output, so `verify` can re-plan it without being told them again."""
+    from .writer import write_file_atomic
+
+    doc = {"fp8conv_version": version, "options": {**options.__dict__, "block_size": options.block_size}}
+    write_file_atomic(out / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def read_manifest_options(out: Path) -> ConvertOptions:
+    path = out / MANIFEST
+    try:
+        opts = json.loads(path.read_text())["options"]
+        if opts.get("block_size") is not None:
+            opts["block_size"] = tuple(opts["block_size"])
+        return ConvertOptions(**opts)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OptionsError(
+            f"{path} is missing or unreadable ({exc})",
+            fix="pass the conversion options again (--to, --dtype, --block-size, --pad-for-tp, --fp8-max)",
+        ) from exc
+
+
+def _sampled(name: str, fraction: float) -> bool:
+    return fraction >= 1 or (zlib.crc32(name.encode()) % 10_000) < fraction * 10_000
+
+
+def verify(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    options: ConvertOptions | None = None,
+    sample: float = 1.0,
+    max_failures: int = 20,
+) -> VerifyResult:
+    started = time.monotonic()
+    out = Path(output)
+    options = options or read_manifest_options(out)
+    ckpt = open_checkpoint(source)
+    plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, options.block_size), options)
+    failures: list[str] = []
+
+    def fail(message: str) -> None:
+        if len(failures) < max_failures:
+            failures.append(message)
+
+    _check_documents(out, plan, fail)
+    headers: dict[str, ShardHeader] = {}
+    for shard in plan.shards:
+        path = out / shard.name
+        if not path.is_file():
+            fail(f"{shard.name}: missing")
+            continue
+        headers[shard.name] = header = read_header(path)
+        expected = {s.name: (s.dtype, s.shape) for s in shard.specs}
+        got = {n: (e.dtype, e.shape) for n, e in header.tensors.items()}
+        for name in sorted(set(expected) | set(got)):
+            if expected.get(name) != got.get(name):
+                fail(f"{shard.name}: {name}: expected {expected.get(name)}, found {got.get(name)}")
+    checked = sampled = 0
+    reference = TorchDeviceBackend("cpu")
+    index = ckpt.index
+    for shard in plan.shards:
+        header = headers.get(shard.name)
+        if header is None:
+            continue
+        fd_out = os.open(out / shard.name, os.O_RDONLY)
+        try:
+            for job in shard.jobs:
+                checked += 1
+                if not _sampled(job.source, sample) or any(o.name not in header.tensors for o in job.outputs):
+                    continue
+                sampled += 1
+
+                def read_in(name: str) -> torch.Tensor:
+                    src = index.shard_of(name)
+                    fd = os.open(index.root / src.name, os.O_RDONLY)
+                    try:
+                        return read_tensor(fd, index.entry(name), src.name)
+                    finally:
+                        os.close(fd)
+
+                got = [read_tensor(fd_out, header.tensors[o.name], shard.name) for o in job.outputs]
+                for message in _check_job(job, got, read_in, reference, plan.options.fp8_max):
+                    fail(f"{shard.name}: {message}")
+        finally:
+            os.close(fd_out)
+    return VerifyResult(not failures, checked, sampled, failures, time.monotonic() - started)
+
+
+def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
+    if plan.write_index:
+        try:
+            index = json.loads((out / INDEX_NAME).read_text())
+        except (OSError, ValueError) as exc:
+            fail(f"{INDEX_NAME}: unreadable ({exc})")
+        else:
+            expected = plan.index_document()
+            if index.get("weight_map") != expected["weight_map"]:
+                fail(f"{INDEX_NAME}: weight_map differs from the plan")
+            if index.get("metadata", {}).get("total_size") != expected["metadata"]["total_size"]:
+                fail(f"{INDEX_NAME}: total_size is not {expected['metadata']['total_size']}")
+    if plan.config is not None:
+        try:
+            config = json.loads((out / CONFIG_NAME).read_text())
+        except (OSError, ValueError) as exc:
+            fail(f"{CONFIG_NAME}: unreadable ({exc})")
+            return
+        quant = config.get("quantization_config")
+        if isinstance(quant, dict):
+            quant = {k: v for k, v in quant.items() if k != "scale_fmt"}  # decided from the written scales
+            config = {**config, "quantization_config": quant}
+        if config != plan.config:
+            fail(f"{CONFIG_NAME}: differs from what the plan writes")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: float) -> list[str]:
+    name = job.spec.name
+    if job.action is Action.COPY:
+        expected = run_job(job, read_in, reference, fp8_max)[0]
+        return [] if _same_bits(got[0], expected) else [f"{name}: not byte-identical to the input"]
+    if job.action is Action.DEQUANTIZE:
+        expected = run_job(job, read_in, reference, fp8_max)[0]
+        return [] if _same_bits(got[0], expected) else [f"{name}: not one rounding of the float32 product"]
+    problems = []
+    expected = run_job(job, read_in, reference, fp8_max)
+    if not all(_same_bits(g, e) for g, e in zip(got, expected, strict=True)):
+        problems.append(f"{name}: differs from the reference backend's output")
+    # independent of any backend: the FP8 rounding bound against the dequantized input
+    if job.fmt is not None:
+        truth = dequantize(read_in(job.source), read_in(job.fmt.scale), job.fmt, torch.float32, reference)
+    else:
+        truth = read_in(job.source).to(torch.float32)
+    q, scale = got[0].to(torch.float32), got[1]
+    n, k = q.shape[-2], q.shape[-1]
+    bn, bk = job.out_block or (1, k)
+    full_scale = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    truth = (
+        torch.nn.functional.pad(truth, (0, k - truth.shape[-1], 0, n - truth.shape[-2]))
+        if truth.shape != q.shape
+        else truth
+    )
+    amax = full_scale * fp8_max
+    if not bool(((q * full_scale - truth).abs() <= truth.abs() * 2**-4 + amax * 2**-9).all()):
+        problems.append(f"{name}: outside the FP8 rounding bound of the input")
+    return problems
