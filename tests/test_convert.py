@@ -138,7 +138,7 @@ def test_single_file_and_unindexed_directory(make_tiny, tmp_path):
     single = make_tiny(num_shards=1, with_index=False)
     src = load_dir(single.path)
     fp8conv.convert(single.path / "model.safetensors", tmp_path / "a", to="bf16")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".fp8conv", "config.json", "model.safetensors"]
     name = single.fp8_weights[0]
     assert same_bits(
         load_dir(tmp_path / "a")[name],
