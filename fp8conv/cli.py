@@ -60,14 +60,18 @@ def main() -> None:
     """Convert FP8 LLM checkpoints into formats other hardware and engines can run."""
 
 
+REVISION_OPTION = click.option("--revision", default=None, help="Branch, tag or commit, for a Hub repo ID.")
+
+
 @main.command("inspect")
 @click.argument("checkpoint")
 @BLOCK_SIZE_OPTION
+@REVISION_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect_command(checkpoint: str, block_size: tuple[int, int] | None, as_json: bool) -> None:
-    """Describe CHECKPOINT from its headers only (no tensor data is read)."""
+def inspect_command(checkpoint: str, block_size: tuple[int, int] | None, revision: str | None, as_json: bool) -> None:
+    """Describe CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) from its headers only."""
     try:
-        report = inspect(checkpoint, block_size=block_size)
+        report = inspect(checkpoint, block_size=block_size, revision=revision)
     except Fp8ConvError as exc:
         _fail(exc)
         return
@@ -186,6 +190,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 )
 @click.option("--no-space-check", is_flag=True, help="Do not compare the planned output size with the free space.")
 @click.option("--verify", "verify_after", is_flag=True, help="Read the output back and check it (fp8conv verify).")
+@REVISION_OPTION
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
     checkpoint: str,
@@ -202,6 +207,7 @@ def convert_command(
     allow_nonfinite: bool,
     no_space_check: bool,
     verify_after: bool,
+    revision: str | None,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder or a .safetensors file) into OUTPUT."""
@@ -231,6 +237,7 @@ def convert_command(
             allow_nonfinite=allow_nonfinite,
             space_check=not no_space_check,
             verify_after=verify_after,
+            revision=revision,
             progress=progress,
         )
     except Fp8ConvError as exc:

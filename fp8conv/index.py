@@ -41,13 +41,26 @@ class CheckpointIndex:
         return sum(e.nbytes for _, e in self.locations.values())
 
 
-def load_index(root: Path, shard_names: list[str], index_file: Path | None) -> CheckpointIndex:
-    """Read every shard's header and, when there is an index file, cross-check it against them."""
+def load_index(
+    root: Path,
+    shard_names: list[str],
+    index_file: Path | None,
+    headers: dict[str, ShardHeader] | None = None,
+) -> CheckpointIndex:
+    """Read every shard's header (or take `headers` read remotely) and, when there is an index file,
+    cross-check it against them."""
     weight_map = _read_weight_map(index_file) if index_file else None
     if weight_map is not None:
         shard_names = sorted(set(weight_map.values()))
+    elif headers is not None:
+        shard_names = sorted(headers)
     shards = []
     for name in shard_names:
+        if headers is not None:
+            if name not in headers:
+                raise CheckpointError(f"names shard {name!r}, which the repository does not hold", shard=INDEX_NAME)
+            shards.append(Shard(name, headers[name]))
+            continue
         path = _shard_path(root, name, index_file)
         shards.append(Shard(name, read_header(path, display_name=name)))
     index = CheckpointIndex(root=root, shards=shards, index_file=index_file)

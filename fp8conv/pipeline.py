@@ -65,6 +65,7 @@ def convert(
     allow_nonfinite: bool = False,
     space_check: bool = True,
     verify_after: bool = False,
+    revision: str | None = None,
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input."""
@@ -72,7 +73,7 @@ def convert(
     options = ConvertOptions(to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp)
     options.validate()
     backend = get_backend(device)
-    ckpt = open_checkpoint(source)
+    ckpt = open_checkpoint(source, revision=revision)
     cls = classify(ckpt.index, ckpt.config, block_size)
     if cls.problems:
         raise PlanRefused(cls.problems)
@@ -104,7 +105,7 @@ def convert(
     if config is not None:
         write_file_atomic(out / CONFIG_NAME, dump_json(config))
     fsync_dir(out)
-    verified = verify(source, out, options=options) if verify_after else None
+    verified = verify(ckpt.root, out, options=options) if verify_after else None
     return ConvertResult(
         output=out,
         target=plan.target,

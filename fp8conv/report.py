@@ -49,8 +49,11 @@ class InspectReport:
         return asdict(self)
 
 
-def inspect(source: str | os.PathLike[str], block_size: tuple[int, int] | None = None) -> InspectReport:
-    ckpt = open_checkpoint(source)
+def inspect(
+    source: str | os.PathLike[str], block_size: tuple[int, int] | None = None, revision: str | None = None
+) -> InspectReport:
+    """Headers only: a Hub ID not in the local cache is read remotely without downloading weights."""
+    ckpt = open_checkpoint(source, revision=revision, headers_only=True)
     cls = classify(ckpt.index, ckpt.config, block_size)
     layers = _num_hidden_layers(ckpt.config)
     partial = []

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import hub
 from .config import CONFIG_NAME, load_config
 from .errors import CheckpointError
 from .index import INDEX_NAME, CheckpointIndex, load_index
@@ -27,20 +28,49 @@ class Checkpoint:
     skipped_files: list[tuple[str, str]] = field(default_factory=list)  # (relative path, why)
 
 
-def open_checkpoint(location: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(
+    location: str | os.PathLike[str], *, revision: str | None = None, headers_only: bool = False
+) -> Checkpoint:
+    """A local folder or .safetensors file, or a Hub repo ID (through huggingface_hub's cache).
+    `headers_only` (inspect): a Hub ID not in the cache is read remotely, headers and JSON files only."""
+    if isinstance(location, str) and hub.looks_like_repo_id(location):
+        if headers_only:
+            try:
+                return _open_directory(hub.snapshot(location, revision, cached_only=True))
+            except CheckpointError:
+                return _open_remote(location, revision)
+        return _open_directory(hub.snapshot(location, revision))
     path = Path(location)
     if not path.exists():
-        hub_like = isinstance(location, str) and location.count("/") == 1 and not location.startswith(".")
-        fix = (
-            "downloading from the Hugging Face Hub is not implemented yet: run "
-            f"`hf download {location} --local-dir DIR` and pass DIR"
-            if hub_like
-            else "give a checkpoint directory or a .safetensors file"
+        raise CheckpointError(
+            f"{location} does not exist", fix="give a checkpoint directory, a .safetensors file or a Hub repo ID"
         )
-        raise CheckpointError(f"{location} does not exist", fix=fix)
     if path.is_file():
         return _open_single_file(path)
     return _open_directory(path)
+
+
+def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
+    root = hub.snapshot(repo_id, revision, headers_only=True)  # config.json and the index, a few KB
+    headers = hub.remote_headers(repo_id, revision)
+    index_file = root / INDEX_NAME
+    index = load_index(root, [], index_file if index_file.is_file() else None, headers=headers)
+    config_path = root / CONFIG_NAME
+    config = load_config(config_path) if config_path.is_file() else None
+    return Checkpoint(root=root, index=index, config=config, single_file=False)
+
+
+def containment_root(root: Path) -> Path:
+    """What symlinks may point into: the checkpoint folder, or for a Hugging Face cache snapshot
+    (models--org--name/snapshots/<rev>) the repo's cache folder, whose blobs/ the snapshot links to."""
+    resolved = root.resolve()
+    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith(("models--", "datasets--")):
+        return resolved.parent.parent
+    return resolved
+
+
+def _outside(path: Path, boundary: Path) -> bool:
+    return boundary != path.resolve() and boundary not in path.resolve().parents
 
 
 def _open_single_file(path: Path) -> Checkpoint:
@@ -72,14 +102,24 @@ def _open_directory(root: Path) -> Checkpoint:
             else "point at a folder holding *.safetensors (and model.safetensors.index.json)"
         )
         raise CheckpointError(f"{root} holds no .safetensors files", fix=hint)
+    boundary = containment_root(root)
+    for shard in index.shards:
+        if _outside(root / shard.name, boundary):
+            raise CheckpointError(
+                f"is a symlink to {(root / shard.name).resolve()}, outside the checkpoint",
+                shard=shard.name,
+                fix="fp8conv does not follow links out of a checkpoint; copy the file in",
+            )
     config_path = root / CONFIG_NAME
+    if config_path.is_file() and _outside(config_path, boundary):
+        raise CheckpointError("is a symlink outside the checkpoint", shard=CONFIG_NAME, fix="copy the file in")
     config = load_config(config_path) if config_path.is_file() else None
     ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
-    _list_other_files(ckpt)
+    _list_other_files(ckpt, boundary)
     return ckpt
 
 
-def _list_other_files(ckpt: Checkpoint) -> None:
+def _list_other_files(ckpt: Checkpoint, boundary: Path) -> None:
     """Everything that is not a shard, the index or config.json is copied, except other weights."""
     own = {s.name for s in ckpt.index.shards} | {INDEX_NAME, CONFIG_NAME}
     for dirpath, dirnames, filenames in os.walk(ckpt.root):
@@ -87,6 +127,9 @@ def _list_other_files(ckpt: Checkpoint) -> None:
         for fname in sorted(filenames):
             rel = (Path(dirpath) / fname).relative_to(ckpt.root).as_posix()
             if rel in own:
+                continue
+            if _outside(Path(dirpath) / fname, boundary):
+                ckpt.skipped_files.append((rel, "a symlink out of the checkpoint, not followed"))
                 continue
             if fname.endswith(".safetensors") or fname.endswith(".safetensors.index.json"):
                 ckpt.skipped_files.append((rel, "safetensors weights that are not part of this checkpoint"))

@@ -1,0 +1,72 @@
+"""Hub IDs through huggingface_hub: its cache, its offline mode (HF_HUB_OFFLINE=1), allow_patterns so
+that only what a conversion needs is downloaded, and remote safetensors headers for `inspect`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .errors import CheckpointError
+from .safetensors_file import ShardHeader, TensorEntry
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Weights as safetensors, and every file a model needs beside them; never other weight formats.
+ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.json",
+    "*.jinja",
+    "*.py",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.md",
+    "LICENSE*",
+]
+HEADER_ONLY_PATTERNS = ["*.json"]
+
+
+def looks_like_repo_id(location: str) -> bool:
+    return bool(REPO_ID.match(location)) and not Path(location).exists()
+
+
+def _hub_error(repo_id: str, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{repo_id} cannot be fetched from the Hugging Face Hub ({type(exc).__name__}: {exc})".replace("\n", " "),
+        fix="check the ID and --revision, the network or HF_HUB_OFFLINE, or download it and pass the folder",
+    )
+
+
+def snapshot(repo_id: str, revision: str | None, *, headers_only: bool = False, cached_only: bool = False) -> Path:
+    """The local snapshot folder of `repo_id` (downloaded into the huggingface_hub cache if needed)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=HEADER_ONLY_PATTERNS if headers_only else ALLOW_PATTERNS,
+                local_files_only=cached_only,
+            )
+        )
+    except Exception as exc:  # huggingface_hub raises many kinds; each becomes one clear line
+        raise _hub_error(repo_id, exc) from exc
+
+
+def remote_headers(repo_id: str, revision: str | None) -> dict[str, ShardHeader]:
+    """Every shard's header read remotely (a few KB per shard), without downloading weights."""
+    from huggingface_hub import HfApi
+
+    try:
+        meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
+    except Exception as exc:
+        raise _hub_error(repo_id, exc) from exc
+    headers = {}
+    for filename, file_meta in meta.files_metadata.items():
+        entries = {}
+        for name, info in file_meta.tensors.items():
+            begin, end = info.data_offsets
+            entries[name] = TensorEntry(name, info.dtype, tuple(info.shape), begin, end - begin)
+        size = max((e.start + e.nbytes for e in entries.values()), default=0)
+        headers[filename] = ShardHeader(Path(filename), size, 0, entries, dict(file_meta.metadata or {}))
+    return headers
