@@ -183,6 +183,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="torch threads for the arithmetic (default: cores - 1, leaving a core for reading and writing).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint in a non-empty output directory.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run: keep its finished shards that check out.")
 @click.option(
     "--allow-nonfinite",
     is_flag=True,
@@ -204,6 +205,7 @@ def convert_command(
     device: str,
     threads: int | None,
     overwrite: bool,
+    resume: bool,
     allow_nonfinite: bool,
     no_space_check: bool,
     verify_after: bool,
@@ -234,6 +236,7 @@ def convert_command(
             pad_for_tp=pad_for_tp,
             device=device,
             overwrite=overwrite,
+            resume=resume,
             allow_nonfinite=allow_nonfinite,
             space_check=not no_space_check,
             verify_after=verify_after,

@@ -20,6 +20,7 @@ from .config import CONFIG_NAME, dump_json
 from .errors import OptionsError, OutputError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
+from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
 from .rewrite.jobs import run_job
@@ -27,7 +28,7 @@ from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
 from .source import Checkpoint, open_checkpoint
 from .stream import BandStreamer, streamable
-from .verify import VerifyResult, verify, write_manifest
+from .verify import VerifyResult, verify
 from .version import __version__
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, fsync_dir, write_file_atomic
 
@@ -65,6 +66,7 @@ def convert(
     allow_nonfinite: bool = False,
     space_check: bool = True,
     verify_after: bool = False,
+    resume: bool = False,
     revision: str | None = None,
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
@@ -83,14 +85,18 @@ def convert(
         raise PlanRefused(plan.problems + scale_problems)
     plan.warnings += scale_warnings
     out = Path(output)
-    _check_output(ckpt, out, overwrite)
+    manifest = Manifest(__version__, Manifest.options_dict(options), input_identity(ckpt))
+    keep = _resumable_shards(out, plan, manifest) if resume else set()
+    _check_output(ckpt, out, overwrite or resume)
     if space_check:
         copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
-        check_free_space(out, plan.output_bytes + copied)
-    _prepare_output(out)
-    run = _Run(ckpt, plan, backend, progress)
+        kept = sum((out / name).stat().st_size for name in keep)
+        check_free_space(out, plan.output_bytes + copied - kept)
+    _prepare_output(out, keep)
+    manifest.save(out)
+    run = _Run(ckpt, plan, backend, progress, manifest)
     with ExitStack() as stack:
-        run.execute(out, stack)
+        run.execute(out, stack, skip=keep)
     _copy_other_files(ckpt, out, plan)
     config = plan.config
     if config is not None and plan.claims_ue8m0:
@@ -98,7 +104,6 @@ def convert(
             config["quantization_config"]["scale_fmt"] = "ue8m0"
         else:
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-    write_manifest(out, options, __version__)
     # index and config last: until they exist, the output does not look like a finished checkpoint
     if plan.write_index:
         write_file_atomic(out / INDEX_NAME, dump_json(plan.index_document()))
@@ -123,9 +128,15 @@ def convert(
 
 class _Run:
     def __init__(
-        self, ckpt: Checkpoint, plan: ConversionPlan, backend: Backend, progress: ProgressCallback | None
+        self,
+        ckpt: Checkpoint,
+        plan: ConversionPlan,
+        backend: Backend,
+        progress: ProgressCallback | None,
+        manifest: Manifest,
     ) -> None:
         self.ckpt, self.plan, self.backend, self.progress = ckpt, plan, backend, progress
+        self.manifest = manifest
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
         self.fds: dict[str, int] = {}
@@ -140,7 +151,7 @@ class _Run:
                 stack.callback(os.close, self.fds[shard_name])
             return self.fds[shard_name]
 
-    def execute(self, out: Path, stack: ExitStack) -> None:
+    def execute(self, out: Path, stack: ExitStack, skip: set[str]) -> None:
         """Three stages overlap: a reader thread fetches the next job's tensors, this thread computes,
         a writer thread writes the previous job's output. At most READ_AHEAD + WRITE_BEHIND + 1 jobs
         are in memory at once, so peak memory is a few tensors, whatever the checkpoint's size."""
@@ -149,6 +160,9 @@ class _Run:
         self.streamer = BandStreamer(reader, writer_pool, self.backend, self.plan.options.fp8_max)
         commits: deque[Future[None]] = deque()  # a shard's fsync and rename overlap the next shard
         for shard in self.plan.shards:
+            if shard.name in skip:  # finished by an interrupted run, size and hash checked
+                self.done += shard.nbytes
+                continue
             writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA)
             pending: deque[Future[None]] = deque()
             try:
@@ -168,7 +182,7 @@ class _Run:
                         self.progress(self.done, self.plan.output_bytes)
                 while pending:
                     pending.popleft().result()
-                commits.append(writer_pool.submit(writer.commit))
+                commits.append(writer_pool.submit(self._commit, writer, out, shard.name))
             except BaseException:
                 for future in pending:
                     future.cancel()
@@ -182,6 +196,10 @@ class _Run:
                     commits.popleft().result()
         while commits:
             commits.popleft().result()
+
+    def _commit(self, writer: ShardWriter, out: Path, name: str) -> None:
+        writer.commit()
+        self.manifest.record_shard(out, name)
 
     def _is_raw_copy(self, job: Job) -> bool:
         return job.action is Action.COPY and job.spec.shape == self.ckpt.index.entry(job.source).shape
@@ -253,13 +271,32 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
         )
 
 
-def _prepare_output(out: Path) -> None:
-    """Make the directory; with --overwrite, first remove what would make a failed run look complete."""
+def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest) -> set[str]:
+    """Shards an interrupted run finished that still check out; refuses other options or input."""
+    if not (out / MANIFEST).is_file():
+        if out.is_dir() and any(out.iterdir()):
+            raise OptionsError(
+                f"{out} has no {MANIFEST} to resume from", fix="convert into an empty directory, or use --overwrite"
+            )
+        return set()
+    old = load_manifest(out)
+    mismatch = resume_mismatch(old, manifest)
+    if mismatch:
+        raise OptionsError(f"cannot resume {out}: {mismatch}", fix="convert again with --overwrite")
+    keep = {s.name for s in plan.shards if old.shard_intact(out, s.name)}
+    manifest.shards = {name: old.shards[name] for name in keep}
+    return keep
+
+
+def _prepare_output(out: Path, keep: set[str]) -> None:
+    """Make the directory; first remove what would make a failed run look complete (index, config),
+    stale shards and temporary files; keep the shards a resumed run already finished."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in (INDEX_NAME, CONFIG_NAME):
         (out / stale).unlink(missing_ok=True)
     for old in out.glob("*.safetensors"):
-        old.unlink()
+        if old.name not in keep:
+            old.unlink()
     for old in out.glob(f".*{TEMP_SUFFIX}"):
         old.unlink()
 

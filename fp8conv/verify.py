@@ -20,16 +20,14 @@ import torch
 
 from .backends.torch_device import TorchDeviceBackend
 from .config import CONFIG_NAME
-from .errors import OptionsError
 from .formats import classify
 from .index import INDEX_NAME
+from .manifest import MANIFEST, load_manifest
 from .plan import Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .rewrite.dequant import dequantize
 from .rewrite.jobs import run_job
 from .safetensors_file import ShardHeader, read_header, read_tensor
 from .source import open_checkpoint
-
-MANIFEST = Path(".fp8conv") / "manifest.json"
 
 
 @dataclass
@@ -39,28 +37,6 @@ class VerifyResult:
     tensors_sampled: int
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def write_manifest(out: Path, options: ConvertOptions, version: str) -> None:
-    """The options that shaped the output, so `verify` can re-plan it without being told them again."""
-    from .writer import write_file_atomic
-
-    doc = {"fp8conv_version": version, "options": {**options.__dict__, "block_size": options.block_size}}
-    write_file_atomic(out / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
-
-
-def read_manifest_options(out: Path) -> ConvertOptions:
-    path = out / MANIFEST
-    try:
-        opts = json.loads(path.read_text())["options"]
-        if opts.get("block_size") is not None:
-            opts["block_size"] = tuple(opts["block_size"])
-        return ConvertOptions(**opts)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OptionsError(
-            f"{path} is missing or unreadable ({exc})",
-            fix="pass the conversion options again (--to, --dtype, --block-size, --pad-for-tp, --fp8-max)",
-        ) from exc
 
 
 def _sampled(name: str, fraction: float) -> bool:
@@ -77,7 +53,8 @@ def verify(
 ) -> VerifyResult:
     started = time.monotonic()
     out = Path(output)
-    options = options or read_manifest_options(out)
+    manifest = load_manifest(out) if options is None or (out / MANIFEST).is_file() else None
+    options = options or manifest.convert_options()
     ckpt = open_checkpoint(source)
     plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, options.block_size), options)
     failures: list[str] = []
@@ -87,6 +64,10 @@ def verify(
             failures.append(message)
 
     _check_documents(out, plan, fail)
+    if manifest is not None:
+        for name in manifest.shards:
+            if (out / name).is_file() and not manifest.shard_intact(out, name):
+                fail(f"{name}: size or sha256 differs from the manifest")
     headers: dict[str, ShardHeader] = {}
     for shard in plan.shards:
         path = out / shard.name

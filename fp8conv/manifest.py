@@ -1,0 +1,115 @@
+"""The run manifest, OUT/.fp8conv/manifest.json: what shaped the output and what is finished.
+
+It records the fp8conv version, the options that shape the output, the input's identity (shard names,
+sizes and header hashes, config.json's hash) and, per finished shard, its size and sha256. `--resume`
+keeps the shards whose size and hash still check out; `verify` re-plans from the options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import OptionsError
+from .plan import ConvertOptions
+from .source import Checkpoint
+from .writer import write_file_atomic
+
+MANIFEST = Path(".fp8conv") / "manifest.json"
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def input_identity(ckpt: Checkpoint) -> dict[str, Any]:
+    """Cheap and specific: every shard's name, size and header hash (the header names every tensor,
+    dtype, shape and offset), and config.json's hash."""
+    shards = []
+    for shard in ckpt.index.shards:
+        with open(shard.header.path, "rb") as f:
+            header = f.read(shard.header.data_start)
+        shards.append(
+            {"name": shard.name, "size": shard.header.file_size, "header_sha256": hashlib.sha256(header).hexdigest()}
+        )
+    config = ckpt.root / "config.json"
+    return {
+        "shards": shards,
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if ckpt.config is not None else None,
+    }
+
+
+@dataclass
+class Manifest:
+    fp8conv_version: str
+    options: dict[str, Any]
+    input: dict[str, Any]
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # finished: name -> {size, sha256}
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @staticmethod
+    def options_dict(options: ConvertOptions) -> dict[str, Any]:
+        d = asdict(options)
+        d["block_size"] = list(options.block_size) if options.block_size else None
+        return d
+
+    def convert_options(self) -> ConvertOptions:
+        opts = dict(self.options)
+        if opts.get("block_size") is not None:
+            opts["block_size"] = tuple(opts["block_size"])
+        return ConvertOptions(**opts)
+
+    def save(self, out: Path) -> None:
+        doc = {
+            "fp8conv_version": self.fp8conv_version,
+            "options": self.options,
+            "input": self.input,
+            "shards": self.shards,
+        }
+        write_file_atomic(out / MANIFEST, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+
+    def record_shard(self, out: Path, name: str) -> None:
+        """Called once a shard is fsynced and renamed: its size and hash, saved at once."""
+        path = out / name
+        entry = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        with self._lock:
+            self.shards[name] = entry
+            self.save(out)
+
+    def shard_intact(self, out: Path, name: str) -> bool:
+        entry = self.shards.get(name)
+        path = out / name
+        return (
+            bool(entry)
+            and path.is_file()
+            and path.stat().st_size == entry["size"]
+            and file_sha256(path) == entry["sha256"]
+        )
+
+
+def load_manifest(out: Path) -> Manifest:
+    path = out / MANIFEST
+    try:
+        doc = json.loads(path.read_text())
+        return Manifest(doc["fp8conv_version"], doc["options"], doc["input"], doc.get("shards", {}))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OptionsError(
+            f"{path} is missing or unreadable ({exc})",
+            fix="for verify, pass the conversion options again; to resume, start over with --overwrite",
+        ) from exc
+
+
+def resume_mismatch(old: Manifest, new: Manifest) -> str | None:
+    """Why an interrupted run cannot be resumed with these options and this input, or None."""
+    for key in sorted(set(old.options) | set(new.options)):
+        if old.options.get(key) != new.options.get(key):
+            return f"option {key} was {old.options.get(key)!r}, now {new.options.get(key)!r}"
+    if old.input != new.input:
+        changed = [s["name"] for s in new.input["shards"] if s not in old.input.get("shards", [])] or ["config.json"]
+        return f"the input changed since the interrupted run ({', '.join(changed[:3])})"
+    return None
