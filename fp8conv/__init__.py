@@ -2,6 +2,7 @@
 
 from .errors import CheckpointError, Fp8ConvError, OptionsError, OutputError, PlanRefused
 from .formats import Kind
+from .parts import FinalizeResult, finalize
 from .pipeline import ConvertResult, convert
 from .plan import ConvertOptions
 from .report import InspectReport, inspect
@@ -12,6 +13,7 @@ __all__ = [
     "CheckpointError",
     "ConvertOptions",
     "ConvertResult",
+    "FinalizeResult",
     "Fp8ConvError",
     "InspectReport",
     "Kind",
@@ -21,6 +23,7 @@ __all__ = [
     "VerifyResult",
     "__version__",
     "convert",
+    "finalize",
     "inspect",
     "verify",
 ]

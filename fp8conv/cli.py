@@ -15,6 +15,7 @@ import torch
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS
 from .errors import Fp8ConvError, OptionsError
+from .parts import finalize, parse_part
 from .pipeline import convert
 from .plan import TARGETS, ConvertOptions
 from .report import InspectReport, inspect
@@ -192,6 +193,13 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 @click.option("--no-space-check", is_flag=True, help="Do not compare the planned output size with the free space.")
 @click.option("--verify", "verify_after", is_flag=True, help="Read the output back and check it (fp8conv verify).")
 @REVISION_OPTION
+@click.option(
+    "--part",
+    "part_text",
+    default=None,
+    metavar="I/N",
+    help="Convert only the I-th of N parts of the shards (fan-out); the last part finalizes.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
     checkpoint: str,
@@ -210,6 +218,7 @@ def convert_command(
     no_space_check: bool,
     verify_after: bool,
     revision: str | None,
+    part_text: str | None,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder or a .safetensors file) into OUTPUT."""
@@ -217,6 +226,10 @@ def convert_command(
     if fp8_max and implied and fp8_max != implied:
         raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
     range_max = float(fp8_max or implied or 448)
+    try:
+        part = parse_part(part_text) if part_text else None
+    except OptionsError as exc:
+        raise click.UsageError(exc.one_line()) from None
     try:  # options that do not fit together are usage errors (exit 2), found before any work
         ConvertOptions(target, dtype, block_size, range_max, pad_for_tp).validate()
     except OptionsError as exc:
@@ -241,6 +254,7 @@ def convert_command(
             space_check=not no_space_check,
             verify_after=verify_after,
             revision=revision,
+            part=part,
             progress=progress,
         )
     except Fp8ConvError as exc:
@@ -273,6 +287,19 @@ def _report_verify(result: VerifyResult) -> None:
     )
     if not result.ok:
         sys.exit(1)
+
+
+@main.command("finalize")
+@click.argument("output")
+def finalize_command(output: str) -> None:
+    """Check every part of a fan-out in OUTPUT, then write its manifest, index and config."""
+    try:
+        result = finalize(output)
+    except Fp8ConvError as exc:
+        _fail(exc)
+        return
+    assert result is not None
+    click.echo(f"finalized {result.output}: {result.parts} part(s), {result.shards} shard(s) checked")
 
 
 @main.command("verify")

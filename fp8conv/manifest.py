@@ -64,14 +64,18 @@ class Manifest:
             opts["block_size"] = tuple(opts["block_size"])
         return ConvertOptions(**opts)
 
+    path: Path = MANIFEST  # relative to the output; a part of a fan-out writes its own
+    extra: dict[str, Any] = field(default_factory=dict)  # a part's finalize payload
+
     def save(self, out: Path) -> None:
         doc = {
             "fp8conv_version": self.fp8conv_version,
             "options": self.options,
             "input": self.input,
-            "shards": self.shards,
+            "shards": dict(sorted(self.shards.items())),  # the same bytes whatever order shards finished in
+            **self.extra,  # key order kept: it carries config.json for finalize
         }
-        write_file_atomic(out / MANIFEST, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+        write_file_atomic(out / self.path, (json.dumps(doc, indent=2) + "\n").encode())
 
     def record_shard(self, out: Path, name: str) -> None:
         """Called once a shard is fsynced and renamed: its size and hash, saved at once."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -16,11 +15,12 @@ from pathlib import Path
 import torch
 
 from .backends import Backend, get_backend
-from .config import CONFIG_NAME, dump_json
-from .errors import OptionsError, OutputError, PlanRefused
+from .config import CONFIG_NAME
+from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
+from .parts import assign_parts, finalize, finish, part_path, with_scale_fmt
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
 from .rewrite.jobs import run_job
@@ -30,7 +30,7 @@ from .source import Checkpoint, open_checkpoint
 from .stream import BandStreamer, streamable
 from .verify import VerifyResult, verify
 from .version import __version__
-from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, fsync_dir, write_file_atomic
+from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the writer thread
 # progress(bytes_written_so_far, total_bytes_planned)
@@ -68,6 +68,7 @@ def convert(
     verify_after: bool = False,
     resume: bool = False,
     revision: str | None = None,
+    part: tuple[int, int] | None = None,
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input."""
@@ -86,31 +87,45 @@ def convert(
     plan.warnings += scale_warnings
     out = Path(output)
     manifest = Manifest(__version__, Manifest.options_dict(options), input_identity(ckpt))
+    others: set[str] = set()  # shards other parts of a fan-out convert
+    if part is not None:
+        mine = assign_parts(plan.shards, part[1])[part[0] - 1]
+        others = {s.name for s in plan.shards} - set(mine)
+        manifest.path = part_path(out, part).relative_to(out)
     keep = _resumable_shards(out, plan, manifest) if resume else set()
-    _check_output(ckpt, out, overwrite or resume)
+    _check_output(ckpt, out, overwrite or resume or part is not None)
     if space_check:
         copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
         kept = sum((out / name).stat().st_size for name in keep)
-        check_free_space(out, plan.output_bytes + copied - kept)
-    _prepare_output(out, keep)
+        mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
+        check_free_space(out, mine_bytes + copied - kept)
+    _prepare_output(out, keep, others)
     manifest.save(out)
     run = _Run(ckpt, plan, backend, progress, manifest)
     with ExitStack() as stack:
-        run.execute(out, stack, skip=keep)
-    _copy_other_files(ckpt, out, plan)
+        run.execute(out, stack, skip=keep | others)
     config = plan.config
-    if config is not None and plan.claims_ue8m0:
-        if run.all_scales_pow2:
-            config["quantization_config"]["scale_fmt"] = "ue8m0"
-        else:
+    index = plan.index_document() if plan.write_index else None
+    if part is None:
+        if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-    # index and config last: until they exist, the output does not look like a finished checkpoint
-    if plan.write_index:
-        write_file_atomic(out / INDEX_NAME, dump_json(plan.index_document()))
-    if config is not None:
-        write_file_atomic(out / CONFIG_NAME, dump_json(config))
-    fsync_dir(out)
-    verified = verify(ckpt.root, out, options=options) if verify_after else None
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config)
+    else:  # record what finalize needs; the last part to finish finalizes
+        manifest.extra = {
+            "complete": True,
+            "all_scales_pow2": run.all_scales_pow2,  # finalize decides scale_fmt from every part
+            "finalize": {
+                "planned_shards": sorted(s.name for s in plan.shards),
+                "copy_from": str(ckpt.root.resolve()),
+                "copy_files": plan.copy_files,
+                "index": index,
+                "config": config,
+                "claims_ue8m0": plan.claims_ue8m0,
+            },
+        }
+        manifest.save(out)
+        finalize(out, require_all=False)
+    verified = verify(ckpt.root, out, options=options) if verify_after and part is None else None
     return ConvertResult(
         output=out,
         target=plan.target,
@@ -288,24 +303,16 @@ def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest) -> se
     return keep
 
 
-def _prepare_output(out: Path, keep: set[str]) -> None:
+def _prepare_output(out: Path, keep: set[str], others: set[str]) -> None:
     """Make the directory; first remove what would make a failed run look complete (index, config),
-    stale shards and temporary files; keep the shards a resumed run already finished."""
+    stale shards and temporary files; keep the shards a resumed run already finished, and never touch
+    the shards (or temporary files) of other parts of a fan-out."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in (INDEX_NAME, CONFIG_NAME):
         (out / stale).unlink(missing_ok=True)
     for old in out.glob("*.safetensors"):
-        if old.name not in keep:
+        if old.name not in keep and old.name not in others:
             old.unlink()
     for old in out.glob(f".*{TEMP_SUFFIX}"):
-        old.unlink()
-
-
-def _copy_other_files(ckpt: Checkpoint, out: Path, plan: ConversionPlan) -> None:
-    for rel in plan.copy_files:
-        dest = out / rel
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(ckpt.root / rel, dest)
-        except OSError as exc:
-            raise OutputError(f"copying failed: {exc.strerror or exc}", shard=rel) from exc
+        if old.name.removeprefix(".").removesuffix(TEMP_SUFFIX) not in others:
+            old.unlink()

@@ -1,0 +1,132 @@
+"""Fan-out: `convert --part I/N` converts the I-th of N deterministic parts of the output shards
+(balanced by bytes); `finalize` (or the last part to finish) writes the index and config once every
+part's shards are present and hashed. For Slurm job arrays, Kubernetes Indexed Jobs or CI matrices
+sharing one output filesystem."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import CONFIG_NAME, dump_json
+from .errors import OptionsError, OutputError
+from .index import INDEX_NAME
+from .manifest import MANIFEST, Manifest
+from .plan import ShardPlan
+from .writer import fsync_dir, write_file_atomic
+
+PART_FILE = re.compile(r"^part-(\d+)-of-(\d+)\.json$")
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise OptionsError(f"--part {text!r} is not I/N with 1 <= I <= N", fix="e.g. --part 2/8")
+    return int(m.group(1)), int(m.group(2))
+
+
+def assign_parts(shards: list[ShardPlan], count: int) -> list[list[str]]:
+    """Greedy by bytes, largest first, ties by name: the same answer on every machine."""
+    parts: list[list[str]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for shard in sorted(shards, key=lambda s: (-s.nbytes, s.name)):
+        i = min(range(count), key=lambda j: (loads[j], j))
+        parts[i].append(shard.name)
+        loads[i] += shard.nbytes
+    return [sorted(p) for p in parts]
+
+
+def part_path(out: Path, part: tuple[int, int]) -> Path:
+    return out / MANIFEST.parent / f"part-{part[0]}-of-{part[1]}.json"
+
+
+@dataclass
+class FinalizeResult:
+    output: Path
+    parts: int
+    shards: int
+
+
+def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult | None:
+    """Check every part's shards (present, size, sha256), then copy the other files and write the
+    manifest, index and config. With require_all=False, return None while parts are unfinished."""
+    out = Path(output)
+    docs = {}
+    for path in sorted((out / MANIFEST.parent).glob("part-*-of-*.json")):
+        m = PART_FILE.match(path.name)
+        if m:
+            docs[(int(m.group(1)), int(m.group(2)))] = json.loads(path.read_text())
+    if not docs:
+        raise OptionsError(f"{out} holds no part manifests", fix="run convert --part I/N first")
+    counts = {n for _, n in docs}
+    if len(counts) != 1:
+        raise OptionsError(f"{out} mixes part counts {sorted(counts)}", fix="convert again with one N")
+    n = counts.pop()
+    done = [i for i in range(1, n + 1) if (i, n) in docs and docs[(i, n)].get("complete")]
+    if len(done) < n:
+        if not require_all:
+            return None
+        missing = [f"{i}/{n}" for i in range(1, n + 1) if i not in done]
+        raise OptionsError(f"parts {', '.join(missing)} have not finished", fix="run them, then finalize again")
+    first = docs[(1, n)]
+    for key in ("fp8conv_version", "options", "input", "finalize"):
+        for (i, _), doc in docs.items():
+            if doc[key] != first[key]:
+                raise OptionsError(f"part {i}/{n} was run with a different {key}", fix="convert all parts again")
+    shards: dict[str, Any] = {}
+    for doc in docs.values():
+        shards.update(doc["shards"])
+    fin = first["finalize"]
+    merged = Manifest(first["fp8conv_version"], first["options"], first["input"], shards)
+    for name in fin["planned_shards"]:
+        if not merged.shard_intact(out, name):
+            raise OutputError("is missing or does not match its part's hash", shard=name, fix="run its part again")
+    all_pow2 = all(doc.get("all_scales_pow2", True) for doc in docs.values())
+    with_scale_fmt(fin["config"], fin["claims_ue8m0"], all_pow2)
+    finish(
+        out,
+        merged,
+        Path(fin["copy_from"]),
+        fin["copy_files"],
+        fin["index"],
+        fin["config"],
+    )
+    return FinalizeResult(out, n, len(shards))
+
+
+def with_scale_fmt(config: dict[str, Any] | None, claims_ue8m0: bool, all_pow2: bool) -> bool:
+    """Write scale_fmt ue8m0 only where the input claimed it and every written scale is a power of two;
+    False when the claim had to be dropped."""
+    if config is None or not claims_ue8m0:
+        return True
+    if all_pow2:
+        config["quantization_config"]["scale_fmt"] = "ue8m0"
+    return all_pow2
+
+
+def finish(
+    out: Path,
+    manifest: Manifest,
+    copy_from: Path,
+    copy_files: list[str],
+    index: dict[str, Any] | None,
+    config: dict[str, Any] | None,
+) -> None:
+    """The end of every run: the other files, the manifest, then the index and config, last."""
+    for rel in copy_files:
+        dest = out / rel
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(copy_from / rel, dest)
+        except OSError as exc:
+            raise OutputError(f"copying failed: {exc.strerror or exc}", shard=rel) from exc
+    manifest.save(out)
+    if index is not None:
+        write_file_atomic(out / INDEX_NAME, dump_json(index))
+    if config is not None:
+        write_file_atomic(out / CONFIG_NAME, dump_json(config))
+    fsync_dir(out)
