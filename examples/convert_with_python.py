@@ -21,6 +21,8 @@ def main() -> None:
     except fp8conv.Fp8ConvError as exc:
         sys.exit(f"refused: {exc}")
     print(f"{result.tensors_converted} tensors converted into {result.output} in {result.seconds:.2f} s")
+    checked = fp8conv.verify(source, output, sample=0.5)
+    print(f"verify: {'ok' if checked.ok else checked.failures}")
 
 
 if __name__ == "__main__":

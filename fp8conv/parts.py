@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from .errors import OptionsError, OutputError
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest
 from .plan import ShardPlan
-from .writer import fsync_dir, write_file_atomic
+from .writer import copy_file_atomic, fsync_dir, write_file_atomic
 
 PART_FILE = re.compile(r"^part-(\d+)-of-(\d+)\.json$")
 
@@ -118,12 +117,7 @@ def finish(
 ) -> None:
     """The end of every run: the other files, the manifest, then the index and config, last."""
     for rel in copy_files:
-        dest = out / rel
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(copy_from / rel, dest)
-        except OSError as exc:
-            raise OutputError(f"copying failed: {exc.strerror or exc}", shard=rel) from exc
+        copy_file_atomic(copy_from / rel, out / rel)
     manifest.save(out)
     if index is not None:
         write_file_atomic(out / INDEX_NAME, dump_json(index))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,21 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     except OSError as exc:
         temp.unlink(missing_ok=True)
         raise _output_error(exc, path) from exc
+
+
+def copy_file_atomic(src: Path, dest: Path) -> None:
+    """A copy that appears complete or not at all: temp name, fsync, rename."""
+    temp = temp_path(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(src, "rb") as fin, open(temp, "wb") as fout:
+            shutil.copyfileobj(fin, fout, COPY_CHUNK_BYTES)
+            fout.flush()
+            os.fsync(fout.fileno())
+        os.replace(temp, dest)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise _output_error(exc, dest) from exc
 
 
 def fsync_dir(path: Path) -> None:

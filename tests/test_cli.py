@@ -176,7 +176,7 @@ def test_python_api_example_runs(tiny, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "block-fp8, block size [128, 128], 0 problem(s)" in done.stdout
-    assert "48 tensors converted" in done.stdout
+    assert "48 tensors converted" in done.stdout and "verify: ok" in done.stdout
 
 
 def test_gaudi2_target_and_conflicting_range(runner, tiny, tmp_path):

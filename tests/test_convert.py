@@ -303,6 +303,9 @@ def test_pickles_are_never_read(tmp_path):
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     with pytest.raises(CheckpointError, match="never unpickles"):
         fp8conv.convert(d, tmp_path / "out", to="bf16")
+    with pytest.raises(CheckpointError, match="never unpickles"):  # a pickle given as a file, too
+        fp8conv.convert(d / "pytorch_model.bin", tmp_path / "out", to="bf16")
+    assert not (tmp_path / "out").exists()
 
 
 def test_other_weight_files_are_not_copied(tiny, tmp_path):
