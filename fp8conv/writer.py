@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -145,12 +146,13 @@ def _output_error(exc: OSError, path: Path) -> OutputError:
     return OutputError(f"writing failed: {exc.strerror or exc}", shard=path.name, fix="free disk space and retry")
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
+def _atomically(path: Path, fill: Callable[[BinaryIO], object]) -> None:
+    """Write `path` under a temporary name, fsync, rename: it appears complete or not at all."""
     temp = temp_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(temp, "wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
@@ -159,19 +161,16 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         raise _output_error(exc, path) from exc
 
 
+def write_file_atomic(path: Path, data: bytes) -> None:
+    _atomically(path, lambda f: f.write(data))
+
+
 def copy_file_atomic(src: Path, dest: Path) -> None:
-    """A copy that appears complete or not at all: temp name, fsync, rename."""
-    temp = temp_path(dest)
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(src, "rb") as fin, open(temp, "wb") as fout:
-            shutil.copyfileobj(fin, fout, COPY_CHUNK_BYTES)
-            fout.flush()
-            os.fsync(fout.fileno())
-        os.replace(temp, dest)
-    except OSError as exc:
-        temp.unlink(missing_ok=True)
-        raise _output_error(exc, dest) from exc
+    def fill(f: BinaryIO) -> None:
+        with open(src, "rb") as fin:
+            shutil.copyfileobj(fin, f, COPY_CHUNK_BYTES)
+
+    _atomically(dest, fill)
 
 
 def fsync_dir(path: Path) -> None:
