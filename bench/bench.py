@@ -107,6 +107,10 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool) -> di
         outputs[target] = report.estimated_output_bytes[target]
         floor = f"I/O floor ({target} output size)"
         variants[floor] = ([py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])], None)
+    variants["fp8conv --to bf16 -j 2"] = (
+        [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "-j", "2"],
+        "bf16",
+    )
     if with_baselines:
         variants["plain torch --to bf16"] = ([py, str(HERE / "plain_torch.py"), str(src), str(out)], "bf16")
         variants["compressed-tensors --to bf16 (ragged shapes)"] = (

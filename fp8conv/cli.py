@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -200,6 +203,14 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     metavar="I/N",
     help="Convert only the I-th of N parts of the shards (fan-out); the last part finalizes.",
 )
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes, each converting a byte-balanced part of the shards (--part I/N under the hood).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
     checkpoint: str,
@@ -219,9 +230,10 @@ def convert_command(
     verify_after: bool,
     revision: str | None,
     part_text: str | None,
+    jobs: int,
     quiet: bool,
 ) -> None:
-    """Convert CHECKPOINT (a folder or a .safetensors file) into OUTPUT."""
+    """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
     implied = {"gaudi2": "240", "gaudi3": "448", "generic": "448"}.get(hardware or "")
     if fp8_max and implied and fp8_max != implied:
         raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
@@ -234,6 +246,21 @@ def convert_command(
         ConvertOptions(target, dtype, block_size, range_max, pad_for_tp).validate()
     except OptionsError as exc:
         raise click.UsageError(exc.one_line()) from None
+    if jobs > 1:
+        if part is not None:
+            raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
+        flags = [("--block-size", block_size and f"{block_size[0]},{block_size[1]}"), ("--pad-for-tp", pad_for_tp)]
+        flags += [("--revision", revision), ("--overwrite", overwrite), ("--resume", resume)]
+        flags += [("--allow-nonfinite", allow_nonfinite), ("--no-space-check", no_space_check)]
+        base = ["convert", checkpoint, "--to", target, "-o", output, "--dtype", dtype, "--fp8-max", f"{range_max:g}"]
+        base += ["--device", device, "--threads", str(threads or 1), "-q"]
+        for flag, value in flags:
+            if value is True:
+                base.append(flag)
+            elif value not in (None, False):
+                base += [flag, str(value)]
+        _run_workers(base, jobs, output, overwrite or resume, verify_after, checkpoint, quiet)
+        return
     # The process is the CLI's: it may size torch's thread pool (the library never touches it). On 2 cores,
     # 2 arithmetic threads starve the reader and writer threads and the whole run gets slower.
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
@@ -275,6 +302,30 @@ def convert_command(
         )
     if result.verified is not None:
         _report_verify(result.verified)
+
+
+def _run_workers(
+    args: list[str], jobs: int, output: str, may_replace: bool, verify_after: bool, checkpoint: str, quiet: bool
+) -> None:
+    """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure."""
+    out = Path(output)
+    if out.is_dir() and any(out.iterdir()) and not may_replace:
+        _fail(OptionsError(f"output directory {out} is not empty", fix="choose an empty directory, or --overwrite"))
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fp8conv", *args, "--part", f"{i}/{jobs}"], stderr=subprocess.PIPE, text=True
+        )
+        for i in range(1, jobs + 1)
+    ]
+    errors = [err for proc in procs for err in [proc.communicate()[1]] if proc.returncode != 0]
+    if errors:
+        click.echo(errors[0].strip().splitlines()[0] if errors[0].strip() else "error: a worker failed", err=True)
+        sys.exit(1)
+    if not quiet:
+        click.echo(f"wrote {out} with {jobs} worker processes in {time.monotonic() - started:.1f} s")
+    if verify_after:
+        _report_verify(verify(checkpoint, output))
 
 
 def _report_verify(result: VerifyResult) -> None:

@@ -310,9 +310,9 @@ def _prepare_output(out: Path, keep: set[str], others: set[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for stale in (INDEX_NAME, CONFIG_NAME):
         (out / stale).unlink(missing_ok=True)
-    for old in out.glob("*.safetensors"):
+    for old in out.glob("*.safetensors"):  # missing_ok: parts of a fan-out clean up side by side
         if old.name not in keep and old.name not in others:
-            old.unlink()
+            old.unlink(missing_ok=True)
     for old in out.glob(f".*{TEMP_SUFFIX}"):
         if old.name.removeprefix(".").removesuffix(TEMP_SUFFIX) not in others:
-            old.unlink()
+            old.unlink(missing_ok=True)

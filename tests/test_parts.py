@@ -84,3 +84,32 @@ def test_part_assignment_is_balanced_and_deterministic():
         with pytest.raises(OptionsError):
             parse_part(bad)
     assert json.dumps(assign_parts(plans, 5)) == '[["s0"], ["s1"], ["s2"], ["s3"], ["s4"]]'
+
+
+def test_jobs_flag_runs_worker_processes(make_tiny, tmp_path):
+    ckpt = make_tiny(num_shards=4)
+    fp8conv.convert(ckpt.path, tmp_path / "single", to="bf16")
+    out = tmp_path / "jobs"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp8conv",
+        "convert",
+        str(ckpt.path),
+        "--to",
+        "bf16",
+        "-o",
+        str(out),
+        "-j",
+        "2",
+        "--verify",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "with 2 worker processes" in done.stdout and "verify ok" in done.stdout
+    fanned = {k: v for k, v in dir_snapshot(out).items() if not k.startswith(".fp8conv/part-")}
+    assert fanned == dir_snapshot(tmp_path / "single")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "is not empty" in again.stderr
+    mixed = CliRunner().invoke(main, ["convert", str(ckpt.path), "--to", "bf16", "-o", "x", "-j", "2", "--part", "1/2"])
+    assert mixed.exit_code == 2
