@@ -23,6 +23,7 @@ from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_
 from .parts import assign_parts, finalize, finish, part_path, with_scale_fmt
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
+from .rewrite.dequant import scale_grid
 from .rewrite.jobs import run_job
 from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
@@ -223,18 +224,36 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
-        if streamable(job, self.ckpt.index.entry(job.source)):
-            names = names[1:]  # the weight itself is streamed band by band
+        if streamable(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
+            names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
         return {
             n: read_tensor(self.fd_of(index.shard_of(n).name, stack), index.entry(n), index.shard_of(n).name)
             for n in names
         }
 
+    def _weight_bytes_kept(self, job: Job) -> bool:
+        """Block FP8 kept as it is and not padded: its weight bytes go file to file."""
+        return job.action is Action.KEEP_BLOCKS and job.spec.shape == self.ckpt.index.entry(job.source).shape
+
     def _compute(
         self, job: Job, inputs: dict[str, torch.Tensor], writer: ShardWriter, stack: ExitStack
     ) -> Callable[[], None]:
         """Do the arithmetic now; return the write, to run on the writer thread."""
+        if self._weight_bytes_kept(job):
+            assert job.fmt is not None and job.fmt.scale is not None
+            entry = self.ckpt.index.entry(job.source)
+            fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
+            grid = scale_grid(inputs[job.fmt.scale], job.fmt, entry.shape).reshape(job.outputs[1].shape).contiguous()
+            if self.all_scales_pow2:
+                self.all_scales_pow2 = all_powers_of_two(grid)
+            self.converted += 1
+
+            def keep() -> None:
+                writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
+                writer.write_tensor(job.outputs[1].name, grid)
+
+            return keep
         if self._is_raw_copy(job):
             entry = self.ckpt.index.entry(job.source)
             fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
