@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -204,6 +205,12 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="Convert only the I-th of N parts of the shards (fan-out); the last part finalizes.",
 )
 @click.option(
+    "--max-memory",
+    default=None,
+    metavar="SIZE",
+    help="Cap on memory (e.g. 512M, 2G): large weights stream in smaller bands; refused up front if impossible.",
+)
+@click.option(
     "-j",
     "--jobs",
     type=click.IntRange(min=1),
@@ -230,6 +237,7 @@ def convert_command(
     verify_after: bool,
     revision: str | None,
     part_text: str | None,
+    max_memory: str | None,
     jobs: int,
     quiet: bool,
 ) -> None:
@@ -240,6 +248,7 @@ def convert_command(
     range_max = float(fp8_max or implied or 448)
     try:
         part = parse_part(part_text) if part_text else None
+        memory_cap = parse_size(max_memory) if max_memory else None
     except OptionsError as exc:
         raise click.UsageError(exc.one_line()) from None
     try:  # options that do not fit together are usage errors (exit 2), found before any work
@@ -252,6 +261,7 @@ def convert_command(
         flags = [("--block-size", block_size and f"{block_size[0]},{block_size[1]}"), ("--pad-for-tp", pad_for_tp)]
         flags += [("--revision", revision), ("--overwrite", overwrite), ("--resume", resume)]
         flags += [("--allow-nonfinite", allow_nonfinite), ("--no-space-check", no_space_check)]
+        flags += [("--max-memory", max_memory)]
         base = ["convert", checkpoint, "--to", target, "-o", output, "--dtype", dtype, "--fp8-max", f"{range_max:g}"]
         base += ["--device", device, "--threads", str(threads or 1), "-q"]
         for flag, value in flags:
@@ -282,6 +292,7 @@ def convert_command(
             verify_after=verify_after,
             revision=revision,
             part=part,
+            max_memory=memory_cap,
             progress=progress,
         )
     except Fp8ConvError as exc:
@@ -302,6 +313,14 @@ def convert_command(
         )
     if result.verified is not None:
         _report_verify(result.verified)
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), flags=re.IGNORECASE)
+    if not match:
+        raise OptionsError(f"--max-memory {text!r} is not a size", fix="e.g. 512M or 2G")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
 
 
 def _run_workers(

@@ -28,7 +28,7 @@ from .rewrite.jobs import run_job
 from .rewrite.scales import all_powers_of_two
 from .safetensors_file import read_tensor
 from .source import Checkpoint, open_checkpoint
-from .stream import BandStreamer, streamable
+from .stream import BASE_BYTES, MIN_BAND_BYTES, BandStreamer, band_elements_for, streamable, whole_tensor_bytes
 from .verify import VerifyResult, verify
 from .version import __version__
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter
@@ -70,6 +70,7 @@ def convert(
     resume: bool = False,
     revision: str | None = None,
     part: tuple[int, int] | None = None,
+    max_memory: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input."""
@@ -86,6 +87,7 @@ def convert(
     if plan.problems or scale_problems:
         raise PlanRefused(plan.problems + scale_problems)
     plan.warnings += scale_warnings
+    band_elements = _check_memory_cap(ckpt, plan, max_memory)
     out = Path(output)
     manifest = Manifest(__version__, Manifest.options_dict(options), input_identity(ckpt))
     others: set[str] = set()  # shards other parts of a fan-out convert
@@ -102,7 +104,7 @@ def convert(
         check_free_space(out, mine_bytes + copied - kept)
     _prepare_output(out, keep, others)
     manifest.save(out)
-    run = _Run(ckpt, plan, backend, progress, manifest)
+    run = _Run(ckpt, plan, backend, progress, manifest, band_elements)
     with ExitStack() as stack:
         run.execute(out, stack, skip=keep | others)
     config = plan.config
@@ -150,9 +152,11 @@ class _Run:
         backend: Backend,
         progress: ProgressCallback | None,
         manifest: Manifest,
+        band_elements: int,
     ) -> None:
         self.ckpt, self.plan, self.backend, self.progress = ckpt, plan, backend, progress
         self.manifest = manifest
+        self.band_elements = band_elements
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
         self.fds: dict[str, int] = {}
@@ -173,7 +177,7 @@ class _Run:
         are in memory at once, so peak memory is a few tensors, whatever the checkpoint's size."""
         reader = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-read"))
         writer_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-write"))
-        self.streamer = BandStreamer(reader, writer_pool, self.backend, self.plan.options.fp8_max)
+        self.streamer = BandStreamer(reader, writer_pool, self.backend, self.plan.options.fp8_max, self.band_elements)
         commits: deque[Future[None]] = deque()  # a shard's fsync and rename overlap the next shard
         for shard in self.plan.shards:
             if shard.name in skip:  # finished by an interrupted run, size and hash checked
@@ -224,7 +228,7 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
-        if streamable(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
+        if streamable(job, self.ckpt.index.entry(job.source), self.band_elements) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
         return {
@@ -260,7 +264,7 @@ class _Run:
             self.copied += 1
             return lambda: writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
         entry = self.ckpt.index.entry(job.source)
-        if streamable(job, entry):
+        if streamable(job, entry, self.band_elements):
             assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
             fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
             new_scale = self.streamer.run(job, entry, fd, inputs[job.fmt.scale], writer)
@@ -303,6 +307,36 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
             f"output directory {out} is not empty",
             fix="choose an empty directory, or pass --overwrite to replace its checkpoint",
         )
+
+
+def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | None) -> int:
+    """Band size under --max-memory; refuses, before anything is written, a cap that cannot hold the
+    run or a tensor that would have to be rewritten whole (padded, 3-D, or quantized from bf16)."""
+    band = band_elements_for(max_memory)
+    if max_memory is None:
+        return band
+    if max_memory < BASE_BYTES + MIN_BAND_BYTES:
+        raise OptionsError(
+            f"--max-memory {max_memory} bytes is below what a run needs ({BASE_BYTES + MIN_BAND_BYTES} bytes)",
+            fix="raise --max-memory",
+        )
+    budget = max_memory - BASE_BYTES
+    for shard in plan.shards:
+        for job in shard.jobs:
+            entry = ckpt.index.entry(job.source)
+            if job.action is Action.COPY and job.spec.shape == entry.shape:
+                continue  # copied file to file
+            if job.action is Action.KEEP_BLOCKS and job.spec.shape == entry.shape:
+                continue
+            if streamable(job, entry, band):
+                continue
+            if whole_tensor_bytes(job, entry) > budget:
+                raise OptionsError(
+                    f"tensor {job.source} is rewritten whole and needs ~{whole_tensor_bytes(job, entry)} bytes, "
+                    f"over --max-memory {max_memory} minus ~{BASE_BYTES} for the process",
+                    fix="raise --max-memory",
+                )
+    return band
 
 
 def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest) -> set[str]:

@@ -20,22 +20,50 @@ from .writer import ShardWriter
 
 BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
 OUT_SLOTS = 3  # bands that may wait for the writer
+# Bytes held per band element at once: 2 input bands (1 B), OUT_SLOTS output bands (up to 4 B) and a
+# float32 scratch band.
+BYTES_PER_BAND_ELEMENT = 2 * 1 + OUT_SLOTS * 4 + 4
+# What a run holds besides the bands: Python, torch, the backend's cache-sized scratch (measured:
+# VmHWM 255 MB converting a checkpoint too small to stream; ~290 MB with the default bands).
+BASE_BYTES = 256 * 2**20
+MIN_BAND_BYTES = 16 * 2**20
 
 
-def streamable(job: Job, entry: TensorEntry) -> bool:
+def band_elements_for(max_memory: int | None) -> int:
+    """Elements per band under a memory cap (the default when there is none)."""
+    if max_memory is None:
+        return BAND_ELEMENTS
+    return max(1, min(BAND_ELEMENTS, (max_memory - BASE_BYTES) // BYTES_PER_BAND_ELEMENT))
+
+
+def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
+    """What rewriting a tensor whole holds at once: its input, its outputs and a float32 copy."""
+    return entry.nbytes + job.nbytes + 4 * math.prod(job.spec.shape)
+
+
+def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
+    band_elements = BAND_ELEMENTS if band_elements is None else band_elements
     return (
         job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
         and job.fmt is not None
         and job.fmt.kind in CONVERTIBLE
         and len(entry.shape) == 2
         and job.spec.shape == entry.shape
-        and entry.numel > BAND_ELEMENTS
+        and entry.numel > band_elements
     )
 
 
 class BandStreamer:
-    def __init__(self, reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, backend: Backend, fp8_max: float):
+    def __init__(
+        self,
+        reader: ThreadPoolExecutor,
+        writer: ThreadPoolExecutor,
+        backend: Backend,
+        fp8_max: float,
+        band_elements: int | None = None,
+    ) -> None:
         self.reader, self.writer, self.backend, self.fp8_max = reader, writer, backend, fp8_max
+        self.band_elements = BAND_ELEMENTS if band_elements is None else band_elements
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
 
     def _buffer(self, key: str, slot: int, nbytes: int) -> torch.Tensor:
@@ -54,7 +82,7 @@ class BandStreamer:
         quantize = job.action is Action.QUANTIZE
         out_rows_block = (job.out_block or (1, k))[0] if quantize else 1
         unit = math.lcm(in_block[0], out_rows_block)
-        rows = max(unit, (BAND_ELEMENTS // max(k, 1)) // unit * unit)
+        rows = max(unit, (self.band_elements // max(k, 1)) // unit * unit)
         starts = list(range(0, n, rows))
         out_dtype = torch_dtype(job.spec.dtype)
         out_size = torch.empty((), dtype=out_dtype).element_size()

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from .helpers import fp8_block_config, write_checkpoint
@@ -49,3 +50,51 @@ def test_peak_memory_does_not_grow_with_checkpoint_size(tmp_path):
     small = _peak_rss_kib(tmp_path, 2)  # 16 MiB in
     large = _peak_rss_kib(tmp_path, 24)  # 192 MiB in, 384 MiB out: whole-shard buffering would add ~290 MiB
     assert large - small < 64 * 1024, f"peak RSS grew from {small} KiB to {large} KiB"
+
+
+CAPPED = """
+import sys
+import fp8conv
+fp8conv.convert(sys.argv[1], sys.argv[2], to="channel", max_memory=int(sys.argv[3]))
+status = open("/proc/self/status").read()
+print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
+"""
+
+
+def test_max_memory_caps_peak_rss(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for i in range(3):  # 16M elements each: whole, one would need ~150 MB of temporaries
+        tensors[f"layers.{i}.w.weight"] = torch.randint(0, 126, (4096, 4096), generator=gen, dtype=torch.uint8).view(
+            torch.float8_e4m3fn
+        )
+        tensors[f"layers.{i}.w.weight_scale_inv"] = torch.rand(32, 32, generator=gen) + 0.1
+    src = write_checkpoint(tmp_path / "in", tensors, fp8_block_config())
+    from fp8conv.stream import BASE_BYTES, MIN_BAND_BYTES
+
+    cap = BASE_BYTES + MIN_BAND_BYTES  # the lowest cap accepted: 272 MiB, ~20 MiB below an uncapped run's peak
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    done = subprocess.run(
+        [sys.executable, "-c", CAPPED, str(src), str(tmp_path / "out"), str(cap)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) * 1024 <= cap, f"peak {done.stdout} KiB over the {cap} byte cap"
+
+
+def test_max_memory_refusals_come_before_any_work(tmp_path, make_tiny):
+    import fp8conv
+    from fp8conv.errors import OptionsError
+
+    ckpt = make_tiny()
+    with pytest.raises(OptionsError, match="below what a run needs"):
+        fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16", max_memory=100 * 2**20)
+    w = torch.zeros(4096, 4096, dtype=torch.bfloat16)
+    src = write_checkpoint(tmp_path / "bf16", {"model.layers.0.mlp.up_proj.weight": w}, None)
+    with pytest.raises(OptionsError, match="rewritten whole and needs") as info:
+        fp8conv.convert(src, tmp_path / "out2", to="block", max_memory=280 * 2**20)
+    assert "model.layers.0.mlp.up_proj.weight" in str(info.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
