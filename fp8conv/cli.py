@@ -17,11 +17,12 @@ import click
 import torch
 
 from .backends import DEVICES
+from .backends.hpu import GAUDI2_FP8_MAX, GAUDI3_FP8_MAX
 from .dtypes import DEQUANT_TARGETS
 from .errors import Fp8ConvError, OptionsError
 from .parts import finalize, parse_part
 from .pipeline import convert
-from .plan import TARGETS, ConvertOptions
+from .plan import FP8_MAX_STANDARD, TARGETS, ConvertOptions
 from .report import InspectReport, inspect
 from .verify import VerifyResult, verify
 
@@ -242,7 +243,8 @@ def convert_command(
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
-    implied = {"gaudi2": "240", "gaudi3": "448", "generic": "448"}.get(hardware or "")
+    ranges = {"gaudi2": GAUDI2_FP8_MAX, "gaudi3": GAUDI3_FP8_MAX, "generic": FP8_MAX_STANDARD}
+    implied = f"{ranges[hardware]:g}" if hardware else None
     if fp8_max and implied and fp8_max != implied:
         raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
     range_max = float(fp8_max or implied or 448)
