@@ -26,7 +26,7 @@ from .preflight import check_free_space, check_scales
 from .rewrite.dequant import scale_grid
 from .rewrite.jobs import run_job
 from .rewrite.scales import all_powers_of_two
-from .safetensors_file import read_tensor
+from .safetensors_file import TensorEntry, read_tensor
 from .source import Checkpoint, open_checkpoint
 from .stream import BASE_BYTES, MIN_BAND_BYTES, BandStreamer, band_elements_for, streamable, whole_tensor_bytes
 from .verify import VerifyResult, verify
@@ -222,7 +222,7 @@ class _Run:
         self.manifest.record_shard(out, name)
 
     def _is_raw_copy(self, job: Job) -> bool:
-        return job.action is Action.COPY and job.spec.shape == self.ckpt.index.entry(job.source).shape
+        return job.action is Action.COPY and _copied_file_to_file(job, self.ckpt.index.entry(job.source))
 
     def _read_inputs(self, job: Job, stack: ExitStack) -> dict[str, torch.Tensor]:
         if self._is_raw_copy(job):
@@ -238,7 +238,7 @@ class _Run:
 
     def _weight_bytes_kept(self, job: Job) -> bool:
         """Block FP8 kept as it is and not padded: its weight bytes go file to file."""
-        return job.action is Action.KEEP_BLOCKS and job.spec.shape == self.ckpt.index.entry(job.source).shape
+        return job.action is Action.KEEP_BLOCKS and _copied_file_to_file(job, self.ckpt.index.entry(job.source))
 
     def _compute(
         self, job: Job, inputs: dict[str, torch.Tensor], writer: ShardWriter, stack: ExitStack
@@ -266,8 +266,10 @@ class _Run:
         entry = self.ckpt.index.entry(job.source)
         if streamable(job, entry, self.band_elements):
             assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
-            fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
-            new_scale = self.streamer.run(job, entry, fd, inputs[job.fmt.scale], writer)
+            shard_name = self.ckpt.index.shard_of(job.source).name
+            new_scale = self.streamer.run(
+                job, entry, shard_name, self.fd_of(shard_name, stack), inputs[job.fmt.scale], writer
+            )
             if new_scale is not None and self.all_scales_pow2:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1
@@ -309,6 +311,11 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
         )
 
 
+def _copied_file_to_file(job: Job, entry: TensorEntry) -> bool:
+    """Unpadded copies and kept block-FP8 weights: their bytes go file to file, never held whole."""
+    return job.action in (Action.COPY, Action.KEEP_BLOCKS) and job.spec.shape == entry.shape
+
+
 def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | None) -> int:
     """Band size under --max-memory; refuses, before anything is written, a cap that cannot hold the
     run or a tensor that would have to be rewritten whole (padded, 3-D, or quantized from bf16)."""
@@ -324,11 +331,7 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     for shard in plan.shards:
         for job in shard.jobs:
             entry = ckpt.index.entry(job.source)
-            if job.action is Action.COPY and job.spec.shape == entry.shape:
-                continue  # copied file to file
-            if job.action is Action.KEEP_BLOCKS and job.spec.shape == entry.shape:
-                continue
-            if streamable(job, entry, band):
+            if _copied_file_to_file(job, entry) or streamable(job, entry, band):
                 continue
             if whole_tensor_bytes(job, entry) > budget:
                 raise OptionsError(

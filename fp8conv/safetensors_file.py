@@ -152,13 +152,11 @@ def as_writable_memoryview(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
-def read_tensor(fd: int, entry: TensorEntry, shard: str) -> torch.Tensor:
-    """Read one tensor's bytes with pread and view them as its dtype and shape."""
-    raw = tensor_buffer(entry.nbytes)
-    view = as_writable_memoryview(raw)
+def pread_into(fd: int, view: memoryview, offset: int, entry: TensorEntry, shard: str) -> None:
+    """Fill `view` from `offset`; a file that ends first is the shard's fault, named as such."""
     done = 0
-    while done < entry.nbytes:
-        n = os.preadv(fd, [view[done:]], entry.start + done)
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
             raise CheckpointError(
                 "file ended before this tensor's bytes",
@@ -167,4 +165,10 @@ def read_tensor(fd: int, entry: TensorEntry, shard: str) -> torch.Tensor:
                 fix="re-download the shard",
             )
         done += n
+
+
+def read_tensor(fd: int, entry: TensorEntry, shard: str) -> torch.Tensor:
+    """Read one tensor's bytes with pread and view them as its dtype and shape."""
+    raw = tensor_buffer(entry.nbytes)
+    pread_into(fd, as_writable_memoryview(raw), entry.start, entry, shard)
     return raw.view(torch_dtype(entry.dtype)).reshape(entry.shape)

@@ -5,7 +5,6 @@ the band buffers are reused, so there are no page faults for fresh allocations."
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -15,7 +14,7 @@ from .dtypes import torch_dtype
 from .formats import CONVERTIBLE
 from .plan import Action, Job
 from .rewrite.dequant import scale_grid
-from .safetensors_file import TensorEntry, as_writable_memoryview
+from .safetensors_file import TensorEntry, as_writable_memoryview, pread_into
 from .writer import ShardWriter
 
 BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
@@ -73,7 +72,9 @@ class BandStreamer:
             self._buffers[(key, slot)] = buf
         return buf[:nbytes]
 
-    def run(self, job: Job, entry: TensorEntry, fd: int, scale: torch.Tensor, out: ShardWriter) -> torch.Tensor | None:
+    def run(
+        self, job: Job, entry: TensorEntry, shard: str, fd: int, scale: torch.Tensor, out: ShardWriter
+    ) -> torch.Tensor | None:
         """Stream one job; returns the new scale tensor for a QUANTIZE job (written too)."""
         assert job.fmt is not None
         n, k = entry.shape
@@ -91,12 +92,7 @@ class BandStreamer:
         def read_band(i: int) -> torch.Tensor:
             r0, r = starts[i], min(rows, n - starts[i])
             buf = self._buffer("in", i % 2, r * k)
-            view, done = as_writable_memoryview(buf), 0
-            while done < r * k:
-                got = os.preadv(fd, [view[done:]], entry.start + r0 * k + done)
-                if got == 0:
-                    raise OSError(f"{entry.name}: input ended")
-                done += got
+            pread_into(fd, as_writable_memoryview(buf), entry.start + r0 * k, entry, shard)
             return buf.view(torch.float8_e4m3fn).view(1, r, k)
 
         pending: list[Future[None] | None] = [None] * OUT_SLOTS
