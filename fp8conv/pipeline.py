@@ -31,7 +31,7 @@ from .source import Checkpoint, open_checkpoint
 from .stream import BASE_BYTES, MIN_BAND_BYTES, BandStreamer, band_elements_for, streamable, whole_tensor_bytes
 from .verify import VerifyResult, verify
 from .version import __version__
-from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter
+from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, temp_target
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the writer thread
 # progress(bytes_written_so_far, total_bytes_planned)
@@ -370,5 +370,5 @@ def _prepare_output(out: Path, keep: set[str], others: set[str]) -> None:
         if old.name not in keep and old.name not in others:
             old.unlink(missing_ok=True)
     for old in out.glob(f".*{TEMP_SUFFIX}"):
-        if old.name.removeprefix(".").removesuffix(TEMP_SUFFIX) not in others:
+        if temp_target(old.name) not in others:
             old.unlink(missing_ok=True)

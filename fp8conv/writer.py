@@ -55,7 +55,13 @@ def safetensors_header(specs: Iterable[TensorSpec], metadata: dict[str, str]) ->
 
 
 def temp_path(final: Path) -> Path:
-    return final.with_name(f".{final.name}{TEMP_SUFFIX}")
+    # the pid keeps processes apart: parts of a fan-out may write the same file (finalize) at once
+    return final.with_name(f".{final.name}.{os.getpid()}{TEMP_SUFFIX}")
+
+
+def temp_target(temp_name: str) -> str:
+    """The final file name a temporary name stands for."""
+    return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
 
 
 class ShardWriter:
