@@ -77,10 +77,10 @@ class Manifest:
         }
         write_file_atomic(out / self.path, (json.dumps(doc, indent=2) + "\n").encode())
 
-    def record_shard(self, out: Path, name: str) -> None:
-        """Called once a shard is fsynced and renamed: its size and hash, saved at once."""
+    def record_shard(self, out: Path, name: str, sha256: str) -> None:
+        """Called once a shard is fsynced and renamed: its size and hash (taken as it was written), saved at once."""
         path = out / name
-        entry = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        entry = {"size": path.stat().st_size, "sha256": sha256}
         with self._lock:
             self.shards[name] = entry
             self.save(out)

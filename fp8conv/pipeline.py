@@ -219,7 +219,7 @@ class _Run:
 
     def _commit(self, writer: ShardWriter, out: Path, name: str) -> None:
         writer.commit()
-        self.manifest.record_shard(out, name)
+        self.manifest.record_shard(out, name, writer.sha256)
 
     def _is_raw_copy(self, job: Job) -> bool:
         return job.action is Action.COPY and _copied_file_to_file(job, self.ckpt.index.entry(job.source))
