@@ -11,7 +11,7 @@ from fp8conv.backends import available_devices, get_backend
 from fp8conv.errors import OptionsError
 from fp8conv.formats import Kind, WeightFormat
 from fp8conv.rewrite.dequant import dequantize
-from fp8conv.rewrite.quant import quantize
+from fp8conv.rewrite.quant import quantize, requantize
 
 from .reference import dequant_block_reference, quantize_reference, same_bits
 
@@ -65,6 +65,44 @@ def test_quantize_matches_reference_bit_for_bit(device, shape, block, fp8_max):
     q, scale = quantize(w, block, fp8_max, get_backend(device))
     expected_q, expected_scale = quantize_reference(w, block, fp8_max)
     assert same_bits(q, expected_q) and same_bits(scale, expected_scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
+@pytest.mark.parametrize("out_block", [None, (128, 128)])
+@pytest.mark.parametrize("fp8_max", [448.0, 240.0])
+@pytest.mark.parametrize("huge_scale", [False, True])
+def test_requantize_matches_dequantize_then_quantize(device, shape, block, out_block, fp8_max, huge_scale):
+    """FP8 straight to FP8 (the fused CPU path for channel output) = the reference dequantize, then quantize."""
+    gen = torch.Generator().manual_seed(hash((shape, block)) % 2**31)
+    codes = random_fp8(shape, gen).view(torch.uint8)
+    specials = torch.tensor([0x7F, 0xFF, 0x80], dtype=torch.uint8)  # both NaNs and -0 in the first row
+    codes.view(-1)[: min(3, shape[1])] = specials[: shape[1]]
+    codes[-1] = 0  # an all-zero row (or block): scale 1, stays zero
+    q8 = codes.view(torch.float8_e4m3fn)
+    grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    scale = torch.exp2(torch.randint(-20, 4, grid, generator=gen).float()) * (1 + torch.rand(grid, generator=gen))
+    if huge_scale:  # where the CPU path's x256 trick would overflow: it must step aside
+        scale.view(-1)[-1] = 2.0**121
+    fmt = WeightFormat("w", Kind.BLOCK, "s", block=block)
+    q, new_scale = requantize(q8, scale, fmt, out_block, fp8_max, get_backend(device))
+    expected_q, expected_scale = quantize_reference(
+        dequant_block_reference(q8, scale, block, torch.float32), out_block, fp8_max
+    )
+    assert same_bits(q, expected_q) and same_bits(new_scale, expected_scale)
+
+
+def test_requantize_fused_experts_match_per_expert():
+    gen = torch.Generator().manual_seed(11)
+    q8 = random_fp8((3, 300, 257), gen)
+    scale = torch.exp2(torch.randint(-30, 30, (3, 3, 3), generator=gen).float())
+    fmt = WeightFormat("w", Kind.BLOCK, "s", block=(128, 128))
+    q, new_scale = requantize(q8, scale, fmt, None, 448.0, get_backend("cpu"))
+    for e in range(3):
+        expected_q, expected_scale = quantize_reference(
+            dequant_block_reference(q8[e], scale[e], (128, 128), torch.float32), None, 448.0
+        )
+        assert same_bits(q[e], expected_q) and same_bits(new_scale[e], expected_scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -29,6 +29,20 @@ class Backend(Protocol):
         """
         ...
 
+    def requantize_blocks(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        in_block: tuple[int, int],
+        out_block: tuple[int, int],
+        fp8_max: float,
+        q_out: torch.Tensor,
+        scale_out: torch.Tensor,
+    ) -> None:
+        """quantize_blocks(dequantize_blocks(weight, scale, in_block) as float32, out_block, ...): the
+        same bits, without necessarily holding the float32 weight."""
+        ...
+
     def quantize_blocks(
         self,
         weight: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 
 from .torch_device import TorchDeviceBackend
 
-CHUNK_ELEMENTS = 1 << 19  # ~512K elements: int16 + float32 scratch stay within a few MB
+CHUNK_ELEMENTS = 1 << 20  # ~1M elements: measured best (per-call overhead vs cache) for dequant and requant
 CLEAR_BIT_14 = -16385  # 0xBFFF as int16: the sign-extension copy of the sign bit lands on bit 14
 E4M3_NAN_AS_F16 = 0x3F80  # |code| 0x7F after the shift: the e4m3 NaN
 NAN_EXPONENT_BIT = 0x4000
@@ -61,7 +61,6 @@ class CpuBackend(TorchDeviceBackend):
             return
         bn, bk = block
         m_count, n, k = weight.shape
-        full_k, gk_full = (k // bk) * bk, k // bk
         step = chunk_rows(n, k, bn)
         scale256 = scale * 256.0
         codes = weight.view(torch.int8)
@@ -69,22 +68,68 @@ class CpuBackend(TorchDeviceBackend):
         for m in range(m_count):
             for r0 in range(0, n, step):
                 rows = min(step, n - r0)
-                bits = self._buffer("bits", rows * k, torch.int16).view(rows, k)
-                bits.copy_(codes[m, r0 : r0 + rows])  # sign-extending
-                bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
-                if has_nan:
-                    nan = bits.bitwise_and(0x7FFF) == E4M3_NAN_AS_F16
-                    torch.where(nan, bits.bitwise_or(NAN_EXPONENT_BIT), bits, out=bits)  # torch's NaN, sign kept
                 direct = out.dtype == torch.float32 and out.is_contiguous()  # no extra copy pass
                 prod = out[m, r0 : r0 + rows] if direct else self._buffer("prod", rows * k, torch.float32).view(rows, k)
-                prod.copy_(bits.view(torch.float16))
-                s = self._row_scales(scale256[m], r0, rows, bn)
-                if full_k:
-                    prod[:, :full_k].view(rows, gk_full, bk).mul_(s[:, :gk_full, None])
-                if full_k < k:
-                    prod[:, full_k:].mul_(s[:, -1:])
+                self._dequantize_chunk(
+                    codes[m, r0 : r0 + rows], self._row_scales(scale256[m], r0, rows, bn), bk, has_nan, prod
+                )
                 if not direct:
                     out[m, r0 : r0 + rows].copy_(prod)
+
+    def _dequantize_chunk(
+        self, codes: torch.Tensor, scale256: torch.Tensor, bk: int, has_nan: bool, prod: torch.Tensor
+    ) -> None:
+        """prod[r, c] = float32(e4m3 codes[r, c]) * scale[r, c // bk] (scale256: [rows or 1, gk], x256)."""
+        rows, k = codes.shape
+        full_k, gk_full = (k // bk) * bk, k // bk
+        bits = self._buffer("bits", rows * k, torch.int16).view(rows, k)
+        bits.copy_(codes)  # sign-extending
+        bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
+        if has_nan:
+            nan = bits.bitwise_and(0x7FFF) == E4M3_NAN_AS_F16
+            torch.where(nan, bits.bitwise_or(NAN_EXPONENT_BIT), bits, out=bits)  # torch's NaN, sign kept
+        prod.copy_(bits.view(torch.float16))
+        if full_k:
+            prod[:, :full_k].view(rows, gk_full, bk).mul_(scale256[:, :gk_full, None])
+        if full_k < k:
+            prod[:, full_k:].mul_(scale256[:, -1:])
+
+    def requantize_blocks(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        in_block: tuple[int, int],
+        out_block: tuple[int, int],
+        fp8_max: float,
+        q_out: torch.Tensor,
+        scale_out: torch.Tensor,
+    ) -> None:
+        """Channel output fused chunk by chunk: dequantize a few rows into a cache-sized buffer, take
+        their amax and divide them there. The float32 weight never goes to memory (a band-sized
+        float32 copy, written and read back, ran at ~0.66 G elements/s; fused ~1.4)."""
+        m_count, n, k = weight.shape
+        scale = scale.to(torch.float32)
+        if out_block != (1, k) or bool((scale.abs() >= SCALE_LIMIT).any()):
+            super().requantize_blocks(weight, scale, in_block, out_block, fp8_max, q_out, scale_out)
+            return
+        bn, bk = in_block
+        step = chunk_rows(n, k, bn)
+        scale256 = scale * 256.0
+        codes = weight.view(torch.int8)
+        has_nan = int(codes.max()) == 0x7F or int(codes.view(torch.uint8).max()) == 0xFF
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                rows = min(step, n - r0)
+                prod = self._buffer("prod", rows * k, torch.float32).view(rows, k)
+                self._dequantize_chunk(
+                    codes[m, r0 : r0 + rows], self._row_scales(scale256[m], r0, rows, bn), bk, has_nan, prod
+                )
+                # as quantize_blocks below: max(amax, -amin), float32 division, clamp, one cast
+                amax = torch.maximum(prod.amax(dim=1), prod.amin(dim=1).neg_())
+                s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+                torch.div(prod, s[:, None], out=prod).clamp_(-fp8_max, fp8_max)
+                q_out[m, r0 : r0 + rows].copy_(prod)
+                scale_out[m, r0 : r0 + rows, 0] = s
 
     def quantize_blocks(
         self,

@@ -40,6 +40,20 @@ class TorchDeviceBackend:
                     prod[:, full_k:].mul_(s[:, -1:])
                 out[m, r0:r1].copy_(prod.to(out.dtype))
 
+    def requantize_blocks(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        in_block: tuple[int, int],
+        out_block: tuple[int, int],
+        fp8_max: float,
+        q_out: torch.Tensor,
+        scale_out: torch.Tensor,
+    ) -> None:
+        w32 = torch.empty(weight.shape, dtype=torch.float32)
+        self.dequantize_blocks(weight, scale, in_block, w32)
+        self.quantize_blocks(w32, out_block, fp8_max, q_out, scale_out)
+
     def quantize_blocks(
         self,
         weight: torch.Tensor,

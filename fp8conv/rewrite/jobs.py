@@ -11,7 +11,7 @@ from ..dtypes import torch_dtype
 from ..plan import Action, Job
 from .dequant import dequantize, scale_grid
 from .pad import pad_to
-from .quant import quantize
+from .quant import quantize, requantize
 
 Reader = Callable[[str], torch.Tensor]
 
@@ -32,7 +32,10 @@ def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[to
     # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
     if job.fmt is not None:
         assert job.fmt.scale is not None
-        w32 = dequantize(read(job.source), read(job.fmt.scale), job.fmt, torch.float32, backend)
+        weight = read(job.source)
+        if tuple(weight.shape) == job.spec.shape:  # nothing to pad: dequantize and quantize in one go
+            return list(requantize(weight, read(job.fmt.scale), job.fmt, job.out_block, fp8_max, backend))
+        w32 = dequantize(weight, read(job.fmt.scale), job.fmt, torch.float32, backend)
     else:
         w32 = read(job.source).to(torch.float32)
     q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
