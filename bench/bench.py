@@ -90,7 +90,12 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
-def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool) -> dict:
+def selected(name: str, only: list[str]) -> bool:
+    """A variant runs when no --only was given or its name contains one of them (its floor comes along)."""
+    return not only or any(o in name for o in only)
+
+
+def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only: list[str]) -> dict:
     src = synth.build(work / f"in-{size_gib:g}", size_gib)
     in_bytes = dir_bytes(src)
     py = sys.executable
@@ -117,11 +122,13 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool) -> di
             [py, str(HERE / "ct_convert.py"), str(src), str(out)],
             "bf16",
         )
+    variants = {name: v for name, v in variants.items() if selected(name, only)}
     results = run_alternating({name: cmd for name, (cmd, _target) in variants.items()}, reps, out)
     for target in ("bf16", "channel", "block"):
-        floor = results[f"I/O floor ({target} output size)"]["median_s"]
+        floor_name = f"I/O floor ({target} output size)"
+        floor = results[floor_name]["median_s"] if floor_name in results else None
         for name, (_cmd, t) in variants.items():
-            if t == target and results[name]["median_s"]:
+            if t == target and floor and results[name]["median_s"]:
                 results[name]["ratio_to_floor"] = results[name]["median_s"] / floor
                 results[name]["gb_per_s"] = (in_bytes + outputs[target]) / results[name]["median_s"] / 1e9
     shutil.rmtree(src)
@@ -177,6 +184,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--work", default="build/bench")
     parser.add_argument("--no-baselines", action="store_true", help="skip plain torch and compressed-tensors")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="run only variants whose name contains this (repeatable), e.g. --only channel",
+    )
     args = parser.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -190,12 +203,13 @@ def main() -> None:
     }
     for i, size in enumerate(sizes):
         baselines = not args.no_baselines and i == len(sizes) - 1
-        doc["runs"][f"DeepSeek-like shapes, {size:g} GiB"] = run_size(size, args.reps, work, baselines)
+        doc["runs"][f"DeepSeek-like shapes, {size:g} GiB"] = run_size(size, args.reps, work, baselines, args.only)
         print(f"done {size:g} GiB", file=sys.stderr)
-    if not args.no_baselines:
+    if not args.no_baselines and not args.only:
         doc["runs"][f"all-aligned shapes, {sizes[-1]:g} GiB"] = run_aligned(sizes[-1], args.reps, work)
-    (HERE / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (HERE / "results.md").write_text(markdown(doc) + "\n")
+    stem = "results-only" if args.only else "results"  # a partial run never replaces the full table
+    (HERE / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (HERE / f"{stem}.md").write_text(markdown(doc) + "\n")
     print(markdown(doc))
 
 
