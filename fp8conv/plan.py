@@ -89,9 +89,17 @@ class ShardPlan:
 
     @property
     def specs(self) -> list[TensorSpec]:
-        """Layout order: larger elements first keeps every tensor aligned, as safetensors itself does."""
+        """Layout order. The order tensors are produced in (each weight, then its scale) when that keeps
+        every tensor aligned to its element size, as it does for real model shapes: the writer then
+        hashes the file as it goes and never reads it back. Otherwise larger elements first, which is
+        always aligned (what safetensors itself does); those files are hashed partly by reading back."""
         specs = [o for j in self.jobs for o in j.outputs]
-        return sorted(specs, key=lambda s: -ELEMENT_BYTES[s.dtype])
+        offset = 0
+        for spec in specs:
+            if offset % ELEMENT_BYTES[spec.dtype]:
+                return sorted(specs, key=lambda s: -ELEMENT_BYTES[s.dtype])
+            offset += spec.nbytes
+        return specs
 
     @property
     def nbytes(self) -> int:

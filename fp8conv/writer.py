@@ -192,7 +192,7 @@ class ShardWriter:
                 chunk = os.pread(self._fd, min(COPY_CHUNK_BYTES, end - self._hashed), self._hashed)
                 if not chunk:
                     raise RuntimeError(f"{self.final_path.name}: short read back at {self._hashed}")
-                self._hasher.submit(self._sha.update, chunk)
+                self._hasher.submit(self._sha.update, chunk).result()  # one chunk in memory at a time
                 self._hashed += len(chunk)
 
 

@@ -4,6 +4,7 @@ sha256 taken while writing is the file's."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 
@@ -11,7 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import fp8conv
 from fp8conv.writer import ShardWriter, TensorSpec
+
+from .helpers import fp8, fp8_block_config, write_checkpoint
 
 
 def specs_and_tensors() -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
@@ -67,3 +71,39 @@ def test_copy_range_is_hashed_too(tmp_path):
         os.close(fd)
     writer.commit()
     assert writer.sha256 == hashlib.sha256((tmp_path / "c.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("to", ["channel", "block"])
+@pytest.mark.parametrize(
+    ("shapes", "in_production_order"),
+    [
+        ([(256, 128), (130, 64)], True),  # real-model-like: every tensor aligned in production order
+        ([(3, 5), (130, 64)], False),  # a 15-byte weight: a float32 scale after it would be misaligned
+    ],
+)
+def test_layout_and_manifest_hash(tmp_path, to, shapes, in_production_order):
+    """Production order (weight, then its scale) when it keeps every tensor aligned, else larger
+    elements first; either way the manifest's sha256 is each shard file's."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, shape in enumerate(shapes):
+        tensors[f"model.layers.{i}.mlp.down_proj.weight"] = fp8(shape, seed=i)
+        tensors[f"model.layers.{i}.mlp.down_proj.weight_scale_inv"] = (
+            torch.rand(-(-shape[0] // 128), -(-shape[1] // 128)) + 0.5
+        )
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(shape[1], dtype=torch.bfloat16)
+    src = write_checkpoint(tmp_path / "in", tensors, fp8_block_config())
+    out = tmp_path / "out"
+    fp8conv.convert(src, out, to=to)
+    manifest = json.loads((out / ".fp8conv" / "manifest.json").read_text())
+    for shard in out.glob("*.safetensors"):
+        raw = shard.read_bytes()
+        assert manifest["shards"][shard.name]["sha256"] == hashlib.sha256(raw).hexdigest()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        header.pop("__metadata__", None)
+        by_offset = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+        sizes = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+        assert all(header[n]["data_offsets"][0] % sizes[header[n]["dtype"]] == 0 for n in by_offset)
+        weights = [n for n in by_offset if n.endswith("proj.weight")]
+        # production order puts each weight's scale right after it
+        scale_follows = all(by_offset[by_offset.index(w) + 1].startswith(w) for w in weights)
+        assert scale_follows == in_production_order

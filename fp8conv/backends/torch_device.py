@@ -50,7 +50,8 @@ class TorchDeviceBackend:
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
     ) -> None:
-        w32 = torch.empty(weight.shape, dtype=torch.float32)
+        # float32 stays on the device: only FP8 goes over the bus, in and out
+        w32 = torch.empty(weight.shape, dtype=torch.float32, device=self.device)
         self.dequantize_blocks(weight, scale, in_block, w32)
         self.quantize_blocks(w32, out_block, fp8_max, q_out, scale_out)
 
