@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp8conv-installed
 DEMO_DIR := build/demo
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench kernel gpu-check clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,21 @@ test: setup lint
 # Writes bench/results.json and bench/results.md; BENCH_ARGS="--sizes 1,8 --reps 5" to change.
 bench: setup
 	$(PY) bench/bench.py $(BENCH_ARGS)
+
+# Kernel throughput of every backend present (in process, one thread) and their bit parity.
+kernel: setup
+	$(PY) bench/kernel.py
+
+# On a machine with a CUDA GPU, one command, a few minutes: the parity tests on every device present,
+# kernel throughput per backend (CUDA timed with its transfers) and a 1 GiB end-to-end bench with
+# --device cuda beside the CPU. Uses an existing Python with a CUDA torch (GPU_PY), since a GPU
+# machine may not reach a package index; fp8conv is taken from this checkout.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_backend.py
+	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/kernel.py --json bench/kernel-cuda.json
+	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/bench.py --sizes 1 --reps 2 --no-baselines --device cuda --work /tmp/fp8conv-bench
 
 clean:
 	rm -rf build .pytest_cache

@@ -95,7 +95,7 @@ def selected(name: str, only: list[str]) -> bool:
     return not only or any(o in name for o in only)
 
 
-def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only: list[str]) -> dict:
+def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only: list[str], device: str | None) -> dict:
     src = synth.build(work / f"in-{size_gib:g}", size_gib)
     in_bytes = dir_bytes(src)
     py = sys.executable
@@ -110,6 +110,11 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
             target,
         )
         outputs[target] = report.estimated_output_bytes[target]
+        if device:  # the same conversion on another backend, e.g. --device cuda on a GPU machine
+            variants[f"{label} --device {device}"] = (
+                [*variants[label][0], "--device", device],
+                target,
+            )
         floor = f"I/O floor ({target} output size)"
         variants[floor] = ([py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])], None)
     variants["fp8conv --to bf16 -j 2"] = (
@@ -184,6 +189,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--work", default="build/bench")
     parser.add_argument("--no-baselines", action="store_true", help="skip plain torch and compressed-tensors")
+    parser.add_argument("--device", default=None, help="also time fp8conv with --device DEVICE (e.g. cuda)")
     parser.add_argument(
         "--only",
         action="append",
@@ -203,11 +209,14 @@ def main() -> None:
     }
     for i, size in enumerate(sizes):
         baselines = not args.no_baselines and i == len(sizes) - 1
-        doc["runs"][f"DeepSeek-like shapes, {size:g} GiB"] = run_size(size, args.reps, work, baselines, args.only)
+        doc["runs"][f"DeepSeek-like shapes, {size:g} GiB"] = run_size(
+            size, args.reps, work, baselines, args.only, args.device
+        )
         print(f"done {size:g} GiB", file=sys.stderr)
     if not args.no_baselines and not args.only:
         doc["runs"][f"all-aligned shapes, {sizes[-1]:g} GiB"] = run_aligned(sizes[-1], args.reps, work)
     stem = "results-only" if args.only else "results"  # a partial run never replaces the full table
+    stem += f"-{args.device}" if args.device else ""
     (HERE / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     (HERE / f"{stem}.md").write_text(markdown(doc) + "\n")
     print(markdown(doc))
