@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from .torch_device import TorchDeviceBackend
@@ -59,6 +61,25 @@ class CpuBackend(TorchDeviceBackend):
         if bool((scale.abs() >= SCALE_LIMIT).any()):  # x256 could overflow: not the same product any more
             super().dequantize_blocks(weight, scale, block, out)
             return
+        direct = out.dtype == torch.float32 and out.is_contiguous()  # no extra copy pass
+        k = weight.shape[2]
+
+        def into(m: int, r0: int, rows: int) -> torch.Tensor:
+            return out[m, r0 : r0 + rows] if direct else self._buffer("prod", rows * k, torch.float32).view(rows, k)
+
+        for m, r0, prod in self._dequantized_chunks(weight, scale, block, into):
+            if not direct:
+                out[m, r0 : r0 + prod.shape[0]].copy_(prod)
+
+    def _dequantized_chunks(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block: tuple[int, int],
+        into: Callable[[int, int, int], torch.Tensor],
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Dequantize [M, N, K] a few rows at a time into into(m, r0, rows) ([rows, K] float32), and
+        yield (m, r0, that chunk). Scales must be below SCALE_LIMIT."""
         bn, bk = block
         m_count, n, k = weight.shape
         step = chunk_rows(n, k, bn)
@@ -68,13 +89,11 @@ class CpuBackend(TorchDeviceBackend):
         for m in range(m_count):
             for r0 in range(0, n, step):
                 rows = min(step, n - r0)
-                direct = out.dtype == torch.float32 and out.is_contiguous()  # no extra copy pass
-                prod = out[m, r0 : r0 + rows] if direct else self._buffer("prod", rows * k, torch.float32).view(rows, k)
+                prod = into(m, r0, rows)
                 self._dequantize_chunk(
                     codes[m, r0 : r0 + rows], self._row_scales(scale256[m], r0, rows, bn), bk, has_nan, prod
                 )
-                if not direct:
-                    out[m, r0 : r0 + rows].copy_(prod)
+                yield m, r0, prod
 
     def _dequantize_chunk(
         self, codes: torch.Tensor, scale256: torch.Tensor, bk: int, has_nan: bool, prod: torch.Tensor
@@ -106,30 +125,24 @@ class CpuBackend(TorchDeviceBackend):
     ) -> None:
         """Channel output fused chunk by chunk: dequantize a few rows into a cache-sized buffer, take
         their amax and divide them there. The float32 weight never goes to memory (a band-sized
-        float32 copy, written and read back, ran at ~0.66 G elements/s; fused ~1.4)."""
-        m_count, n, k = weight.shape
+        float32 copy, written and read back, ran at ~0.66 G elements/s; fused ~0.86)."""
+        k = weight.shape[2]
         scale = scale.to(torch.float32)
         if out_block != (1, k) or bool((scale.abs() >= SCALE_LIMIT).any()):
             super().requantize_blocks(weight, scale, in_block, out_block, fp8_max, q_out, scale_out)
             return
-        bn, bk = in_block
-        step = chunk_rows(n, k, bn)
-        scale256 = scale * 256.0
-        codes = weight.view(torch.int8)
-        has_nan = int(codes.max()) == 0x7F or int(codes.view(torch.uint8).max()) == 0xFF
-        for m in range(m_count):
-            for r0 in range(0, n, step):
-                rows = min(step, n - r0)
-                prod = self._buffer("prod", rows * k, torch.float32).view(rows, k)
-                self._dequantize_chunk(
-                    codes[m, r0 : r0 + rows], self._row_scales(scale256[m], r0, rows, bn), bk, has_nan, prod
-                )
-                # as quantize_blocks below: max(amax, -amin), float32 division, clamp, one cast
-                amax = torch.maximum(prod.amax(dim=1), prod.amin(dim=1).neg_())
-                s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-                torch.div(prod, s[:, None], out=prod).clamp_(-fp8_max, fp8_max)
-                q_out[m, r0 : r0 + rows].copy_(prod)
-                scale_out[m, r0 : r0 + rows, 0] = s
+
+        def into(m: int, r0: int, rows: int) -> torch.Tensor:
+            return self._buffer("prod", rows * k, torch.float32).view(rows, k)
+
+        for m, r0, prod in self._dequantized_chunks(weight, scale, in_block, into):
+            rows = prod.shape[0]
+            # as quantize_blocks below: max(amax, -amin), float32 division, clamp, one cast
+            amax = torch.maximum(prod.amax(dim=1), prod.amin(dim=1).neg_())
+            s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+            torch.div(prod, s[:, None], out=prod).clamp_(-fp8_max, fp8_max)
+            q_out[m, r0 : r0 + rows].copy_(prod)
+            scale_out[m, r0 : r0 + rows, 0] = s
 
     def quantize_blocks(
         self,
