@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -202,6 +203,7 @@ class _Run:
                         self.progress(self.done, self.plan.output_bytes)
                 while pending:
                     pending.popleft().result()
+                self.streamer.flush()
                 commits.append(writer_pool.submit(self._commit, writer, out, shard.name))
             except BaseException:
                 for future in pending:
@@ -209,6 +211,8 @@ class _Run:
                 for future in pending:
                     if not future.cancelled():
                         future.exception()  # let a running write finish before the file goes
+                with contextlib.suppress(BaseException):  # the first error is already on its way up
+                    self.streamer.flush()
                 writer.abort()
                 raise
             finally:

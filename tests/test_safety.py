@@ -63,19 +63,27 @@ def test_not_enough_space_is_refused_with_both_numbers(tiny, tmp_path, monkeypat
 
 FSIZE_LIMITED = """
 import resource, signal, sys
+import fp8conv.stream
 from fp8conv.cli import main
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", "bf16", "-o", sys.argv[2]]
+fp8conv.stream.BAND_ELEMENTS = int(sys.argv[4])  # small: the tiny weights stream in bands, writes in flight
+sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", sys.argv[3], "-o", sys.argv[2]]
 main()
 """
 
 
-def test_a_failing_write_ends_cleanly(tiny, tmp_path):
-    """The first shard outgrows a 1 MiB file-size limit: one clear line, exit 1, no partial file, no index."""
+@pytest.mark.parametrize("to", ["bf16", "channel"])
+@pytest.mark.parametrize("band_elements", [1 << 22, 4096])
+def test_a_failing_write_ends_cleanly(tiny, tmp_path, to, band_elements):
+    """The first shard outgrows a 1 MiB file-size limit: one clear line, exit 1, no partial file, no index;
+    also when the failing write is a band still in flight behind the arithmetic."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-c", FSIZE_LIMITED, str(tiny.path), str(out)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", FSIZE_LIMITED, str(tiny.path), str(out), to, str(band_elements)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 1, done.stderr
     first = done.stderr.splitlines()[0]
