@@ -16,16 +16,9 @@ def quantize(
     w32: torch.Tensor, block: tuple[int, int] | None, fp8_max: float, backend: Backend
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): q float8_e4m3fn like w32; scale [..., N, 1] for channel (block None) or the block grid."""
-    shape = tuple(w32.shape)
-    n, k = shape[-2], shape[-1]
-    bn, bk = block or (1, max(k, 1))
-    grid = (*shape[:-2], math.ceil(n / bn), math.ceil(k / bk))
-    q = torch.empty(shape, dtype=torch.float8_e4m3fn)
-    scale = torch.ones(grid, dtype=torch.float32)
+    out_block, q, scale, q3, scale3 = _outputs(tuple(w32.shape), block)
     if q.numel():
-        backend.quantize_blocks(
-            w32.reshape(-1, n, k), (bn, bk), fp8_max, q.view(-1, n, k), scale.view(-1, grid[-2], grid[-1])
-        )
+        backend.quantize_blocks(w32.reshape(q3.shape), out_block, fp8_max, q3, scale3)
     return q, scale
 
 
@@ -39,19 +32,28 @@ def requantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize(dequantize(weight, scale, fmt, float32), block, ...) without a float32 copy of the weight."""
     shape = tuple(weight.shape)
-    n, k = shape[-2], shape[-1]
-    out_block = block or (1, max(k, 1))
-    grid = (*shape[:-2], math.ceil(n / out_block[0]), math.ceil(k / out_block[1]))
-    q = torch.empty(shape, dtype=torch.float8_e4m3fn)
-    new_scale = torch.ones(grid, dtype=torch.float32)
+    out_block, q, new_scale, q3, scale3 = _outputs(shape, block)
     if q.numel():
         backend.requantize_blocks(
-            weight.reshape(-1, n, k),
+            weight.reshape(q3.shape),
             scale_grid(scale, fmt, shape),
             fmt.math_block(shape),
             out_block,
             fp8_max,
-            q.view(-1, n, k),
-            new_scale.view(-1, grid[-2], grid[-1]),
+            q3,
+            scale3,
         )
     return q, new_scale
+
+
+def _outputs(
+    shape: tuple[int, ...], block: tuple[int, int] | None
+) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output block ((1, K) for channel), q and its scale (1.0 until written), and both as the
+    [M, N, K] / [M, gn, gk] views the backends take."""
+    n, k = shape[-2], shape[-1]
+    out_block = block or (1, max(k, 1))
+    grid = (*shape[:-2], math.ceil(n / out_block[0]), math.ceil(k / out_block[1]))
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(grid, dtype=torch.float32)
+    return out_block, q, scale, q.view(-1, n, k), scale.view(-1, grid[-2], grid[-1])
