@@ -108,34 +108,28 @@ class BandStreamer:
             pread_into(fd, as_writable_memoryview(buf), entry.start + r0 * k, entry, shard)
             return buf.view(torch.float8_e4m3fn).view(1, r, k)
 
-        pending = self._pending
-        try:
-            fetched = self.reader.submit(read_band, 0)
-            for i, r0 in enumerate(starts):
-                w = fetched.result()
-                if i + 1 < len(starts):
-                    fetched = self.reader.submit(read_band, i + 1)
-                r = w.shape[1]
-                g0, g1 = r0 // in_block[0], -(-(r0 + r) // in_block[0])
-                slot = i % OUT_SLOTS
-                if pending[slot] is not None:
-                    pending[slot].result()
-                band = self._buffer("out", slot, r * k * out_size).view(out_dtype).view(1, r, k)
-                if quantize:
-                    assert new_scale is not None
-                    ob = job.out_block or (1, k)
-                    o0, o1 = r0 // ob[0], -(-(r0 + r) // ob[0])
-                    band_scale = torch.empty((1, o1 - o0, new_scale.shape[-1]), dtype=torch.float32)
-                    self.backend.requantize_blocks(w, grid[g0:g1][None], in_block, ob, self.fp8_max, band, band_scale)
-                    new_scale.view(-1, new_scale.shape[-1])[o0:o1] = band_scale[0]
-                else:
-                    self.backend.dequantize_blocks(w, grid[g0:g1][None], in_block, band)
-                pending[slot] = self.writer.submit(out.write_part, job.spec.name, r0 * k * out_size, band)
-        except BaseException:
-            for future in [f for f in pending if f is not None] + self._scales:
-                future.exception()  # let a running write finish before the caller drops the file
-            self._pending, self._scales = [None] * OUT_SLOTS, []
-            raise
+        pending = self._pending  # on an error the caller's flush() waits for these
+        fetched = self.reader.submit(read_band, 0)
+        for i, r0 in enumerate(starts):
+            w = fetched.result()
+            if i + 1 < len(starts):
+                fetched = self.reader.submit(read_band, i + 1)
+            r = w.shape[1]
+            g0, g1 = r0 // in_block[0], -(-(r0 + r) // in_block[0])
+            slot = i % OUT_SLOTS
+            if pending[slot] is not None:
+                pending[slot].result()
+            band = self._buffer("out", slot, r * k * out_size).view(out_dtype).view(1, r, k)
+            if quantize:
+                assert new_scale is not None
+                ob = job.out_block or (1, k)
+                o0, o1 = r0 // ob[0], -(-(r0 + r) // ob[0])
+                band_scale = torch.empty((1, o1 - o0, new_scale.shape[-1]), dtype=torch.float32)
+                self.backend.requantize_blocks(w, grid[g0:g1][None], in_block, ob, self.fp8_max, band, band_scale)
+                new_scale.view(-1, new_scale.shape[-1])[o0:o1] = band_scale[0]
+            else:
+                self.backend.dequantize_blocks(w, grid[g0:g1][None], in_block, band)
+            pending[slot] = self.writer.submit(out.write_part, job.spec.name, r0 * k * out_size, band)
         if new_scale is not None:  # after the bands, in the writer's order
             self._scales.append(self.writer.submit(out.write_tensor, job.outputs[1].name, new_scale))
         return new_scale

@@ -76,8 +76,8 @@ class ShardWriter:
     shard is never read back: hashing a bf16 shard after the fact re-read every byte from disk and
     nearly doubled the run (measured, 4 GiB --to bf16: 22.8-25.4 s reading back, 12.5-15.1 s unhashed).
     The hash runs on its own thread while the same bytes are pwritten, so the two share no core's
-    time. Bytes written ahead of the hashed prefix (a scale laid out before its weight's last band)
-    are noted and read back once the prefix reaches them: they are small."""
+    time. Bytes written ahead of the hashed prefix (in a layout that does not follow production
+    order, see ShardPlan.specs) are noted and read back once the prefix reaches them."""
 
     def __init__(self, final_path: Path, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
         self.final_path = final_path
@@ -94,7 +94,7 @@ class ShardWriter:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="fp8conv-hash")  # in file order, FIFO
         self._hashed = 0  # bytes [0, _hashed) are handed to the hasher
         self._ahead: dict[int, int] = {}  # written but not yet hashed: offset -> length
-        self._hash_lock = threading.Lock()  # the main thread writes scales while the writer thread writes bands
+        self._hash_lock = threading.Lock()  # tensors may be written from more than one thread
         self.sha256 = ""  # hex digest, set by commit()
         final_path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
