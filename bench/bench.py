@@ -8,6 +8,7 @@ the whole process tree (polled from /proc). Writes bench/results.json and bench/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,9 +23,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import io_floor  # noqa: E402
 import synth  # noqa: E402
 
 import fp8conv  # noqa: E402
+from fp8conv import direct_io, stream, writer  # noqa: E402
+
+# the floor does not import fp8conv (torch's import alone costs ~1.4 s of CPU), so it states the sizes
+assert (io_floor.ALIGN, io_floor.SEGMENT_BYTES) == (direct_io.ALIGN, writer.SEGMENT_BYTES)
+assert io_floor.READ_BYTES == stream.BAND_ELEMENTS  # one FP8 band
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -44,8 +51,11 @@ def tree_rss_bytes(pid: int) -> int:
 def timed(cmd: list[str]) -> tuple[float, int, str]:
     """Wall seconds, peak RSS of the process tree, and the tail of stderr (for failures).
 
-    The previous run's dirty pages are flushed first (untimed), so no run pays for another's writeback."""
+    The previous run's dirty pages are flushed first and, where allowed (root), the page cache is dropped
+    (untimed): no run pays for another's writeback or reads what another left cached."""
     os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]
@@ -117,6 +127,15 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
             )
         floor = f"I/O floor ({target} output size)"
         variants[floor] = ([py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])], None)
+    # what direct I/O buys: the same conversion and floor through the page cache
+    variants["fp8conv --to bf16 --buffered-io"] = (
+        [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "--buffered-io"],
+        "bf16",
+    )
+    variants["I/O floor, page cache (bf16 output size)"] = (
+        [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs["bf16"]), "--buffered"],
+        "bf16",
+    )
     variants["fp8conv --to bf16 -j 2"] = (
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "-j", "2"],
         "bf16",

@@ -219,6 +219,12 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     show_default=True,
     help="Worker processes, each converting a byte-balanced part of the shards (--part I/N under the hood).",
 )
+@click.option(
+    "--buffered-io",
+    is_flag=True,
+    help="Read and write through the page cache instead of direct I/O (O_DIRECT, the default where the "
+    "filesystem has it: the page cache costs more CPU than the arithmetic).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
     checkpoint: str,
@@ -240,6 +246,7 @@ def convert_command(
     part_text: str | None,
     max_memory: str | None,
     jobs: int,
+    buffered_io: bool,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
@@ -263,7 +270,7 @@ def convert_command(
         flags = [("--block-size", block_size and f"{block_size[0]},{block_size[1]}"), ("--pad-for-tp", pad_for_tp)]
         flags += [("--revision", revision), ("--overwrite", overwrite), ("--resume", resume)]
         flags += [("--allow-nonfinite", allow_nonfinite), ("--no-space-check", no_space_check)]
-        flags += [("--max-memory", max_memory)]
+        flags += [("--max-memory", max_memory), ("--buffered-io", buffered_io)]
         base = ["convert", checkpoint, "--to", target, "-o", output, "--dtype", dtype, "--fp8-max", f"{range_max:g}"]
         base += ["--device", device, "--threads", str(threads or 1), "-q"]
         for flag, value in flags:
@@ -295,6 +302,7 @@ def convert_command(
             revision=revision,
             part=part,
             max_memory=memory_cap,
+            direct_io=not buffered_io,
             progress=progress,
         )
     except Fp8ConvError as exc:

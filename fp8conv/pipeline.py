@@ -17,6 +17,7 @@ import torch
 
 from .backends import Backend, get_backend
 from .config import CONFIG_NAME
+from .direct_io import aligned_empty
 from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
@@ -27,7 +28,8 @@ from .preflight import check_free_space, check_scales
 from .rewrite.dequant import scale_grid
 from .rewrite.jobs import run_job
 from .rewrite.scales import all_powers_of_two
-from .safetensors_file import TensorEntry, read_tensor
+from .safetensors_file import TensorEntry
+from .shard_reader import ShardReader, read_capacity
 from .source import Checkpoint, open_checkpoint
 from .stream import BASE_BYTES, MIN_BAND_BYTES, BandStreamer, band_elements_for, streamable, whole_tensor_bytes
 from .verify import VerifyResult, verify
@@ -72,9 +74,13 @@ def convert(
     revision: str | None = None,
     part: tuple[int, int] | None = None,
     max_memory: int | None = None,
+    direct_io: bool = True,
     progress: ProgressCallback | None = None,
 ) -> ConvertResult:
-    """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input."""
+    """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input.
+
+    direct_io: large reads and all shard writes bypass the page cache where the filesystem allows it
+    (see direct_io.py); False sends everything through the page cache."""
     started = time.monotonic()
     options = ConvertOptions(to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp)
     options.validate()
@@ -105,7 +111,7 @@ def convert(
         check_free_space(out, mine_bytes + copied - kept)
     _prepare_output(out, keep, others)
     manifest.save(out)
-    run = _Run(ckpt, plan, backend, progress, manifest, band_elements)
+    run = _Run(ckpt, plan, backend, progress, manifest, band_elements, direct_io)
     with ExitStack() as stack:
         run.execute(out, stack, skip=keep | others)
     config = plan.config
@@ -154,23 +160,25 @@ class _Run:
         progress: ProgressCallback | None,
         manifest: Manifest,
         band_elements: int,
+        direct_io: bool,
     ) -> None:
         self.ckpt, self.plan, self.backend, self.progress = ckpt, plan, backend, progress
         self.manifest = manifest
         self.band_elements = band_elements
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
-        self.fds: dict[str, int] = {}
-        self.fds_lock = threading.Lock()
-        self.copy_buffer = bytearray(COPY_CHUNK_BYTES)
+        self.direct_io = direct_io
+        self.readers: dict[str, ShardReader] = {}
+        self.readers_lock = threading.Lock()
+        self.copy_buffer = aligned_empty(read_capacity(COPY_CHUNK_BYTES))
         self.streamer: BandStreamer | None = None
 
-    def fd_of(self, shard_name: str, stack: ExitStack) -> int:
-        with self.fds_lock:  # the reader thread and this one both open shards
-            if shard_name not in self.fds:
-                self.fds[shard_name] = os.open(self.ckpt.index.root / shard_name, os.O_RDONLY)
-                stack.callback(os.close, self.fds[shard_name])
-            return self.fds[shard_name]
+    def reader_of(self, shard_name: str, stack: ExitStack) -> ShardReader:
+        with self.readers_lock:  # the reader thread and this one both open shards
+            if shard_name not in self.readers:
+                self.readers[shard_name] = ShardReader(self.ckpt.index.root / shard_name, self.direct_io)
+                stack.callback(self.readers[shard_name].close)
+            return self.readers[shard_name]
 
     def execute(self, out: Path, stack: ExitStack, skip: set[str]) -> None:
         """Three stages overlap: a reader thread fetches the next job's tensors, this thread computes,
@@ -184,7 +192,7 @@ class _Run:
             if shard.name in skip:  # finished by an interrupted run, size and hash checked
                 self.done += shard.nbytes
                 continue
-            writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA)
+            writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA, self.direct_io)
             pending: deque[Future[None]] = deque()
             try:
                 jobs = shard.jobs
@@ -235,10 +243,7 @@ class _Run:
         if streamable(job, self.ckpt.index.entry(job.source), self.band_elements) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
-        return {
-            n: read_tensor(self.fd_of(index.shard_of(n).name, stack), index.entry(n), index.shard_of(n).name)
-            for n in names
-        }
+        return {n: self.reader_of(index.shard_of(n).name, stack).read_tensor(index.entry(n)) for n in names}
 
     def _weight_bytes_kept(self, job: Job) -> bool:
         """Block FP8 kept as it is and not padded: its weight bytes go file to file."""
@@ -251,29 +256,27 @@ class _Run:
         if self._weight_bytes_kept(job):
             assert job.fmt is not None and job.fmt.scale is not None
             entry = self.ckpt.index.entry(job.source)
-            fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
+            source = self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
             grid = scale_grid(inputs[job.fmt.scale], job.fmt, entry.shape).reshape(job.outputs[1].shape).contiguous()
             if self.all_scales_pow2:
                 self.all_scales_pow2 = all_powers_of_two(grid)
             self.converted += 1
 
             def keep() -> None:
-                writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
+                writer.copy_range(job.spec.name, source, entry, self.copy_buffer)
                 writer.write_tensor(job.outputs[1].name, grid)
 
             return keep
         if self._is_raw_copy(job):
             entry = self.ckpt.index.entry(job.source)
-            fd = self.fd_of(self.ckpt.index.shard_of(job.source).name, stack)
+            source = self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
             self.copied += 1
-            return lambda: writer.copy_range(job.spec.name, fd, entry.start, entry.nbytes, self.copy_buffer)
+            return lambda: writer.copy_range(job.spec.name, source, entry, self.copy_buffer)
         entry = self.ckpt.index.entry(job.source)
         if streamable(job, entry, self.band_elements):
             assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
-            shard_name = self.ckpt.index.shard_of(job.source).name
-            new_scale = self.streamer.run(
-                job, entry, shard_name, self.fd_of(shard_name, stack), inputs[job.fmt.scale], writer
-            )
+            source = self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
+            new_scale = self.streamer.run(job, entry, source, inputs[job.fmt.scale], writer)
             if new_scale is not None and self.all_scales_pow2:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1

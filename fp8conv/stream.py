@@ -10,11 +10,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .backends import Backend
+from .direct_io import aligned_empty
 from .dtypes import torch_dtype
 from .formats import CONVERTIBLE
 from .plan import Action, Job
 from .rewrite.dequant import scale_grid
-from .safetensors_file import TensorEntry, as_writable_memoryview, pread_into
+from .safetensors_file import TensorEntry
+from .shard_reader import ShardReader, read_capacity
 from .writer import ShardWriter
 
 BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
@@ -78,14 +80,15 @@ class BandStreamer:
             raise errors[0]
 
     def _buffer(self, key: str, slot: int, nbytes: int) -> torch.Tensor:
+        """A reused uint8 buffer, aligned for direct reads."""
         buf = self._buffers.get((key, slot))
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf = aligned_empty(nbytes)
             self._buffers[(key, slot)] = buf
         return buf[:nbytes]
 
     def run(
-        self, job: Job, entry: TensorEntry, shard: str, fd: int, scale: torch.Tensor, out: ShardWriter
+        self, job: Job, entry: TensorEntry, source: ShardReader, scale: torch.Tensor, out: ShardWriter
     ) -> torch.Tensor | None:
         """Stream one job; returns the new scale tensor for a QUANTIZE job (written too). The writes may
         still be in flight when this returns: flush() before the shard is committed."""
@@ -104,9 +107,8 @@ class BandStreamer:
 
         def read_band(i: int) -> torch.Tensor:
             r0, r = starts[i], min(rows, n - starts[i])
-            buf = self._buffer("in", i % 2, r * k)
-            pread_into(fd, as_writable_memoryview(buf), entry.start + r0 * k, entry, shard)
-            return buf.view(torch.float8_e4m3fn).view(1, r, k)
+            buf = self._buffer("in", i % 2, read_capacity(r * k))
+            return source.read(entry, entry.start + r0 * k, r * k, buf).view(torch.float8_e4m3fn).view(1, r, k)
 
         pending = self._pending  # on an error the caller's flush() waits for these
         fetched = self.reader.submit(read_band, 0)

@@ -12,19 +12,24 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
+from .direct_io import ALIGN, aligned_empty, open_direct, round_up
 from .dtypes import ELEMENT_BYTES
 from .errors import OutputError
-from .safetensors_file import as_writable_memoryview
+from .safetensors_file import TensorEntry, as_writable_memoryview
+from .shard_reader import ShardReader, read_capacity
 
 TEMP_SUFFIX = ".fp8conv-partial"
 COPY_CHUNK_BYTES = 16 * 1024 * 1024
+# A shard is written in aligned segments of this size, at most MAX_SEGMENTS of them in memory at once
+SEGMENT_BYTES = 4 * 1024 * 1024
+MAX_SEGMENTS = 8
 
 
 @dataclass(frozen=True)
@@ -67,19 +72,36 @@ def temp_target(temp_name: str) -> str:
     return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
 
 
+@dataclass
+class _Segment:
+    """An ALIGN-aligned piece of a shard being assembled in memory (or, once spilled, in the file)."""
+
+    buffer: torch.Tensor | None  # None once spilled: its bytes go to the file as they come
+    view: memoryview | None
+    filled: int = 0
+    runs: list[tuple[int, int]] = field(default_factory=list)  # filled byte ranges, for spilling
+
+
 class ShardWriter:
     """Writes one planned shard. Every tensor's offset is known from the plan, so tensors may arrive
     in any order (a weight and its scale are computed together but laid out apart); commit() checks
     that every planned tensor arrived, then makes the file appear under its final name.
 
-    The file's sha256 (for the manifest) is taken from the bytes as they are written, so a finished
+    The bytes are assembled in memory into aligned segments, each written with one direct write once
+    complete (see direct_io: the page cache cost more CPU than the arithmetic). Where the filesystem
+    has no direct I/O the same segments go through the page cache. Segments that would stay partial
+    too long (a layout that does not follow production order, see ShardPlan.specs) are spilled: their
+    bytes go to the file through the page cache as they come, so memory stays a few segments.
+
+    The file's sha256 (for the manifest) is taken from the segments as they are written, so a finished
     shard is never read back: hashing a bf16 shard after the fact re-read every byte from disk and
     nearly doubled the run (measured, 4 GiB --to bf16: 22.8-25.4 s reading back, 12.5-15.1 s unhashed).
-    The hash runs on its own thread while the same bytes are pwritten, so the two share no core's
-    time. Bytes written ahead of the hashed prefix (in a layout that does not follow production
-    order, see ShardPlan.specs) are noted and read back once the prefix reaches them."""
+    The hash runs on its own thread while the same segment is written. Segments completed ahead of
+    the hashed prefix are kept, up to the memory budget, or read back once the prefix reaches them."""
 
-    def __init__(self, final_path: Path, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
+    def __init__(
+        self, final_path: Path, specs: list[TensorSpec], metadata: dict[str, str], direct: bool = True
+    ) -> None:
         self.final_path = final_path
         self.temp = temp_path(final_path)
         header = safetensors_header(specs, metadata)
@@ -90,15 +112,21 @@ class ShardWriter:
             offset += spec.nbytes
         self._written: dict[str, int] = {}  # bytes received per tensor
         self._size = offset
+        self._segment_count = -(-offset // SEGMENT_BYTES)
+        self._segments: dict[int, _Segment] = {}  # partial segments by index
+        self._ahead: dict[int, torch.Tensor | None] = {}  # complete, not yet hashed: kept buffer or None
+        self._free: list[torch.Tensor] = []  # segment buffers to reuse
+        self._held = 0  # segment buffers in use (partial or kept ahead)
         self._sha = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="fp8conv-hash")  # in file order, FIFO
-        self._hashed = 0  # bytes [0, _hashed) are handed to the hasher
-        self._ahead: dict[int, int] = {}  # written but not yet hashed: offset -> length
-        self._hash_lock = threading.Lock()  # tensors may be written from more than one thread
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="fp8conv-hash")
+        self._hashed = 0  # segments [0, _hashed) are hashed
+        self._lock = threading.Lock()  # tensors may be written from more than one thread
         self.sha256 = ""  # hex digest, set by commit()
         final_path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._pwrite(memoryview(header), 0)
+        self._direct_fd = open_direct(self.temp, os.O_WRONLY) if direct else None
+        self.direct = self._direct_fd is not None
+        self._write(memoryview(header), 0)
 
     def _claim(self, name: str, nbytes: int | None = None) -> tuple[TensorSpec, int]:
         """Account for `nbytes` of tensor `name` (all of it when None)."""
@@ -113,42 +141,43 @@ class ShardWriter:
 
     def write_part(self, name: str, byte_offset: int, part: torch.Tensor) -> None:
         """A band of rows of a tensor, at its byte offset within the tensor."""
-        data = as_writable_memoryview(part.contiguous())
+        part = part.contiguous()  # held here: the memoryview does not keep a copy alive
+        data = as_writable_memoryview(part)
         _, offset = self._claim(name, len(data))
-        self._pwrite(data, offset + byte_offset)
+        self._write(data, offset + byte_offset)
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
         spec, offset = self._claim(name)
         if tuple(tensor.shape) != spec.shape or tensor.element_size() != ELEMENT_BYTES[spec.dtype]:
             raise RuntimeError(f"{name}: {tensor.dtype}{tuple(tensor.shape)} is not the planned {spec}")
-        self._pwrite(as_writable_memoryview(tensor.contiguous()), offset)
+        tensor = tensor.contiguous()  # held here: the memoryview does not keep a copy alive
+        self._write(as_writable_memoryview(tensor), offset)
 
-    def copy_range(self, name: str, fd: int, start: int, nbytes: int, buffer: bytearray) -> None:
-        """Copy a tensor's raw bytes from another file, byte for byte."""
+    def copy_range(self, name: str, source: ShardReader, entry: TensorEntry, buffer: torch.Tensor) -> None:
+        """Copy a tensor's raw bytes from an input shard, byte for byte, a buffer at a time (`buffer`:
+        aligned_empty, its read_capacity() less is the chunk)."""
         spec, offset = self._claim(name)
-        if nbytes != spec.nbytes:
-            raise RuntimeError(f"{name}: copying {nbytes} bytes into a {spec.nbytes}-byte slot")
-        view = memoryview(buffer)
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[: min(len(buffer), nbytes - done)]], start + done)
-            if n == 0:
-                raise OutputError("input ended while copying", tensor=name)
-            self._pwrite(view[:n], offset + done)
-            done += n
+        if entry.nbytes != spec.nbytes:
+            raise RuntimeError(f"{name}: copying {entry.nbytes} bytes into a {spec.nbytes}-byte slot")
+        chunk = buffer.numel() - read_capacity(0)
+        for done in range(0, entry.nbytes, chunk):
+            n = min(chunk, entry.nbytes - done)
+            data = source.read(entry, entry.start + done, n, buffer)  # a view into buffer, held by the caller
+            self._write(as_writable_memoryview(data), offset + done)
 
     def commit(self) -> None:
         missing = [n for n, (spec, _) in self._specs.items() if self._written.get(n, 0) != spec.nbytes]
         if missing:
             raise RuntimeError(f"{self.final_path.name}: {len(missing)} planned tensor(s) never written")
-        if self._hashed != self._size or self._ahead:
-            raise RuntimeError(f"{self.final_path.name}: hashed {self._hashed} of {self._size} bytes")
+        if self._hashed != self._segment_count or self._segments or self._ahead:
+            raise RuntimeError(f"{self.final_path.name}: hashed {self._hashed} of {self._segment_count} segments")
         self._hasher.shutdown(wait=True)
         self.sha256 = self._sha.hexdigest()
         try:
+            if self._direct_fd is not None:  # the last direct write ran to a whole page
+                os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            self._close()
             os.replace(self.temp, self.final_path)
         except OSError as exc:
             self.abort()
@@ -156,44 +185,129 @@ class ShardWriter:
 
     def abort(self) -> None:
         self._hasher.shutdown(wait=True, cancel_futures=True)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close()
         self.temp.unlink(missing_ok=True)
 
-    def _pwrite(self, data: memoryview, offset: int) -> None:
-        with self._hash_lock:
-            hashing: Future[None] | None = None
-            if offset == self._hashed:  # next in file order: hashed while it is written
-                hashing = self._hasher.submit(self._sha.update, data)
-                self._hashed += len(data)
-        start, length = offset, len(data)
-        try:
-            while len(data):
-                n = os.pwrite(self._fd, data, offset)
-                data, offset = data[n:], offset + n
-            with self._hash_lock:
-                if hashing is None:
-                    if start < self._hashed:
-                        raise RuntimeError(f"{self.final_path.name}: bytes at {start} written twice")
-                    self._ahead[start] = length
-                self._catch_up()
-        except OSError as exc:
-            raise _output_error(exc, self.final_path) from exc
-        finally:
-            if hashing is not None:
-                hashing.result()  # the caller may reuse its buffer once this returns
+    def _close(self) -> None:
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._fd, self._direct_fd = -1, None
+
+    def _write(self, data: memoryview, offset: int) -> None:
+        """Place `data` at `offset`; write and hash every segment it completes. The caller may reuse
+        its buffer once this returns."""
+        with self._lock:
+            try:
+                pos = 0
+                while pos < len(data):
+                    index, lo = divmod(offset + pos, SEGMENT_BYTES)
+                    n = min(len(data) - pos, self._segment_length(index) - lo)
+                    segment = self._segments.get(index) or self._new_segment(index)
+                    if segment.view is None:  # spilled
+                        _pwrite_all(self._fd, data[pos : pos + n], offset + pos)
+                    else:
+                        segment.view[lo : lo + n] = data[pos : pos + n]
+                        segment.runs.append((lo, lo + n))
+                    segment.filled += n
+                    if segment.filled > self._segment_length(index):
+                        raise RuntimeError(f"{self.final_path.name}: bytes at {offset + pos} written twice")
+                    if segment.filled == self._segment_length(index):
+                        del self._segments[index]
+                        self._complete(index, segment)
+                    pos += n
+            except OSError as exc:
+                raise _output_error(exc, self.final_path) from exc
+
+    def _segment_length(self, index: int) -> int:
+        return min(SEGMENT_BYTES, self._size - index * SEGMENT_BYTES)
+
+    def _new_segment(self, index: int) -> _Segment:
+        if index < self._hashed or index in self._ahead:
+            raise RuntimeError(f"{self.final_path.name}: segment {index} written twice")
+        while self._held >= MAX_SEGMENTS:
+            self._make_room()
+        buffer = self._free.pop() if self._free else aligned_empty(SEGMENT_BYTES)
+        self._held += 1
+        segment = _Segment(buffer, as_writable_memoryview(buffer))
+        self._segments[index] = segment
+        return segment
+
+    def _make_room(self) -> None:
+        """Free one segment buffer: drop a kept one (it is in the file) or spill the oldest partial one."""
+        if self._ahead and any(b is not None for b in self._ahead.values()):
+            index = max(i for i, b in self._ahead.items() if b is not None)
+            self._release(self._ahead[index])
+            self._ahead[index] = None
+            return
+        index = min(i for i, s in self._segments.items() if s.view is not None)
+        segment = self._segments[index]
+        assert segment.view is not None and segment.buffer is not None
+        base = index * SEGMENT_BYTES
+        for lo, hi in segment.runs:
+            _pwrite_all(self._fd, segment.view[lo:hi], base + lo)
+        self._release(segment.buffer)
+        segment.buffer, segment.view, segment.runs = None, None, []
+
+    def _release(self, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self._free.append(buffer)
+            self._held -= 1
+
+    def _complete(self, index: int, segment: _Segment) -> None:
+        length = self._segment_length(index)
+        if segment.view is None:  # spilled: already in the file
+            self._ahead[index] = None
+        else:
+            in_order = index == self._hashed
+            hashing = self._hasher.submit(self._sha.update, segment.view[:length]) if in_order else None
+            try:
+                self._write_segment(index, segment.view)
+            finally:
+                if hashing is not None:
+                    hashing.result()
+            if in_order:
+                self._hashed += 1
+                self._release(segment.buffer)
+            else:
+                self._ahead[index] = segment.buffer
+        self._catch_up()
+
+    def _write_segment(self, index: int, view: memoryview) -> None:
+        base, length = index * SEGMENT_BYTES, self._segment_length(index)
+        if self._direct_fd is None:
+            _pwrite_all(self._fd, view[:length], base)
+            return
+        padded = round_up(length)  # the tail past the file's end is cut off at commit
+        done = 0
+        while done < padded:
+            n = os.pwrite(self._direct_fd, view[done:padded], base + done)
+            done += n
+            if n % ALIGN and done < padded:  # an unaligned short write: the rest through the page cache
+                _pwrite_all(self._fd, view[done:length], base + done)
+                return
 
     def _catch_up(self) -> None:
-        """The hashed prefix reached bytes written earlier: read them back (under the lock)."""
+        """The hashed prefix reached segments completed earlier: hash them, reading back spilled ones."""
         while self._hashed in self._ahead:
-            end = self._hashed + self._ahead.pop(self._hashed)
-            while self._hashed < end:
-                chunk = os.pread(self._fd, min(COPY_CHUNK_BYTES, end - self._hashed), self._hashed)
-                if not chunk:
-                    raise RuntimeError(f"{self.final_path.name}: short read back at {self._hashed}")
-                self._hasher.submit(self._sha.update, chunk).result()  # one chunk in memory at a time
-                self._hashed += len(chunk)
+            index = self._hashed
+            buffer = self._ahead.pop(index)
+            length = self._segment_length(index)
+            if buffer is not None:
+                self._hasher.submit(self._sha.update, as_writable_memoryview(buffer)[:length]).result()
+                self._release(buffer)
+            else:
+                chunk = os.pread(self._fd, length, index * SEGMENT_BYTES)
+                if len(chunk) != length:
+                    raise RuntimeError(f"{self.final_path.name}: short read back of segment {index}")
+                self._hasher.submit(self._sha.update, chunk).result()
+            self._hashed += 1
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _output_error(exc: OSError, path: Path) -> OutputError:

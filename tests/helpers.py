@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -56,3 +57,16 @@ def fp8_block_config(block: list[int] | None = (128, 128)) -> dict:
     if block is not None:
         qc["weight_block_size"] = list(block)
     return {"model_type": "deepseek_v3", "torch_dtype": "bfloat16", "quantization_config": qc}
+
+
+def direct_io_works(folder) -> bool:
+    """Whether this filesystem takes O_DIRECT, probed independently of fp8conv."""
+    probe = folder / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()

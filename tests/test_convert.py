@@ -7,9 +7,11 @@ import shutil
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors import safe_open
 
 import fp8conv
+from fp8conv.cli import main
 from fp8conv.errors import CheckpointError, OptionsError
 from fp8conv.writer import TEMP_SUFFIX
 
@@ -340,3 +342,28 @@ def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, mon
     fp8conv.convert(tiny.path, tmp_path / "bands", to="bf16")
     assert len(streamed) == len(tiny.fp8_weights)
     assert dir_snapshot(tmp_path / "whole") == dir_snapshot(tmp_path / "bands")
+
+
+@pytest.mark.parametrize("to", ["bf16", "channel", "block"])
+def test_direct_and_buffered_io_write_the_same_checkpoint(tiny, tmp_path, monkeypatch, to):
+    """Direct I/O (the default) against --buffered-io: the same files, byte for byte. Small bands,
+    direct reads for every size and small segments, so the tiny checkpoint takes every path."""
+    import fp8conv.shard_reader as shard_reader
+    import fp8conv.stream as stream
+    import fp8conv.writer as writer
+
+    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
+    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(writer, "SEGMENT_BYTES", 8192)
+    opened: list[bool] = []
+    real_open = writer.open_direct
+    monkeypatch.setattr(writer, "open_direct", lambda *a: opened.append(True) or real_open(*a))
+    extra = ["--pad-for-tp", "8"] if to == "block" else []
+    for name, flags in (("direct", []), ("buffered", ["--buffered-io"])):
+        args = ["convert", str(tiny.path), "--to", to, "-o", str(tmp_path / name), "-q", *extra, *flags]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        if name == "direct":
+            assert len(opened) == len(tiny.shards)
+    assert len(opened) == len(tiny.shards)  # --buffered-io never opened a file for direct I/O
+    assert dir_snapshot(tmp_path / "direct") == dir_snapshot(tmp_path / "buffered")

@@ -13,7 +13,7 @@ import fp8conv
 from fp8conv.errors import CheckpointError
 from fp8conv.safetensors_file import read_header, read_tensor
 
-from .helpers import fp8, write_checkpoint, write_raw_safetensors
+from .helpers import direct_io_works, fp8, write_checkpoint, write_raw_safetensors
 from .reference import same_bits
 
 
@@ -35,6 +35,45 @@ def test_read_tensor_matches_safetensors(tmp_path):
             assert same_bits(read_tensor(fd, header.tensors[name], "x.safetensors"), expected), name
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct):
+    """Direct reads for every size (the default keeps small ones buffered): unaligned starts and ends,
+    tensors misaligned for their dtype, an empty one; then a truncated file, refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from fp8conv import shard_reader
+
+    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        "a": fp8((3, 5)),
+        "b": torch.randn(7, dtype=torch.bfloat16),
+        "big": torch.randn(3000, 7, generator=gen),  # spans several pages
+        "c": torch.randn(2, 3),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path))
+    header = read_header(path)
+    reader = shard_reader.ShardReader(path, direct)
+    assert (reader.direct_fd is not None) == (direct and direct_io_works(tmp_path))
+    try:
+        for name, expected in load_file(path).items():
+            assert same_bits(reader.read_tensor(header.tensors[name]), expected), name
+    finally:
+        reader.close()
+    raw = path.read_bytes()
+    big = header.tensors["big"]
+    path.write_bytes(raw[: big.start + big.nbytes - 100])
+    reader = shard_reader.ShardReader(path, direct)
+    try:
+        with pytest.raises(CheckpointError, match="file ended before") as info:
+            reader.read_tensor(big)
+        assert "big" in str(info.value) and "x.safetensors" in str(info.value)
+    finally:
+        reader.close()
 
 
 def _convert(path, tmp_path):

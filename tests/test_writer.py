@@ -13,9 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 import fp8conv
+import fp8conv.writer as writer_module
+from fp8conv import shard_reader
+from fp8conv.direct_io import aligned_empty
+from fp8conv.safetensors_file import TensorEntry
+from fp8conv.shard_reader import ShardReader, read_capacity
 from fp8conv.writer import ShardWriter, TensorSpec
 
-from .helpers import fp8, fp8_block_config, write_checkpoint
+from .helpers import direct_io_works, fp8, fp8_block_config, write_checkpoint
 
 
 def specs_and_tensors() -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
@@ -31,11 +36,18 @@ def specs_and_tensors() -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
     return specs, tensors
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_sha256_taken_while_writing_is_the_files(tmp_path, seed):
+@pytest.fixture(params=["direct", "buffered"])
+def direct(request, tmp_path) -> bool:
+    if request.param == "direct" and not direct_io_works(tmp_path):
+        pytest.skip("this filesystem has no direct I/O")
+    return request.param == "direct"
+
+
+def write_shuffled(path, seed: int, direct: bool) -> tuple[ShardWriter, dict[str, torch.Tensor]]:
     specs, tensors = specs_and_tensors()
-    writer = ShardWriter(tmp_path / "s.safetensors", specs, {"format": "pt"})
-    pieces: list[tuple[str, int, torch.Tensor | None]] = []
+    writer = ShardWriter(path, specs, {"format": "pt"}, direct=direct)
+    assert writer.direct == direct
+    pieces: list[tuple[str, int, torch.Tensor]] = []
     for name, t in tensors.items():
         if t.dim() == 2 and t.shape[0] > 100:  # in row bands, as the streamer writes them
             rows = t.shape[0] // 3
@@ -51,26 +63,61 @@ def test_sha256_taken_while_writing_is_the_files(tmp_path, seed):
         else:
             writer.write_part(name, offset, t)
     writer.commit()
-    path = tmp_path / "s.safetensors"
+    return writer, tensors
+
+
+def check_shard(path, writer: ShardWriter, tensors: dict[str, torch.Tensor]) -> None:
     assert writer.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     loaded = load_file(path)
+    assert set(loaded) == set(tensors)
     for name, t in tensors.items():
-        assert torch.equal(loaded[name].view(torch.uint8), t.view(torch.uint8))
+        assert torch.equal(loaded[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
-def test_copy_range_is_hashed_too(tmp_path):
+@pytest.mark.parametrize("seed", range(6))
+def test_sha256_taken_while_writing_is_the_files(tmp_path, seed, direct):
+    writer, tensors = write_shuffled(tmp_path / "s.safetensors", seed, direct)
+    check_shard(tmp_path / "s.safetensors", writer, tensors)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tiny_segment_budget_spills_and_reads_back(tmp_path, seed, direct, monkeypatch):
+    """One-page segments and room for two: pieces in random order leave segments partial (spilled to the
+    file through the page cache) and complete ahead of the hash (kept, dropped, read back)."""
+    monkeypatch.setattr(writer_module, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(writer_module, "MAX_SEGMENTS", 2)
+    writer, tensors = write_shuffled(tmp_path / "s.safetensors", seed, direct)
+    check_shard(tmp_path / "s.safetensors", writer, tensors)
+    assert writer._segment_count > 10 and not writer._held  # every buffer came back
+
+
+def test_bytes_written_twice_are_refused(tmp_path):
+    spec = TensorSpec("x", "U8", (10_000,))
+    writer = ShardWriter(tmp_path / "t.safetensors", [spec], {})
+    writer.write_part("x", 0, torch.zeros(10_000, dtype=torch.uint8))  # the file's one segment, written
+    with pytest.raises(RuntimeError, match="written twice"):
+        writer._write(memoryview(bytes(100)), writer._specs["x"][1] + 10)
+    writer.abort()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 1 << 20])
+def test_copy_range_is_hashed_too(tmp_path, chunk, direct, monkeypatch):
+    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)  # direct reads for every size
     src = tmp_path / "raw.bin"
-    payload = os.urandom(5000)
+    payload = os.urandom(3 * 4096 + 5000)
     src.write_bytes(payload)
-    spec = TensorSpec("x", "U8", (5000,))
-    writer = ShardWriter(tmp_path / "c.safetensors", [spec], {})
-    fd = os.open(src, os.O_RDONLY)
+    entry = TensorEntry("x", "U8", (5000,), 4096 + 7, 5000)  # starts and ends mid-page
+    writer = ShardWriter(tmp_path / "c.safetensors", [TensorSpec("x", "U8", (5000,))], {}, direct=direct)
+    source = ShardReader(src, direct)
     try:
-        writer.copy_range("x", fd, 0, 5000, bytearray(1024))  # several chunks through one small buffer
+        writer.copy_range("x", source, entry, aligned_empty(read_capacity(chunk)))
     finally:
-        os.close(fd)
+        source.close()
     writer.commit()
-    assert writer.sha256 == hashlib.sha256((tmp_path / "c.safetensors").read_bytes()).hexdigest()
+    raw = (tmp_path / "c.safetensors").read_bytes()
+    assert writer.sha256 == hashlib.sha256(raw).hexdigest()
+    assert load_file(tmp_path / "c.safetensors")["x"].numpy().tobytes() == payload[4096 + 7 : 4096 + 7 + 5000]
 
 
 @pytest.mark.parametrize("to", ["channel", "block"])

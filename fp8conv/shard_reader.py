@@ -1,0 +1,73 @@
+"""Reading tensor bytes from an input shard: large reads with direct I/O, small ones through the page cache.
+
+Large reads (weight bands, whole weights, raw copies) bypass the page cache (see direct_io). Small ones
+(scales, norms, biases) stay buffered: the kernel's readahead batches them, where each direct read would
+wait for the disk on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
+from .dtypes import torch_dtype
+from .errors import CheckpointError
+from .safetensors_file import TensorEntry, as_writable_memoryview, pread_into
+
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def read_capacity(nbytes: int) -> int:
+    """Bytes a buffer for ShardReader.read of `nbytes` must hold: direct reads cover whole aligned pages."""
+    return nbytes + 2 * ALIGN
+
+
+class ShardReader:
+    def __init__(self, path: Path, direct: bool = True) -> None:
+        self.name = path.name
+        self.fd = os.open(path, os.O_RDONLY)
+        self.direct_fd = open_direct(path, os.O_RDONLY) if direct else None
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self.direct_fd = -1, None
+
+    def read(self, entry: TensorEntry, offset: int, nbytes: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """`nbytes` bytes of this shard from `offset` (inside `entry`'s data), as a uint8 tensor: a view into
+        `buffer` when given, which must be aligned_empty() and hold read_capacity(nbytes) bytes."""
+        if buffer is None:
+            buffer = aligned_empty(read_capacity(nbytes))
+        if buffer.numel() < read_capacity(nbytes) or buffer.data_ptr() % ALIGN:
+            raise ValueError("read buffer is too small or not aligned")
+        if self.direct_fd is None or nbytes < DIRECT_MIN_BYTES:
+            out = buffer[:nbytes]
+            pread_into(self.fd, as_writable_memoryview(out), offset, entry, self.name)
+            return out
+        start = round_down(offset)
+        head, need = offset - start, offset + nbytes - start
+        view = as_writable_memoryview(buffer[: round_up(offset + nbytes) - start])
+        done = 0
+        while done < need:
+            n = os.preadv(self.direct_fd, [view[done:]], start + done)
+            done += n
+            if n == 0 or (n % ALIGN and done < need):  # a short direct read is the end of the file
+                raise CheckpointError(
+                    "file ended before this tensor's bytes",
+                    tensor=entry.name,
+                    shard=self.name,
+                    fix="re-download the shard",
+                )
+        return buffer[head : head + nbytes]
+
+    def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        """One whole tensor, viewed as its dtype and shape."""
+        raw = self.read(entry, entry.start, entry.nbytes)
+        dtype = torch_dtype(entry.dtype)
+        if raw.data_ptr() % torch.empty((), dtype=dtype).element_size():  # a misaligned tensor in the file
+            raw = raw.clone()
+        return raw.view(dtype).reshape(entry.shape)
