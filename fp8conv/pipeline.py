@@ -196,6 +196,12 @@ class _Run:
             pending: deque[Future[None]] = deque()
             try:
                 jobs = shard.jobs
+                for job in jobs:  # their bands are read ahead, across jobs
+                    entry = self.ckpt.index.entry(job.source)
+                    if self._streamed(job, entry):
+                        self.streamer.expect(
+                            job, entry, self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
+                        )
                 fetched = reader.submit(self._read_inputs, jobs[0], stack) if jobs else None
                 for i, job in enumerate(jobs):
                     assert fetched is not None
@@ -240,10 +246,14 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
-        if streamable(job, self.ckpt.index.entry(job.source), self.band_elements) or self._weight_bytes_kept(job):
+        if self._streamed(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
         return {n: self.reader_of(index.shard_of(n).name, stack).read_tensor(index.entry(n)) for n in names}
+
+    def _streamed(self, job: Job, entry: TensorEntry) -> bool:
+        """Rewritten band by band (BandStreamer), not whole."""
+        return streamable(job, entry, self.band_elements)
 
     def _weight_bytes_kept(self, job: Job) -> bool:
         """Block FP8 kept as it is and not padded: its weight bytes go file to file."""
@@ -273,7 +283,7 @@ class _Run:
             self.copied += 1
             return lambda: writer.copy_range(job.spec.name, source, entry, self.copy_buffer)
         entry = self.ckpt.index.entry(job.source)
-        if streamable(job, entry, self.band_elements):
+        if self._streamed(job, entry):
             assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
             source = self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
             new_scale = self.streamer.run(job, entry, source, inputs[job.fmt.scale], writer)
