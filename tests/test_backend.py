@@ -67,23 +67,30 @@ def test_quantize_matches_reference_bit_for_bit(device, shape, block, fp8_max):
     assert same_bits(q, expected_q) and same_bits(scale, expected_scale)
 
 
+# a block's scale: normal; 2^121 (the CPU path's x256 would overflow: it steps aside); 2^-140 (the channel
+# scale goes subnormal and |w / s| passes fp8_max: the clamp matters); 2^119.5 (products overflow to inf)
+EXTREME_SCALES = {"normal": None, "huge": 2.0**121, "tiny": 2.0**-140, "overflowing": 2.0**119.5}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
 @pytest.mark.parametrize("out_block", [None, (128, 128)])
 @pytest.mark.parametrize("fp8_max", [448.0, 240.0])
-@pytest.mark.parametrize("huge_scale", [False, True])
-def test_requantize_matches_dequantize_then_quantize(device, shape, block, out_block, fp8_max, huge_scale):
-    """FP8 straight to FP8 (the fused CPU path for channel output) = the reference dequantize, then quantize."""
+@pytest.mark.parametrize("scale_case", list(EXTREME_SCALES))
+@pytest.mark.parametrize("nan_codes", [True, False])
+def test_requantize_matches_dequantize_then_quantize(device, shape, block, out_block, fp8_max, scale_case, nan_codes):
+    """FP8 straight to FP8 (the fused CPU path for channel output) = the reference dequantize, then quantize;
+    with and without NaN codes (the CPU path patches them only when present)."""
     gen = torch.Generator().manual_seed(hash((shape, block)) % 2**31)
     codes = random_fp8(shape, gen).view(torch.uint8)
-    specials = torch.tensor([0x7F, 0xFF, 0x80], dtype=torch.uint8)  # both NaNs and -0 in the first row
-    codes.view(-1)[: min(3, shape[1])] = specials[: shape[1]]
+    specials = torch.tensor([0x80, 0x7F, 0xFF] if nan_codes else [0x80], dtype=torch.uint8)  # -0, both NaNs
+    codes.view(-1)[: min(len(specials), shape[1])] = specials[: shape[1]]
     codes[-1] = 0  # an all-zero row (or block): scale 1, stays zero
     q8 = codes.view(torch.float8_e4m3fn)
     grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
     scale = torch.exp2(torch.randint(-20, 4, grid, generator=gen).float()) * (1 + torch.rand(grid, generator=gen))
-    if huge_scale:  # where the CPU path's x256 trick would overflow: it must step aside
-        scale.view(-1)[-1] = 2.0**121
+    if EXTREME_SCALES[scale_case] is not None:
+        scale.view(-1)[0] = EXTREME_SCALES[scale_case]
     fmt = WeightFormat("w", Kind.BLOCK, "s", block=block)
     q, new_scale = requantize(q8, scale, fmt, out_block, fp8_max, get_backend(device))
     expected_q, expected_scale = quantize_reference(
