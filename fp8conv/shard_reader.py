@@ -7,6 +7,7 @@ wait for the disk on its own.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class ShardReader:
         self.name = path.name
         self.fd = os.open(path, os.O_RDONLY)
         self.direct_fd = open_direct(path, os.O_RDONLY) if direct else None
+        self.direct = self.direct_fd is not None  # False once the filesystem turns a direct read down
 
     def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
@@ -44,10 +46,20 @@ class ShardReader:
             buffer = aligned_empty(read_capacity(nbytes))
         if buffer.numel() < read_capacity(nbytes) or buffer.data_ptr() % ALIGN:
             raise ValueError("read buffer is too small or not aligned")
-        if self.direct_fd is None or nbytes < DIRECT_MIN_BYTES:
+        if self.direct_fd is None or not self.direct or nbytes < DIRECT_MIN_BYTES:
             out = buffer[:nbytes]
             pread_into(self.fd, as_writable_memoryview(out), offset, entry, self.name)
             return out
+        try:
+            return self._read_direct(entry, offset, nbytes, buffer)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # the filesystem wants more alignment: the page cache from now on
+                raise
+            self.direct = False
+            return self.read(entry, offset, nbytes, buffer)
+
+    def _read_direct(self, entry: TensorEntry, offset: int, nbytes: int, buffer: torch.Tensor) -> torch.Tensor:
+        assert self.direct_fd is not None
         start = round_down(offset)
         head, need = offset - start, offset + nbytes - start
         view = as_writable_memoryview(buffer[: round_up(offset + nbytes) - start])

@@ -6,6 +6,7 @@ reader never sees a half-written file under its final name.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -182,8 +183,7 @@ class ShardWriter:
             while self._inflight:
                 self._settle(self._inflight.popleft())
             self.sha256 = self._sha.hexdigest()
-            if self._direct_fd is not None:  # the last direct write ran to a whole page
-                os.ftruncate(self._fd, self._size)
+            os.ftruncate(self._fd, self._size)  # a last direct write ran to a whole page
             os.fsync(self._fd)
             self._shutdown()
             os.replace(self.temp, self.final_path)
@@ -296,18 +296,24 @@ class ShardWriter:
         self._catch_up()
 
     def _write_segment(self, index: int, view: memoryview) -> None:
+        """On the I/O thread. Direct I/O the filesystem turns down at write time (EINVAL: an alignment it
+        needs larger than ALIGN) sends this and every later segment through the page cache."""
         base, length = index * SEGMENT_BYTES, self._segment_length(index)
-        if self._direct_fd is None:
-            _pwrite_all(self._fd, view[:length], base)
-            return
-        padded = round_up(length)  # the tail past the file's end is cut off at commit
         done = 0
-        while done < padded:
-            n = os.pwrite(self._direct_fd, view[done:padded], base + done)
-            done += n
-            if n % ALIGN and done < padded:  # an unaligned short write: the rest through the page cache
-                _pwrite_all(self._fd, view[done:length], base + done)
-                return
+        if self._direct_fd is not None and self.direct:
+            padded = round_up(length)  # the tail past the file's end is cut off at commit
+            try:
+                while done < padded:
+                    n = os.pwrite(self._direct_fd, view[done:padded], base + done)
+                    done += n
+                    if n % ALIGN:  # an unaligned short write: the rest through the page cache
+                        break
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+            done = min(done, length)
+        _pwrite_all(self._fd, view[done:length], base + done)
 
     def _catch_up(self) -> None:
         """The hashed prefix reached segments completed earlier: hash them, reading back those not kept."""

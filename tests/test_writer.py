@@ -3,6 +3,7 @@ sha256 taken while writing is the file's."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ import fp8conv
 import fp8conv.writer as writer_module
 from fp8conv import shard_reader
 from fp8conv.direct_io import aligned_empty
-from fp8conv.safetensors_file import TensorEntry
+from fp8conv.safetensors_file import TensorEntry, read_header
 from fp8conv.shard_reader import ShardReader, read_capacity
 from fp8conv.writer import ShardWriter, TensorSpec
 
@@ -154,3 +155,47 @@ def test_layout_and_manifest_hash(tmp_path, to, shapes, in_production_order):
         # production order puts each weight's scale right after it
         scale_follows = all(by_offset[by_offset.index(w) + 1].startswith(w) for w in weights)
         assert scale_follows == in_production_order
+
+
+def test_direct_io_turned_down_at_write_or_read_time_falls_back(tmp_path, monkeypatch):
+    """A filesystem that opens with O_DIRECT but refuses the I/O itself (EINVAL: it wants a larger
+    alignment): the same bytes go through the page cache, from then on."""
+    if not direct_io_works(tmp_path):
+        pytest.skip("this filesystem has no direct I/O")
+    refused: set[int] = set()
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def pwrite(fd, data, offset):
+        if fd in refused:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    def preadv(fd, buffers, offset):
+        if fd in refused:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(writer_module, "SEGMENT_BYTES", 8192)
+    specs, tensors = specs_and_tensors()
+    path = tmp_path / "s.safetensors"
+    writer = ShardWriter(path, specs, {"format": "pt"}, direct=True)
+    assert writer._direct_fd is not None
+    refused.add(writer._direct_fd)
+    for name, t in tensors.items():
+        writer.write_tensor(name, t)
+    writer.commit()
+    assert not writer.direct
+    check_shard(path, writer, tensors)
+
+    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
+    header = read_header(path)
+    source = ShardReader(path, True)
+    assert source.direct_fd is not None
+    refused.add(source.direct_fd)
+    try:
+        got = source.read_tensor(header.tensors["a.weight"])
+    finally:
+        source.close()
+    assert not source.direct and torch.equal(got.view(torch.uint8), tensors["a.weight"].view(torch.uint8))
