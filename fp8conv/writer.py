@@ -199,6 +199,10 @@ class ShardWriter:
         """Let running writes and hashes finish (queued ones are dropped), then close the file."""
         for pool in (self._io, self._hasher):
             pool.shutdown(wait=True, cancel_futures=True)
+        self._free.clear()  # the next shard's writer overlaps this one's commit: hand the memory back
+        self._segments.clear()
+        self._ahead.clear()
+        self._inflight.clear()
         for fd in (self._fd, self._direct_fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
