@@ -51,8 +51,9 @@ class FinalizeResult:
 
 
 def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult | None:
-    """Check every part's shards (present, size, sha256), then copy the other files and write the
-    manifest, index and config. With require_all=False, return None while parts are unfinished."""
+    """Check every part's shards (present, size, sha256; a shard whose mtime and inode are still those
+    its part recorded is not read again), then copy the other files and write the manifest, index and
+    config. With require_all=False, return None while parts are unfinished."""
     out = Path(output)
     docs = {}
     for path in sorted((out / MANIFEST.parent).glob("part-*-of-*.json")):
@@ -82,13 +83,13 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
     fin = first["finalize"]
     merged = Manifest(first["fp8conv_version"], first["options"], first["input"], shards)
     for name in fin["planned_shards"]:
-        if not merged.shard_intact(out, name):
+        if not merged.shard_intact(out, name, trust_unchanged=True):
             raise OutputError("is missing or does not match its part's hash", shard=name, fix="run its part again")
     all_pow2 = all(doc.get("all_scales_pow2", True) for doc in docs.values())
     with_scale_fmt(fin["config"], fin["claims_ue8m0"], all_pow2)
     finish(
         out,
-        merged,
+        merged.without_stat(),
         Path(fin["copy_from"]),
         fin["copy_files"],
         fin["index"],

@@ -102,6 +102,7 @@ def convert(
         mine = assign_parts(plan.shards, part[1])[part[0] - 1]
         others = {s.name for s in plan.shards} - set(mine)
         manifest.path = part_path(out, part).relative_to(out)
+        manifest.record_stat = True
     keep = _resumable_shards(out, plan, manifest) if resume else set()
     _check_output(ckpt, out, overwrite or resume or part is not None)
     if space_check:

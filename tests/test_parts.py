@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -113,3 +114,29 @@ def test_jobs_flag_runs_worker_processes(make_tiny, tmp_path):
     assert again.returncode == 1 and "is not empty" in again.stderr
     mixed = CliRunner().invoke(main, ["convert", str(ckpt.path), "--to", "bf16", "-o", "x", "-j", "2", "--part", "1/2"])
     assert mixed.exit_code == 2
+
+
+def test_finalize_rereads_only_shards_touched_since_their_part_wrote_them(tiny, tmp_path, monkeypatch):
+    """A part records each shard's mtime and inode beside its hash; finalize re-hashes a shard only when
+    they changed (touched, or copied in from elsewhere) and the final manifest leaves them out."""
+    import fp8conv.manifest as manifest_module
+
+    out = tmp_path / "out"
+    fp8conv.convert(tiny.path, out, to="bf16", part=(1, 2))
+    fp8conv.convert(tiny.path, out, to="bf16", part=(2, 2))
+    final = json.loads((out / ".fp8conv" / "manifest.json").read_text())
+    assert all(set(entry) == {"size", "sha256"} for entry in final["shards"].values())
+    hashed: list[str] = []
+    real = manifest_module.file_sha256
+    monkeypatch.setattr(manifest_module, "file_sha256", lambda path: hashed.append(path.name) or real(path))
+    fp8conv.finalize(out)
+    assert hashed == []  # every shard is the file its part wrote
+    shards = sorted(out.glob("model-*.safetensors"))
+    st = shards[0].stat()
+    os.utime(shards[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched, same bytes
+    copy = shards[1].with_suffix(".copy")
+    shutil.copyfile(shards[1], copy)
+    os.replace(copy, shards[1])  # another inode, same bytes
+    fp8conv.finalize(out)
+    assert sorted(hashed) == [shards[0].name, shards[1].name]
+    assert json.loads((out / ".fp8conv" / "manifest.json").read_text()) == final
