@@ -31,7 +31,15 @@ from .rewrite.scales import all_powers_of_two
 from .safetensors_file import TensorEntry
 from .shard_reader import ShardReader, read_capacity
 from .source import Checkpoint, open_checkpoint
-from .stream import BASE_BYTES, MIN_BAND_BYTES, BandStreamer, band_elements_for, streamable, whole_tensor_bytes
+from .stream import (
+    BAND_WORKERS,
+    BASE_BYTES,
+    MIN_BAND_BYTES,
+    BandStreamer,
+    band_elements_for,
+    streamable,
+    whole_tensor_bytes,
+)
 from .verify import VerifyResult, verify
 from .version import __version__
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, temp_target
@@ -187,7 +195,10 @@ class _Run:
         are in memory at once, so peak memory is a few tensors, whatever the checkpoint's size."""
         reader = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-read"))
         writer_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-write"))
-        self.streamer = BandStreamer(reader, writer_pool, self.backend, self.plan.options.fp8_max, self.band_elements)
+        compute = stack.enter_context(ThreadPoolExecutor(BAND_WORKERS, thread_name_prefix="fp8conv-band"))
+        self.streamer = BandStreamer(
+            reader, writer_pool, self.backend, self.plan.options.fp8_max, self.band_elements, compute
+        )
         commits: deque[Future[None]] = deque()  # a shard's fsync and rename overlap the next shard
         for shard in self.plan.shards:
             if shard.name in skip:  # finished by an interrupted run, size and hash checked

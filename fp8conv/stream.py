@@ -23,9 +23,11 @@ from .writer import ShardWriter
 BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
 OUT_SLOTS = 3  # bands that may wait for the writer
 READ_AHEAD = 3  # band reads in flight ahead of the arithmetic, across tensors
-# Bytes held per band element at once: READ_AHEAD + 1 input bands (1 B) and OUT_SLOTS output bands (up to
+BAND_WORKERS = 2  # bands computed at once, one torch thread each (a pool the pipeline sizes to the cores)
+IN_SLOTS = READ_AHEAD + BAND_WORKERS  # input bands held: those read ahead and those being computed
+# Bytes held per band element at once: IN_SLOTS input bands (1 B) and OUT_SLOTS output bands (up to
 # 4 B); the float32 work happens in the backend's cache-sized chunks, counted in BASE_BYTES.
-BYTES_PER_BAND_ELEMENT = (READ_AHEAD + 1) * 1 + OUT_SLOTS * 4
+BYTES_PER_BAND_ELEMENT = IN_SLOTS * 1 + OUT_SLOTS * 4
 # What a run holds besides the bands: Python, torch, the backend's cache-sized scratch (measured:
 # VmHWM 255 MB converting a checkpoint too small to stream; ~290 MB with the default bands).
 BASE_BYTES = 256 * 2**20
@@ -64,13 +66,19 @@ class BandStreamer:
         backend: Backend,
         fp8_max: float,
         band_elements: int | None = None,
+        compute: ThreadPoolExecutor | None = None,
     ) -> None:
+        """compute: a pool of at most BAND_WORKERS threads that compute bands side by side (None: on the
+        calling thread); the backend must then be safe to call from several threads."""
         self.reader, self.writer, self.backend, self.fp8_max = reader, writer, backend, fp8_max
+        self.compute = compute
         self.band_elements = BAND_ELEMENTS if band_elements is None else band_elements
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         # writes still in flight, kept across jobs: a job's last bands are written while the next job
         # starts (draining them at every job's end left the main thread waiting ~13% of a channel run)
-        self._pending: list[Future[None] | None] = [None] * OUT_SLOTS
+        # per output slot, the band's computation; it returns the band's write (see run())
+        self._pending: list[Future[Future[None]] | None] = [None] * OUT_SLOTS
+        self._computing: deque[Future[Future[None]]] = deque()  # the last bands handed to compute, oldest first
         self._scales: list[Future[None]] = []
         # band reads run ahead of the arithmetic across tensors, so a tensor's first band is not waited
         # for (measured, 4 GiB --to channel: the main thread waited 1.7 s on reads with one band ahead
@@ -88,15 +96,18 @@ class BandStreamer:
     def flush(self) -> None:
         """Wait for every write this streamer has handed the writer, and drop reads ahead (after an error
         they are not needed); the first write failure is raised."""
-        futures = [f for f in self._pending if f is not None] + self._scales
+        computes = [f for f in self._pending if f is not None]
+        futures = [f.result() for f in computes if f.exception() is None] + self._scales
+        errors = [e for e in (f.exception() for f in computes) if e is not None]
         self._pending, self._scales = [None] * OUT_SLOTS, []
+        self._computing.clear()
         reads = [f for _, _, f in self._reads if not f.cancel()]
         self._reads.clear()
         self._expected.clear()
         self._next_band = 0
         for read in reads:  # still running into a buffer: let it finish
             read.exception()
-        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        errors += [e for e in (f.exception() for f in futures) if e is not None]
         if errors:
             raise errors[0]
 
@@ -109,15 +120,16 @@ class BandStreamer:
         return max(unit, (self.band_elements // max(k, 1)) // unit * unit)
 
     def _read_ahead(self) -> None:
-        """Keep READ_AHEAD band reads in flight. With the band being computed that is READ_AHEAD + 1
-        buffers in use, each read taking the slot of the band computed before the current one."""
+        """Keep READ_AHEAD band reads in flight. With the bands being computed that is IN_SLOTS buffers in
+        use: a read takes the slot of the band BAND_WORKERS before the one just taken, which run() has
+        waited for."""
         while len(self._reads) < READ_AHEAD and self._expected:
             job, entry, source = self._expected[0]
             n, k = entry.shape
             rows = self._band_rows(job, entry)
             r0 = self._next_band * rows
             r = min(rows, n - r0)
-            buf = self._buffer("in", self._read_count % (READ_AHEAD + 1), read_capacity(r * k))
+            buf = self._buffer("in", self._read_count % IN_SLOTS, read_capacity(r * k))
             read = self.reader.submit(source.read, entry, entry.start + r0 * k, r * k, buf)
             self._reads.append((entry.name, self._next_band, read))
             self._read_count += 1
@@ -159,25 +171,40 @@ class BandStreamer:
         out_size = torch.empty((), dtype=out_dtype).element_size()
         new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if quantize else None
 
-        pending = self._pending  # on an error the caller's flush() waits for these
-        for i, r0 in enumerate(starts):
-            r = min(rows, n - r0)
-            w = self._band(entry, i, r)
-            g0, g1 = r0 // in_block[0], -(-(r0 + r) // in_block[0])
-            slot = i % OUT_SLOTS
-            if pending[slot] is not None:
-                pending[slot].result()
-            band = self._buffer("out", slot, r * k * out_size).view(out_dtype).view(1, r, k)
+        def compute(w: torch.Tensor, band: torch.Tensor, r0: int) -> Future[None]:
+            """One band's arithmetic; hands its write to the writer and returns that."""
+            g0, g1 = r0 // in_block[0], -(-(r0 + w.shape[1]) // in_block[0])
             if quantize:
                 assert new_scale is not None
                 ob = job.out_block or (1, k)
-                o0, o1 = r0 // ob[0], -(-(r0 + r) // ob[0])
+                o0, o1 = r0 // ob[0], -(-(r0 + w.shape[1]) // ob[0])
                 band_scale = torch.empty((1, o1 - o0, new_scale.shape[-1]), dtype=torch.float32)
                 self.backend.requantize_blocks(w, grid[g0:g1][None], in_block, ob, self.fp8_max, band, band_scale)
-                new_scale.view(-1, new_scale.shape[-1])[o0:o1] = band_scale[0]
+                new_scale.view(-1, new_scale.shape[-1])[o0:o1] = band_scale[0]  # rows of its own
             else:
                 self.backend.dequantize_blocks(w, grid[g0:g1][None], in_block, band)
-            pending[slot] = self.writer.submit(out.write_part, job.spec.name, r0 * k * out_size, band)
+            return self.writer.submit(out.write_part, job.spec.name, r0 * k * out_size, band)
+
+        pending = self._pending  # on an error the caller's flush() waits for these
+        workers = BAND_WORKERS if self.compute is not None else 1
+        for i, r0 in enumerate(starts):
+            r = min(rows, n - r0)
+            while len(self._computing) >= workers:  # frees the input slot the next read takes
+                self._computing.popleft().result()
+            w = self._band(entry, i, r)
+            slot = i % OUT_SLOTS
+            if pending[slot] is not None:
+                pending[slot].result().result()  # the band that last used this buffer: computed and written
+            band = self._buffer("out", slot, r * k * out_size).view(out_dtype).view(1, r, k)
+            if self.compute is None:
+                done: Future[Future[None]] = Future()
+                done.set_result(compute(w, band, r0))
+            else:
+                done = self.compute.submit(compute, w, band, r0)
+            pending[slot] = done
+            self._computing.append(done)
+        while self._computing:  # every band's arithmetic, before the new scale is read
+            self._computing.popleft().result()
         if new_scale is not None:  # after the bands, in the writer's order
             self._scales.append(self.writer.submit(out.write_tensor, job.outputs[1].name, new_scale))
         return new_scale

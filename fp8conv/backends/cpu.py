@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,13 +38,14 @@ def chunk_rows(n: int, k: int, bn: int) -> int:
 class CpuBackend(TorchDeviceBackend):
     def __init__(self) -> None:
         super().__init__("cpu", name="cpu")
-        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._local = threading.local()  # scratch buffers per thread: bands may be computed side by side
 
     def _buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._scratch.get((key, dtype))
+        scratch: dict[tuple[str, torch.dtype], torch.Tensor] = self._local.__dict__.setdefault("scratch", {})
+        buf = scratch.get((key, dtype))
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype)
-            self._scratch[(key, dtype)] = buf
+            scratch[(key, dtype)] = buf
         return buf[:numel]
 
     @staticmethod
