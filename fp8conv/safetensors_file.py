@@ -158,13 +158,15 @@ def pread_into(fd: int, view: memoryview, offset: int, entry: TensorEntry, shard
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise CheckpointError(
-                "file ended before this tensor's bytes",
-                tensor=entry.name,
-                shard=shard,
-                fix="re-download the shard",
-            )
+            raise file_ended(entry, shard)
         done += n
+
+
+def file_ended(entry: TensorEntry, shard: str) -> CheckpointError:
+    """The error for a shard that ends before `entry`'s bytes do."""
+    return CheckpointError(
+        "file ended before this tensor's bytes", tensor=entry.name, shard=shard, fix="re-download the shard"
+    )
 
 
 def read_tensor(fd: int, entry: TensorEntry, shard: str) -> torch.Tensor:

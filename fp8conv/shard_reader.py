@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
-from .dtypes import torch_dtype
-from .errors import CheckpointError
-from .safetensors_file import TensorEntry, as_writable_memoryview, pread_into
+from .dtypes import ELEMENT_BYTES, torch_dtype
+from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, pread_into
 
 DIRECT_MIN_BYTES = 1 << 20
 
@@ -37,7 +36,7 @@ class ShardReader:
         for fd in (self.fd, self.direct_fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
-        self.fd, self.direct_fd = -1, None
+        self.fd, self.direct_fd, self.direct = -1, None, False
 
     def read(self, entry: TensorEntry, offset: int, nbytes: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """`nbytes` bytes of this shard from `offset` (inside `entry`'s data), as a uint8 tensor: a view into
@@ -46,7 +45,7 @@ class ShardReader:
             buffer = aligned_empty(read_capacity(nbytes))
         if buffer.numel() < read_capacity(nbytes) or buffer.data_ptr() % ALIGN:
             raise ValueError("read buffer is too small or not aligned")
-        if self.direct_fd is None or not self.direct or nbytes < DIRECT_MIN_BYTES:
+        if not self.direct or nbytes < DIRECT_MIN_BYTES:
             out = buffer[:nbytes]
             pread_into(self.fd, as_writable_memoryview(out), offset, entry, self.name)
             return out
@@ -68,18 +67,12 @@ class ShardReader:
             n = os.preadv(self.direct_fd, [view[done:]], start + done)
             done += n
             if n == 0 or (n % ALIGN and done < need):  # a short direct read is the end of the file
-                raise CheckpointError(
-                    "file ended before this tensor's bytes",
-                    tensor=entry.name,
-                    shard=self.name,
-                    fix="re-download the shard",
-                )
+                raise file_ended(entry, self.name)
         return buffer[head : head + nbytes]
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """One whole tensor, viewed as its dtype and shape."""
         raw = self.read(entry, entry.start, entry.nbytes)
-        dtype = torch_dtype(entry.dtype)
-        if raw.data_ptr() % torch.empty((), dtype=dtype).element_size():  # a misaligned tensor in the file
+        if raw.data_ptr() % ELEMENT_BYTES[entry.dtype]:  # a misaligned tensor in the file
             raw = raw.clone()
-        return raw.view(dtype).reshape(entry.shape)
+        return raw.view(torch_dtype(entry.dtype)).reshape(entry.shape)

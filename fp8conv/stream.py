@@ -12,7 +12,7 @@ import torch
 
 from .backends import Backend
 from .direct_io import aligned_empty
-from .dtypes import torch_dtype
+from .dtypes import ELEMENT_BYTES, torch_dtype
 from .formats import CONVERTIBLE
 from .plan import Action, Job
 from .rewrite.dequant import scale_grid
@@ -74,9 +74,9 @@ class BandStreamer:
         self.compute = compute
         self.band_elements = BAND_ELEMENTS if band_elements is None else band_elements
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-        # writes still in flight, kept across jobs: a job's last bands are written while the next job
-        # starts (draining them at every job's end left the main thread waiting ~13% of a channel run)
-        # per output slot, the band's computation; it returns the band's write (see run())
+        # per output slot, the band's computation, which returns the band's write (see run()); kept across
+        # jobs: a job's last bands are written while the next job starts (draining them at every job's
+        # end left the main thread waiting ~13% of a channel run)
         self._pending: list[Future[Future[None]] | None] = [None] * OUT_SLOTS
         self._computing: deque[Future[Future[None]]] = deque()  # the last bands handed to compute, oldest first
         self._scales: list[Future[None]] = []
@@ -86,7 +86,7 @@ class BandStreamer:
         self._expected: deque[tuple[Job, TensorEntry, ShardReader]] = deque()  # streamed jobs to read
         self._next_band = 0  # of _expected[0]
         self._reads: deque[tuple[str, int, Future[torch.Tensor]]] = deque()  # (tensor, band, read)
-        self._read_count = 0  # reads submitted; a read's input buffer is slot read_count % (READ_AHEAD + 1)
+        self._read_count = 0  # reads submitted; a read's input buffer is slot read_count % IN_SLOTS
 
     def expect(self, job: Job, entry: TensorEntry, source: ShardReader) -> None:
         """Announce a job run() will stream, in run() order, so its bands can be read ahead."""
@@ -168,7 +168,7 @@ class BandStreamer:
         rows = self._band_rows(job, entry)
         starts = list(range(0, n, rows))
         out_dtype = torch_dtype(job.spec.dtype)
-        out_size = torch.empty((), dtype=out_dtype).element_size()
+        out_size = ELEMENT_BYTES[job.spec.dtype]
         new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if quantize else None
 
         def compute(w: torch.Tensor, band: torch.Tensor, r0: int) -> Future[None]:

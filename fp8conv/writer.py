@@ -255,11 +255,12 @@ class ShardWriter:
             return
         kept = [i for i, (buffer, _) in self._ahead.items() if buffer is not None]
         if kept:
-            buffer, write = self._ahead[max(kept)]
+            furthest = max(kept)  # hashed last
+            buffer, write = self._ahead[furthest]
             if write is not None:
                 write.result()
             self._release(buffer)
-            self._ahead[max(kept)] = (None, None)
+            self._ahead[furthest] = (None, None)
             return
         index = min(i for i, s in self._segments.items() if s.view is not None)
         segment = self._segments[index]
