@@ -32,6 +32,11 @@ from fp8conv import direct_io, stream, writer  # noqa: E402
 # the floor does not import fp8conv (torch's import alone costs ~1.4 s of CPU), so it states the sizes
 assert (io_floor.ALIGN, io_floor.SEGMENT_BYTES) == (direct_io.ALIGN, writer.SEGMENT_BYTES)
 assert io_floor.READ_BYTES == stream.BAND_ELEMENTS  # one FP8 band
+assert io_floor.READ_AHEAD == stream.READ_AHEAD
+
+
+CONCURRENT_FLOOR = "I/O floor, reads and writes at once (bf16 output size)"
+STARTUP = "fp8conv start-up alone (import fp8conv.cli)"
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -136,6 +141,13 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
         [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs["bf16"]), "--buffered"],
         "bf16",
     )
+    # what the bf16 floor leaves out: reads and writes at the same time (a conversion cannot read all of a
+    # shard before writing it), and fp8conv's start-up (torch's import)
+    variants[CONCURRENT_FLOOR] = (
+        [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs["bf16"]), "--concurrent"],
+        "bf16",
+    )
+    variants[STARTUP] = ([py, "-c", "import fp8conv.cli"], None)
     variants["fp8conv --to bf16 -j 2"] = (
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "-j", "2"],
         "bf16",
@@ -146,7 +158,7 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
             [py, str(HERE / "ct_convert.py"), str(src), str(out)],
             "bf16",
         )
-    variants = {name: v for name, v in variants.items() if selected(name, only)}
+    variants = {name: v for name, v in variants.items() if selected(name, only) or name == STARTUP}  # ~1.5 s
     results = run_alternating({name: cmd for name, (cmd, _target) in variants.items()}, reps, out)
     for target in ("bf16", "channel", "block"):
         floor_name = f"I/O floor ({target} output size)"
@@ -155,6 +167,11 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
             if t == target and floor and results[name]["median_s"]:
                 results[name]["ratio_to_floor"] = results[name]["median_s"] / floor
                 results[name]["gb_per_s"] = (in_bytes + outputs[target]) / results[name]["median_s"] / 1e9
+    explained = [results.get(n, {}).get("median_s") for n in ("fp8conv --to bf16", CONCURRENT_FLOOR, STARTUP)]
+    if all(explained):
+        results["fp8conv --to bf16"]["ratio_to_concurrent_floor_plus_startup"] = explained[0] / (
+            explained[1] + explained[2]
+        )
     shutil.rmtree(src)
     return {"input_bytes": in_bytes, "output_bytes": outputs, "variants": results}
 
@@ -198,6 +215,13 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {name} | {med} | {ratio} | {gbps} | {r['peak_rss_bytes'] / 2**20:.0f} | {runs} |")
             if r.get("error"):
                 lines.append(f"| ↳ error | {r['error'][:150]} | | | | |")
+        bf16 = section["variants"].get("fp8conv --to bf16", {})
+        if bf16.get("ratio_to_concurrent_floor_plus_startup"):
+            lines += [
+                "",
+                f"fp8conv --to bf16 against the concurrent floor plus start-up: "
+                f"{bf16['ratio_to_concurrent_floor_plus_startup']:.2f}x",
+            ]
         lines.append("")
     return "\n".join(lines)
 

@@ -2,11 +2,15 @@
 the same method fp8conv uses, no arithmetic: direct I/O where the filesystem has it (reads of one
 band, writes of one writer segment, from aligned reused buffers), else the page cache; fsync per file.
 --buffered: everything through the page cache (what fp8conv --buffered-io does).
+--concurrent: reads on a thread of their own while the outputs are written, paced like a conversion
+(output bytes follow input bytes; reads run at most READ_AHEAD bands ahead), as fp8conv's pipeline
+does; the plain floor reads a shard, then writes its output. The difference is what the disk charges
+for reads and writes at the same time.
 
 It does not import fp8conv (torch alone takes ~1.4 s of CPU to import); bench.py checks that the sizes
 below are fp8conv's.
 
-    python bench/io_floor.py INPUT_DIR OUTPUT_DIR OUTPUT_BYTES [--buffered]
+    python bench/io_floor.py INPUT_DIR OUTPUT_DIR OUTPUT_BYTES [--buffered] [--concurrent]
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import errno
 import mmap
 import os
 import sys
+import threading
 from pathlib import Path
 
 ALIGN = 4096  # fp8conv.direct_io.ALIGN
 READ_BYTES = 1 << 22  # one FP8 band: fp8conv.stream.BAND_ELEMENTS
 SEGMENT_BYTES = 4 * 1024 * 1024  # fp8conv.writer.SEGMENT_BYTES
+READ_AHEAD = 3  # fp8conv.stream.READ_AHEAD
 
 
 def open_direct(path: Path, flags: int) -> int | None:
@@ -31,27 +37,73 @@ def open_direct(path: Path, flags: int) -> int | None:
         raise
 
 
+class Pacing:
+    """--concurrent: output bytes may follow the input bytes read; reads may run READ_AHEAD bands ahead
+    of the input the outputs stand for."""
+
+    def __init__(self, in_bytes: int, out_bytes: int) -> None:
+        self.in_bytes, self.ratio = in_bytes, out_bytes / in_bytes
+        self.read = self.written = 0
+        self.cond = threading.Condition()
+
+    def may_read(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.read <= self.written / self.ratio + READ_AHEAD * READ_BYTES)
+
+    def may_write(self, n: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.read >= self.in_bytes or self.written + n <= self.read * self.ratio)
+
+    def moved(self, read: int = 0, written: int = 0) -> None:
+        with self.cond:
+            self.read += read
+            self.written += written
+            self.cond.notify_all()
+
+
+def read_all(shards: list[Path], direct: bool, pacing: Pacing | None) -> None:
+    read_view = memoryview(mmap.mmap(-1, READ_BYTES))  # anonymous maps are page-aligned
+    for shard in shards:
+        fd = (open_direct(shard, os.O_RDONLY) if direct else None) or os.open(shard, os.O_RDONLY)
+        pos = 0
+        while True:
+            if pacing:
+                pacing.may_read()
+            n = os.preadv(fd, [read_view], pos)
+            if not n:
+                break
+            pos += n
+            if pacing:
+                pacing.moved(read=n)
+        os.close(fd)
+
+
 def main() -> None:
     src, dst, out_bytes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     direct = "--buffered" not in sys.argv[4:]
     dst.mkdir(parents=True, exist_ok=True)
     shards = sorted(src.glob("*.safetensors"))
-    read_view = memoryview(mmap.mmap(-1, READ_BYTES))  # anonymous maps are page-aligned
     write_view = memoryview(mmap.mmap(-1, SEGMENT_BYTES))
     per_shard = -(-out_bytes // len(shards))
+    pacing = None
+    if "--concurrent" in sys.argv[4:]:
+        in_bytes = sum(shard.stat().st_size for shard in shards)
+        pacing = Pacing(in_bytes, per_shard * len(shards))
+        threading.Thread(target=read_all, args=(shards, direct, pacing), daemon=True).start()
     for shard in shards:
-        fd = (open_direct(shard, os.O_RDONLY) if direct else None) or os.open(shard, os.O_RDONLY)
-        pos = 0
-        while n := os.preadv(fd, [read_view], pos):
-            pos += n
-        os.close(fd)
+        if not pacing:
+            read_all([shard], direct, None)
         path = dst / shard.name
         plain = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         ofd = (open_direct(path, os.O_WRONLY) if direct else None) or plain
         written = 0
         while written < per_shard:
             n = min(SEGMENT_BYTES, per_shard - written)
+            if pacing:
+                pacing.may_write(n)
             written += os.pwrite(ofd, write_view[: -(-n // ALIGN) * ALIGN if ofd != plain else n], written)
+            if pacing:
+                pacing.moved(written=n)
         os.ftruncate(plain, per_shard)  # a direct write ends on a whole page
         os.fsync(plain)
         if ofd != plain:

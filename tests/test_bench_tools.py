@@ -1,0 +1,34 @@
+"""The bench's I/O floor writes what it is told, in every mode, and never waits on itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import dir_snapshot, fp8, write_checkpoint
+
+FLOOR = Path(__file__).resolve().parent.parent / "bench" / "io_floor.py"
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--concurrent"], ["--buffered"], ["--buffered", "--concurrent"]],
+    ids=["direct", "concurrent", "buffered", "buffered-concurrent"],
+)
+@pytest.mark.parametrize("out_ratio", [2.0, 0.5])
+def test_io_floor_writes_the_output_size_per_shard(tmp_path: Path, mode: list[str], out_ratio: float) -> None:
+    # 3 shards of 4-8 MiB: several reads of one band per shard, so --concurrent paces across shards
+    src = write_checkpoint(tmp_path / "in", {f"w{i}": fp8((2048, 2048 + 512 * i), seed=i) for i in range(5)}, shards=3)
+    before = dir_snapshot(src)
+    in_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    out_bytes = int(in_bytes * out_ratio) + 12345  # not a whole number of pages
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(FLOOR), str(src), str(out), str(out_bytes), *mode], check=True, timeout=120)
+    per_shard = -(-out_bytes // 3)
+    assert {p.name: p.stat().st_size for p in out.glob("*.safetensors")} == {
+        p.name: per_shard for p in src.glob("*.safetensors")
+    }
+    assert dir_snapshot(src) == before
