@@ -2,7 +2,9 @@
 
 Every variant runs as its own process, alternating, `--reps` times; the table reports medians, the
 ratio to the I/O floor of the same output size, throughput (input + output bytes) and the peak RSS of
-the whole process tree (polled from /proc). Writes bench/results.json and bench/results.md.
+the whole process tree (polled from /proc). A second table sets each conversion against what the floor
+leaves out: the same bytes read and written at once (io_floor.py --concurrent), plus fp8conv's start-up
+alone. Writes bench/results.json and bench/results.md.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ assert io_floor.READ_BYTES == stream.BAND_ELEMENTS  # one FP8 band
 assert io_floor.READ_AHEAD == stream.READ_AHEAD
 
 
-CONCURRENT_FLOOR = "I/O floor, reads and writes at once (bf16 output size)"
+TARGETS = ("bf16", "channel", "block")
 STARTUP = "fp8conv start-up alone (import fp8conv.cli)"
+
+
+def concurrent_floor(target: str) -> str:
+    return f"I/O floor, reads and writes at once ({target} output size)"
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -130,8 +136,11 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
                 [*variants[label][0], "--device", device],
                 target,
             )
-        floor = f"I/O floor ({target} output size)"
-        variants[floor] = ([py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])], None)
+        floor = [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])]
+        variants[f"I/O floor ({target} output size)"] = (floor, None)
+        # what the floor leaves out: reads and writes at the same time (a conversion cannot read all of a
+        # shard before writing it); with fp8conv's start-up (torch's import, STARTUP below)
+        variants[concurrent_floor(target)] = ([*floor, "--concurrent"], target)
     # what direct I/O buys: the same conversion and floor through the page cache
     variants["fp8conv --to bf16 --buffered-io"] = (
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "--buffered-io"],
@@ -139,12 +148,6 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
     )
     variants["I/O floor, page cache (bf16 output size)"] = (
         [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs["bf16"]), "--buffered"],
-        "bf16",
-    )
-    # what the bf16 floor leaves out: reads and writes at the same time (a conversion cannot read all of a
-    # shard before writing it), and fp8conv's start-up (torch's import)
-    variants[CONCURRENT_FLOOR] = (
-        [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs["bf16"]), "--concurrent"],
         "bf16",
     )
     variants[STARTUP] = ([py, "-c", "import fp8conv.cli"], None)
@@ -160,18 +163,20 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
         )
     variants = {name: v for name, v in variants.items() if selected(name, only) or name == STARTUP}  # ~1.5 s
     results = run_alternating({name: cmd for name, (cmd, _target) in variants.items()}, reps, out)
-    for target in ("bf16", "channel", "block"):
+    for target in TARGETS:
         floor_name = f"I/O floor ({target} output size)"
         floor = results[floor_name]["median_s"] if floor_name in results else None
         for name, (_cmd, t) in variants.items():
             if t == target and floor and results[name]["median_s"]:
                 results[name]["ratio_to_floor"] = results[name]["median_s"] / floor
                 results[name]["gb_per_s"] = (in_bytes + outputs[target]) / results[name]["median_s"] / 1e9
-    explained = [results.get(n, {}).get("median_s") for n in ("fp8conv --to bf16", CONCURRENT_FLOOR, STARTUP)]
-    if all(explained):
-        results["fp8conv --to bf16"]["ratio_to_concurrent_floor_plus_startup"] = explained[0] / (
-            explained[1] + explained[2]
+        label = next((n for n in variants if n.startswith(f"fp8conv --to {target}")), "")
+        conversion, concurrent, startup = (
+            results.get(n, {}).get("median_s") for n in (label, concurrent_floor(target), STARTUP)
         )
+        if conversion and concurrent and startup:
+            results[label]["ratio_to_concurrent_floor"] = conversion / concurrent
+            results[label]["ratio_to_concurrent_floor_plus_startup"] = conversion / (concurrent + startup)
     shutil.rmtree(src)
     return {"input_bytes": in_bytes, "output_bytes": outputs, "variants": results}
 
@@ -215,13 +220,16 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {name} | {med} | {ratio} | {gbps} | {r['peak_rss_bytes'] / 2**20:.0f} | {runs} |")
             if r.get("error"):
                 lines.append(f"| ↳ error | {r['error'][:150]} | | | | |")
-        bf16 = section["variants"].get("fp8conv --to bf16", {})
-        if bf16.get("ratio_to_concurrent_floor_plus_startup"):
+        explained = {n: r for n, r in section["variants"].items() if r.get("ratio_to_concurrent_floor")}
+        if explained:
             lines += [
                 "",
-                f"fp8conv --to bf16 against the concurrent floor plus start-up: "
-                f"{bf16['ratio_to_concurrent_floor_plus_startup']:.2f}x",
+                "| variant | x floor, reads and writes at once | x that floor + start-up alone |",
+                "|---|---:|---:|",
             ]
+            for name, r in explained.items():
+                both = r["ratio_to_concurrent_floor"], r["ratio_to_concurrent_floor_plus_startup"]
+                lines.append(f"| {name} | {both[0]:.2f} | {both[1]:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
