@@ -44,6 +44,7 @@ class Pacing:
     def __init__(self, in_bytes: int, out_bytes: int) -> None:
         self.in_bytes, self.ratio = in_bytes, out_bytes / in_bytes
         self.read = self.written = 0
+        self.error: BaseException | None = None  # the read thread's: the writes must not wait for it
         self.cond = threading.Condition()
 
     def may_read(self) -> None:
@@ -52,7 +53,21 @@ class Pacing:
 
     def may_write(self, n: int) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: self.read >= self.in_bytes or self.written + n <= self.read * self.ratio)
+            self.cond.wait_for(
+                lambda: self.error or self.read >= self.in_bytes or self.written + n <= self.read * self.ratio
+            )
+            if self.error:
+                raise RuntimeError("the read thread failed") from self.error
+
+    def read_all(self, shards: list[Path], direct: bool) -> None:
+        """The read thread."""
+        try:
+            read_all(shards, direct, self)
+        except BaseException as exc:
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+            raise
 
     def moved(self, read: int = 0, written: int = 0) -> None:
         with self.cond:
@@ -85,11 +100,12 @@ def main() -> None:
     shards = sorted(src.glob("*.safetensors"))
     write_view = memoryview(mmap.mmap(-1, SEGMENT_BYTES))
     per_shard = -(-out_bytes // len(shards))
-    pacing = None
+    pacing, reads = None, None
     if "--concurrent" in sys.argv[4:]:
         in_bytes = sum(shard.stat().st_size for shard in shards)
         pacing = Pacing(in_bytes, per_shard * len(shards))
-        threading.Thread(target=read_all, args=(shards, direct, pacing), daemon=True).start()
+        reads = threading.Thread(target=pacing.read_all, args=(shards, direct), daemon=True)
+        reads.start()
     for shard in shards:
         if not pacing:
             read_all([shard], direct, None)
@@ -109,6 +125,8 @@ def main() -> None:
         if ofd != plain:
             os.close(ofd)
         os.close(plain)
+    if reads:
+        reads.join()
 
 
 if __name__ == "__main__":

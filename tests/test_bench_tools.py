@@ -32,3 +32,17 @@ def test_io_floor_writes_the_output_size_per_shard(tmp_path: Path, mode: list[st
         p.name: per_shard for p in src.glob("*.safetensors")
     }
     assert dir_snapshot(src) == before
+
+
+@pytest.mark.parametrize("mode", [[], ["--concurrent"]], ids=["direct", "concurrent"])
+def test_io_floor_fails_on_a_read_error_instead_of_waiting(tmp_path: Path, mode: list[str]) -> None:
+    src = write_checkpoint(tmp_path / "in", {"w": fp8((1024, 1024))}, shards=1)
+    (src / "model-00002-of-00002.safetensors").mkdir()  # reading it fails (EISDIR) after the first shard
+    done = subprocess.run(
+        [sys.executable, str(FLOOR), str(src), str(tmp_path / "out"), str(8 << 20), *mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "IsADirectoryError" in done.stderr
