@@ -41,7 +41,11 @@ TARGETS = ("bf16", "channel", "block")
 STARTUP = "fp8conv start-up alone (import fp8conv.cli)"
 
 
-def concurrent_floor(target: str) -> str:
+def floor_name(target: str) -> str:
+    return f"I/O floor ({target} output size)"
+
+
+def concurrent_floor_name(target: str) -> str:
     return f"I/O floor, reads and writes at once ({target} output size)"
 
 
@@ -136,11 +140,11 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
                 [*variants[label][0], "--device", device],
                 target,
             )
-        floor = [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])]
-        variants[f"I/O floor ({target} output size)"] = (floor, None)
+        floor_cmd = [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])]
+        variants[floor_name(target)] = (floor_cmd, None)
         # what the floor leaves out: reads and writes at the same time (a conversion cannot read all of a
         # shard before writing it); with fp8conv's start-up (torch's import, STARTUP below)
-        variants[concurrent_floor(target)] = ([*floor, "--concurrent"], target)
+        variants[concurrent_floor_name(target)] = ([*floor_cmd, "--concurrent"], target)
     # what direct I/O buys: the same conversion and floor through the page cache
     variants["fp8conv --to bf16 --buffered-io"] = (
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "--buffered-io"],
@@ -164,15 +168,14 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
     variants = {name: v for name, v in variants.items() if selected(name, only) or name == STARTUP}  # ~1.5 s
     results = run_alternating({name: cmd for name, (cmd, _target) in variants.items()}, reps, out)
     for target in TARGETS:
-        floor_name = f"I/O floor ({target} output size)"
-        floor = results[floor_name]["median_s"] if floor_name in results else None
+        floor_s = results[floor_name(target)]["median_s"] if floor_name(target) in results else None
         for name, (_cmd, t) in variants.items():
-            if t == target and floor and results[name]["median_s"]:
-                results[name]["ratio_to_floor"] = results[name]["median_s"] / floor
+            if t == target and floor_s and results[name]["median_s"]:
+                results[name]["ratio_to_floor"] = results[name]["median_s"] / floor_s
                 results[name]["gb_per_s"] = (in_bytes + outputs[target]) / results[name]["median_s"] / 1e9
         label = next((n for n in variants if n.startswith(f"fp8conv --to {target}")), "")
         conversion, concurrent, startup = (
-            results.get(n, {}).get("median_s") for n in (label, concurrent_floor(target), STARTUP)
+            results.get(n, {}).get("median_s") for n in (label, concurrent_floor_name(target), STARTUP)
         )
         if conversion and concurrent and startup:
             results[label]["ratio_to_concurrent_floor"] = conversion / concurrent
@@ -190,14 +193,14 @@ def run_aligned(size_gib: float, reps: int, work: Path) -> dict:
     variants = {
         "fp8conv --to bf16": [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q"],
         "compressed-tensors --to bf16": [py, str(HERE / "ct_convert.py"), str(src), str(out)],
-        "I/O floor (bf16 output size)": [py, str(HERE / "io_floor.py"), str(src), str(out), str(out_bytes)],
+        floor_name("bf16"): [py, str(HERE / "io_floor.py"), str(src), str(out), str(out_bytes)],
     }
     results = run_alternating(variants, reps, out)
     in_bytes = dir_bytes(src)
-    floor = results["I/O floor (bf16 output size)"]["median_s"]
+    floor_s = results[floor_name("bf16")]["median_s"]
     for r in results.values():
         if r["median_s"]:
-            r["ratio_to_floor"] = r["median_s"] / floor
+            r["ratio_to_floor"] = r["median_s"] / floor_s
             r["gb_per_s"] = (in_bytes + out_bytes) / r["median_s"] / 1e9
     shutil.rmtree(src)
     return {"input_bytes": in_bytes, "output_bytes": {"bf16": out_bytes}, "variants": results}

@@ -59,10 +59,9 @@ class Pacing:
             if self.error:
                 raise RuntimeError("the read thread failed") from self.error
 
-    def read_all(self, shards: list[Path], direct: bool) -> None:
-        """The read thread."""
+    def read_thread(self, shards: list[Path], direct: bool, read_view: memoryview) -> None:
         try:
-            read_all(shards, direct, self)
+            read_all(shards, direct, read_view, self)
         except BaseException as exc:
             with self.cond:
                 self.error = exc
@@ -76,8 +75,7 @@ class Pacing:
             self.cond.notify_all()
 
 
-def read_all(shards: list[Path], direct: bool, pacing: Pacing | None) -> None:
-    read_view = memoryview(mmap.mmap(-1, READ_BYTES))  # anonymous maps are page-aligned
+def read_all(shards: list[Path], direct: bool, read_view: memoryview, pacing: Pacing | None) -> None:
     for shard in shards:
         fd = (open_direct(shard, os.O_RDONLY) if direct else None) or os.open(shard, os.O_RDONLY)
         pos = 0
@@ -98,17 +96,18 @@ def main() -> None:
     direct = "--buffered" not in sys.argv[4:]
     dst.mkdir(parents=True, exist_ok=True)
     shards = sorted(src.glob("*.safetensors"))
+    read_view = memoryview(mmap.mmap(-1, READ_BYTES))  # anonymous maps are page-aligned
     write_view = memoryview(mmap.mmap(-1, SEGMENT_BYTES))
     per_shard = -(-out_bytes // len(shards))
     pacing, reads = None, None
     if "--concurrent" in sys.argv[4:]:
         in_bytes = sum(shard.stat().st_size for shard in shards)
         pacing = Pacing(in_bytes, per_shard * len(shards))
-        reads = threading.Thread(target=pacing.read_all, args=(shards, direct), daemon=True)
+        reads = threading.Thread(target=pacing.read_thread, args=(shards, direct, read_view), daemon=True)
         reads.start()
     for shard in shards:
         if not pacing:
-            read_all([shard], direct, None)
+            read_all([shard], direct, read_view, None)
         path = dst / shard.name
         plain = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         ofd = (open_direct(path, os.O_WRONLY) if direct else None) or plain
