@@ -182,7 +182,9 @@ class _Run:
         self.copy_buffer = aligned_empty(read_capacity(COPY_CHUNK_BYTES))
         self.streamer: BandStreamer | None = None
 
-    def reader_of(self, shard_name: str, stack: ExitStack) -> ShardReader:
+    def reader_of(self, tensor: str, stack: ExitStack) -> ShardReader:
+        """The reader of the input shard holding `tensor`, opened once."""
+        shard_name = self.ckpt.index.shard_of(tensor).name
         with self.readers_lock:  # the reader thread and this one both open shards
             if shard_name not in self.readers:
                 self.readers[shard_name] = ShardReader(self.ckpt.index.root / shard_name, self.direct_io)
@@ -211,9 +213,7 @@ class _Run:
                 for job in jobs:  # their bands are read ahead, across jobs
                     entry = self.ckpt.index.entry(job.source)
                     if self._streamed(job, entry):
-                        self.streamer.expect(
-                            job, entry, self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
-                        )
+                        self.streamer.expect(job, entry, self.reader_of(job.source, stack))
                 fetched = reader.submit(self._read_inputs, jobs[0], stack) if jobs else None
                 for i, job in enumerate(jobs):
                     assert fetched is not None
@@ -261,7 +261,7 @@ class _Run:
         if self._streamed(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
-        return {n: self.reader_of(index.shard_of(n).name, stack).read_tensor(index.entry(n)) for n in names}
+        return {n: self.reader_of(n, stack).read_tensor(index.entry(n)) for n in names}
 
     def _streamed(self, job: Job, entry: TensorEntry) -> bool:
         """Rewritten band by band (BandStreamer), not whole."""
@@ -278,7 +278,7 @@ class _Run:
         if self._weight_bytes_kept(job):
             assert job.fmt is not None and job.fmt.scale is not None
             entry = self.ckpt.index.entry(job.source)
-            source = self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
+            source = self.reader_of(job.source, stack)
             grid = scale_grid(inputs[job.fmt.scale], job.fmt, entry.shape).reshape(job.outputs[1].shape).contiguous()
             if self.all_scales_pow2:
                 self.all_scales_pow2 = all_powers_of_two(grid)
@@ -291,13 +291,13 @@ class _Run:
             return keep
         if self._is_raw_copy(job):
             entry = self.ckpt.index.entry(job.source)
-            source = self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
+            source = self.reader_of(job.source, stack)
             self.copied += 1
             return lambda: writer.copy_range(job.spec.name, source, entry, self.copy_buffer)
         entry = self.ckpt.index.entry(job.source)
         if self._streamed(job, entry):
             assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
-            source = self.reader_of(self.ckpt.index.shard_of(job.source).name, stack)
+            source = self.reader_of(job.source, stack)
             new_scale = self.streamer.run(job, entry, source, inputs[job.fmt.scale], writer)
             if new_scale is not None and self.all_scales_pow2:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
