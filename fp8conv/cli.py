@@ -21,7 +21,7 @@ from .backends.hpu import GAUDI2_FP8_MAX, GAUDI3_FP8_MAX
 from .dtypes import DEQUANT_TARGETS
 from .errors import Fp8ConvError, OptionsError
 from .parts import finalize, parse_part
-from .pipeline import convert
+from .pipeline import ConvertResult, convert
 from .plan import FP8_MAX_STANDARD, TARGETS, ConvertOptions
 from .report import InspectReport, inspect
 from .verify import VerifyResult, verify
@@ -315,14 +315,25 @@ def convert_command(
     for path, why in result.files_skipped:
         click.echo(f"warning: {path} was not copied: {why}", err=True)
     if not quiet:
-        rate = result.bytes_written / max(result.seconds, 1e-9) / 2**20
-        click.echo(
-            f"wrote {result.output}: {len(result.shards)} shard(s), {result.tensors_converted} tensor(s) "
-            f"converted, {result.tensors_copied} copied, {len(result.files_copied)} other file(s) copied, "
-            f"{_gib(result.bytes_written)} in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
-        )
+        click.echo(_summary(result))
     if result.verified is not None:
         _report_verify(result.verified)
+
+
+def _summary(result: ConvertResult) -> str:
+    """What this process did: a part reports its own shards, tensors, bytes and rate, not the run's."""
+    rate = result.bytes_written / max(result.seconds, 1e-9) / 2**20
+    kept = f" ({len(result.shards_kept)} kept from an earlier run)" if result.shards_kept else ""
+    work = (
+        f"{len(result.shards)} shard(s){kept}, {result.tensors_converted} tensor(s) converted, "
+        f"{result.tensors_copied} copied"
+    )
+    written = f"{_gib(result.bytes_written)} written in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
+    if result.part is None:
+        return f"wrote {result.output}: {work}, {len(result.files_copied)} other file(s) copied, {written}"
+    i, n = result.part
+    state = "all parts done, finalized" if result.finalized else "other parts unfinished; the last to finish finalizes"
+    return f"wrote part {i}/{n} of {result.output}: {work}, {written}; {state}"
 
 
 def parse_size(text: str) -> int:

@@ -111,8 +111,8 @@ class Manifest:
         return Manifest(self.fp8conv_version, self.options, self.input, shards)
 
 
-def load_manifest(out: Path) -> Manifest:
-    path = out / MANIFEST
+def load_manifest(out: Path, rel: Path = MANIFEST) -> Manifest:
+    path = out / rel
     try:
         doc = json.loads(path.read_text())
         return Manifest(doc["fp8conv_version"], doc["options"], doc["input"], doc.get("shards", {}))

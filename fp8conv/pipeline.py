@@ -22,7 +22,7 @@ from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
-from .parts import assign_parts, finalize, finish, part_path, with_scale_fmt
+from .parts import assign_parts, check_part, drop_other_splits, finalize, finish, part_path, with_scale_fmt
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
 from .rewrite.dequant import scale_grid
@@ -62,6 +62,10 @@ class ConvertResult:
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
     verified: VerifyResult | None = None  # with verify_after
+    # --part I/N: shards, tensors and bytes are this part's; bytes_written leaves out shards_kept
+    part: tuple[int, int] | None = None
+    shards_kept: list[str] = field(default_factory=list)  # finished by an earlier run, checked, not redone
+    finalized: bool = True  # False for a part while other parts are unfinished
 
 
 def convert(
@@ -111,7 +115,8 @@ def convert(
         others = {s.name for s in plan.shards} - set(mine)
         manifest.path = part_path(out, part).relative_to(out)
         manifest.record_stat = True
-    keep = _resumable_shards(out, plan, manifest) if resume else set()
+        check_part(out, part, manifest, overwrite=overwrite)
+    keep = _resumable_shards(out, plan, manifest, part) if resume else set()
     _check_output(ckpt, out, overwrite or resume or part is not None)
     if space_check:
         copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
@@ -119,10 +124,13 @@ def convert(
         mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
         check_free_space(out, mine_bytes + copied - kept)
     _prepare_output(out, keep, others)
+    if part is None or overwrite:  # records of another split (or of none: this run is whole) are stale
+        drop_other_splits(out, part[1] if part else 0)
     manifest.save(out)
     run = _Run(ckpt, plan, backend, progress, manifest, band_elements, direct_io)
     with ExitStack() as stack:
         run.execute(out, stack, skip=keep | others)
+    finalized = True
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
@@ -143,20 +151,23 @@ def convert(
             },
         }
         manifest.save(out)
-        finalize(out, require_all=False)
+        finalized = finalize(out, require_all=False) is not None
     verified = verify(ckpt.root, out, options=options) if verify_after and part is None else None
     return ConvertResult(
         output=out,
         target=plan.target,
-        shards=[s.name for s in plan.shards],
+        shards=[s.name for s in plan.shards if s.name not in others],
         tensors_converted=run.converted,
         tensors_copied=run.copied,
-        bytes_written=plan.output_bytes,
+        bytes_written=sum(s.nbytes for s in plan.shards if s.name not in others | keep),
         seconds=time.monotonic() - started,
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
+        part=part,
+        shards_kept=sorted(keep),
+        finalized=finalized,
     )
 
 
@@ -371,15 +382,20 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     return band
 
 
-def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest) -> set[str]:
-    """Shards an interrupted run finished that still check out; refuses other options or input."""
-    if not (out / MANIFEST).is_file():
-        if out.is_dir() and any(out.iterdir()):
+def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None) -> set[str]:
+    """Shards an interrupted run finished that still check out; refuses other options or input. A part
+    resumes from its own record only: the other parts may not have started, or be running."""
+    if not (out / manifest.path).is_file():
+        if part is None and out.is_dir() and any(out.iterdir()):
+            fanout = any((out / MANIFEST.parent).glob("part-*-of-*.json"))
             raise OptionsError(
-                f"{out} has no {MANIFEST} to resume from", fix="convert into an empty directory, or use --overwrite"
+                f"{out} has no {MANIFEST} to resume from",
+                fix="it holds parts of a fan-out: resume each with --part I/N --resume, or run fp8conv finalize"
+                if fanout
+                else "convert into an empty directory, or use --overwrite",
             )
         return set()
-    old = load_manifest(out)
+    old = load_manifest(out, manifest.path)
     mismatch = resume_mismatch(old, manifest)
     if mismatch:
         raise OptionsError(f"cannot resume {out}: {mismatch}", fix="convert again with --overwrite")
