@@ -257,4 +257,4 @@ def test_parts_refuse_another_split_other_options_or_a_foreign_directory(make_ti
         fp8conv.convert(ckpt.path, out, to="bf16", part=(i, 2), overwrite=True)
     fp8conv.convert(ckpt.path, tmp_path / "single", to="bf16")
     assert _without_part_records(out) == dir_snapshot(tmp_path / "single")
-    assert sorted(p.name for p in (out / ".fp8conv").glob("part-*")) == ["part-2-of-2.json", "part-2-of-2.json"]
+    assert sorted(p.name for p in (out / ".fp8conv").glob("part-*")) == ["part-1-of-2.json", "part-2-of-2.json"]
