@@ -258,3 +258,40 @@ def test_parts_refuse_another_split_other_options_or_a_foreign_directory(make_ti
     fp8conv.convert(ckpt.path, tmp_path / "single", to="bf16")
     assert _without_part_records(out) == dir_snapshot(tmp_path / "single")
     assert sorted(p.name for p in (out / ".fp8conv").glob("part-*")) == ["part-1-of-2.json", "part-2-of-2.json"]
+
+
+def test_fanout_examples_keep_n_explicit_and_install_a_pinned_cpu_torch():
+    """The examples must survive a rerun of one task: N written out (never Slurm's task count), parts
+    1..N, a finalize and verify step after them, and fp8conv installed from a wheel with the CPU torch."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    folder = Path(__file__).parent.parent / "examples" / "fanout"
+    sbatch = (folder / "slurm_array.sbatch").read_text()
+    assert "SLURM_ARRAY_TASK_COUNT" not in sbatch
+    n = int(re.search(r"^N=\$\{N:-(\d+)\}", sbatch, re.M).group(1))
+    assert f"#SBATCH --array=1-{n}\n" in sbatch and "--array=1-$N" in sbatch and '--part "$I/$N" --resume' in sbatch
+    assert "--dependency=afterok:$JOBID --kill-on-invalid-dep=yes slurm_finalize.sbatch" in sbatch
+    assert "--dependency=afterok:$RERUN --kill-on-invalid-dep=yes slurm_finalize.sbatch" in sbatch
+    finalize = (folder / "slurm_finalize.sbatch").read_text()
+    assert '"$FP8CONV" finalize "$OUT"' in finalize and '"$FP8CONV" verify "$SRC" "$OUT"' in finalize
+    job = yaml.safe_load((folder / "k8s_indexed_job.yaml").read_text())
+    count = job["spec"]["completions"]
+    assert (
+        f"--part $((JOB_COMPLETION_INDEX + 1))/{count} --resume"
+        in job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    )
+    fin = yaml.safe_load((folder / "k8s_finalize_job.yaml").read_text())
+    fin_args = fin["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "fp8conv finalize /models/DeepSeek-V3-bf16" in fin_args and "fp8conv verify /models/DeepSeek-V3 " in fin_args
+    workflow = yaml.safe_load((folder / "github_actions_matrix.yml").read_text())
+    assert workflow["jobs"]["convert"]["strategy"]["matrix"]["part"] == list(range(1, workflow["env"]["N"] + 1))
+    for path in folder.iterdir():
+        text = path.read_text()
+        assert not re.search(r"pip install (--quiet )?fp8conv\b", text), path  # not published: installs nothing
+        for line in re.findall(r"^[^#\n]*pip\"? install.*torch.*", text, re.M):
+            assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in line, (path, line)
+        if "install" in text:
+            assert f"fp8conv-{fp8conv.__version__}-py3-none-any.whl" in text, path  # the wheel pip wheel builds
