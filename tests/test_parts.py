@@ -224,10 +224,9 @@ def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_pat
 def test_part_summary_describes_the_part(make_tiny, tmp_path):
     ckpt = make_tiny(num_shards=4)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fp8conv", "convert", str(ckpt.path), "--to", "bf16", "-o", str(out)]
-    first = subprocess.run([*cmd, "--part", "1/4"], capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr
-    shards = [p for p in out.glob("*.safetensors")]
+    first = CliRunner().invoke(main, ["convert", str(ckpt.path), "--to", "bf16", "-o", str(out), "--part", "1/4"])
+    assert first.exit_code == 0, first.output
+    shards = list(out.glob("*.safetensors"))
     assert len(shards) == 1  # this part's one shard, nothing else yet
     mib = sum(p.stat().st_size for p in shards) / 2**20
     assert f"wrote part 1/4 of {out}: 1 shard(s), " in first.stdout
