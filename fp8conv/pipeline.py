@@ -73,6 +73,7 @@ def convert(
     block_size: tuple[int, int] | None = None,
     fp8_max: float = 448.0,
     pad_for_tp: int | None = None,
+    pad_roles: tuple[str, ...] | None = None,
     overwrite: bool = False,
     device: str = "cpu",
     allow_nonfinite: bool = False,
@@ -90,7 +91,9 @@ def convert(
     direct_io: large reads and all shard writes bypass the page cache where the filesystem allows it
     (see direct_io.py); False sends everything through the page cache."""
     started = time.monotonic()
-    options = ConvertOptions(to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp)
+    options = ConvertOptions(
+        to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp, pad_roles=pad_roles
+    )
     options.validate()
     backend = get_backend(device)
     ckpt = open_checkpoint(source, revision=revision)

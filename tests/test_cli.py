@@ -197,5 +197,5 @@ def test_pad_for_tp_from_the_cli(runner, tiny, tmp_path):
     assert runner.invoke(main, args).exit_code == 0
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 1024
     shown = runner.invoke(main, ["inspect", str(tiny.path)]).stdout
-    assert "TP=4   not divisible: intermediate_size 448 -> 112/rank" in shown
+    assert "TP=4   not divisible: dense intermediate_size 448 -> 112/rank" in shown
     assert "TP=8   ok" in runner.invoke(main, ["inspect", str(out)]).stdout
