@@ -354,7 +354,7 @@ def _llama31_skip(cfg: dict[str, Any]) -> list[str]:
         out += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
         if i in (0, n - 1):
             out += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    return out + ["lm_head"]
+    return [*out, "lm_head"]
 
 
 def _llama31_fp8(name: str, t: torch.Tensor) -> bool:
