@@ -25,7 +25,7 @@ def _scales_apart(path):
         shards[2][w + "_scale_inv"] = torch.rand(2, 3) + 0.5
     shards[0]["model.norm.weight"] = torch.ones(200, dtype=torch.bfloat16)
     weight_map = {}
-    for name, tensors in zip(names, shards):
+    for name, tensors in zip(names, shards, strict=True):
         save_file(tensors, str(path / name), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, name)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

@@ -73,7 +73,7 @@ def _dequantized(folder) -> dict[str, torch.Tensor]:
             out[name] = t.to(torch.float32)
         elif t.dim() == 3:
             out[name] = torch.stack(
-                [dequant_block_reference(q, s, (128, 128), torch.float32) for q, s in zip(t, scale)]
+                [dequant_block_reference(q, s, (128, 128), torch.float32) for q, s in zip(t, scale, strict=True)]
             )
         else:
             out[name] = dequant_block_reference(t, scale, (128, 128), torch.float32)
@@ -182,7 +182,7 @@ def test_pad_roles_refuses_to_split_a_shared_width_key(built, tmp_path):
     """DeepSeek's shared experts are moe_intermediate_size * n_shared_experts wide: padding them alone
     would give the routed experts a config width their tensors do not have."""
     fixture = built("deepseek-v3")
-    with pytest.raises(fp8conv.OptionsError, match="share config.json's moe_intermediate_size"):
+    with pytest.raises(fp8conv.OptionsError, match=r"share config\.json's moe_intermediate_size"):
         fp8conv.convert(fixture.path, tmp_path / "out", to="block", pad_for_tp=4, pad_roles=("dense", "shared"))
     assert not (tmp_path / "out").exists()
     assert set(fp8conv.inspect(fixture.path).padded_output_bytes["4"]) == {"dense,shared,routed", "dense"}
@@ -233,7 +233,7 @@ def test_config_disagreeing_with_tensors_is_refused_everywhere(built, tmp_path):
     config = json.loads((bad_in / "config.json").read_text())
     config["intermediate_size"] = 512
     (bad_in / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="config.json's intermediate_size says 512") as info:
+    with pytest.raises(CheckpointError, match=r"config\.json's intermediate_size says 512") as info:
         fp8conv.convert(bad_in, tmp_path / "out", to="bf16")
     assert "block_sparse_moe.experts." in str(info.value) and not (tmp_path / "out").exists()
     problems = fp8conv.inspect(bad_in).problems
