@@ -9,6 +9,7 @@ one test. No torch.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class MlpTensor:
     axis holds `parts` widths, each padded on its own; `alt_axis`: the same tensor saved transposed
     (fused 3-D experts: [E, 2I, H] by transformers 5, [E, H, 2I] by earlier versions and Llama-4)."""
 
-    pattern: re.Pattern[str]
+    pattern: re.Pattern[str]  # matched at the start of the name's part after 'layers.N.'
     axis: int
     parts: int = 1
     alt_axis: int | None = None
@@ -81,7 +82,7 @@ class Family:
 
 
 def _gate_up_down(container: str, gate_up: str = r"(?:gate_proj|up_proj)", down: str = "down_proj"):
-    prefix = _LAYER + container
+    prefix = container
     return (
         MlpTensor(re.compile(prefix + gate_up + r"\.weight$"), -2),
         MlpTensor(re.compile(prefix + down + r"\.weight$"), -1),
@@ -91,7 +92,7 @@ def _gate_up_down(container: str, gate_up: str = r"(?:gate_proj|up_proj)", down:
 def _fused_experts(container: str, gate_up_axis: int) -> tuple[MlpTensor, ...]:
     """3-D [E, 2I, H] / [E, H, I] (gate_up_axis -2) or [E, H, 2I] / [E, I, H] (-1); either is accepted."""
     other = -1 if gate_up_axis == -2 else -2
-    prefix = _LAYER + container + r"experts\."
+    prefix = container + r"experts\."
     return (
         MlpTensor(re.compile(prefix + r"gate_up_proj$"), gate_up_axis, parts=2, alt_axis=other),
         MlpTensor(re.compile(prefix + r"down_proj$"), other, alt_axis=gate_up_axis),
@@ -202,6 +203,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("Mistral / Ministral", ("mistral", "ministral", "ministral3"), **_DENSE_ONLY),
 )
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+_BY_NAME = {f.name: f for f in FAMILIES}
 _ALL_FUSED = tuple(dict.fromkeys(p for f in FAMILIES for p in f.fused))
 
 
@@ -231,14 +233,47 @@ def is_language_mlp(name: str) -> bool:
     return bool(MLP_CONTAINER.search(name)) and not VISION.search(name)
 
 
-def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
-    if "layers." not in name or VISION.search(name):
-        return None
-    for role in family.roles:
-        for tensor in role.tensors:
-            if tensor.pattern.search(name):
-                return role, tensor
+_MATCHERS: dict[str, tuple[re.Pattern[str], list[tuple[MlpRole, MlpTensor]]]] = {}
+
+
+def _matcher(family: Family) -> tuple[re.Pattern[str], list[tuple[MlpRole, MlpTensor]]]:
+    """One anchored regex for every role tensor of a family: R1 has 92k names, planned several times."""
+    if family.name not in _MATCHERS:
+        pairs = [(role, tensor) for role in family.roles for tensor in role.tensors]
+        combined = "|".join(f"(?P<t{i}>{t.pattern.pattern})" for i, (_, t) in enumerate(pairs))
+        _MATCHERS[family.name] = (re.compile(combined), pairs)
+    return _MATCHERS[family.name]
+
+
+def _in_layer(name: str) -> str | None:
+    """The part of a name after its decoder layer's 'layers.N.', or None."""
+    start = 0
+    while (i := name.find("layers.", start)) >= 0:
+        j = i + len("layers.")
+        k = j
+        while k < len(name) and name[k].isdigit():
+            k += 1
+        if (i == 0 or name[i - 1] == ".") and k > j and k < len(name) and name[k] == ".":
+            return name[k + 1 :]
+        start = j
     return None
+
+
+def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
+    index = _role_index(family.name, name)
+    return None if index is None else _MATCHERS[family.name][1][index]
+
+
+@functools.lru_cache(maxsize=1 << 19)  # every plan, inspect and verify asks again about the same names
+def _role_index(family_name: str, name: str) -> int | None:
+    rest = _in_layer(name)
+    if rest is None:
+        return None
+    pattern, _ = _matcher(_BY_NAME[family_name])
+    m = pattern.match(rest)
+    if m is None or m.lastgroup is None or VISION.search(name):
+        return None
+    return int(m.lastgroup[1:])
 
 
 def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: int | None) -> int | None:
