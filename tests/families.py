@@ -530,7 +530,15 @@ SPECS: dict[str, Spec] = {
     ),
     "minimax-m2": Spec(
         "minimax_m2",
-        dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, rotary_dim=24, bos_token_id=1, eos_token_id=2),
+        dict(
+            _SMALL,
+            intermediate_size=MOE_INTER,  # the experts' width (transformers' grouped mm wants 16-byte rows)
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rotary_dim=24,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
         "block",
         _fp8_block({"fmt": "float8_e4m3fn", "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}),
         _linear,
@@ -538,7 +546,7 @@ SPECS: dict[str, Spec] = {
     ),
     "mixtral-autofp8": Spec(
         "mixtral",
-        dict(_SMALL, num_local_experts=4, num_experts_per_tok=2),
+        dict(_SMALL, intermediate_size=MOE_INTER, num_local_experts=4, num_experts_per_tok=2),
         "tensor",
         lambda cfg: {
             "quant_method": "fp8",
