@@ -175,3 +175,57 @@ def test_to_block(families, tmp_path, name):
     assert qc["quant_method"] == "fp8" and qc["fmt"] == "e4m3" and qc["weight_block_size"] == [128, 128]
     if "params.json" in fx.extra_files:  # no Mistral-format spelling of DeepSeek-style block FP8 exists
         assert not (out / "params.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "float8_e4m3fn", "F8_E4M3", "fp8_e4m3", "E4M3FN"])
+def test_fmt_spellings_of_e4m3_are_read(fmt):
+    from fp8conv.quant_config import read_quant_settings
+
+    settings = read_quant_settings({"quantization_config": {"quant_method": "fp8", "fmt": fmt}})
+    assert settings.problems == []
+
+
+@pytest.mark.parametrize(
+    ("fmt", "named"),
+    [
+        ("e5m2", "is e5m2 FP8"),
+        ("float8_e5m2", "is e5m2 FP8"),
+        ("float8_e4m3fnuz", "is AMD's e4m3fnuz"),
+        ("int8", "is not a known spelling"),
+    ],
+)
+def test_other_fmt_types_are_refused_by_name(families, tmp_path, fmt, named):
+    """MiniMax-M2's layout with its fmt changed: only a different type is refused, and named."""
+    import shutil
+
+    src = families("minimax-m2")
+    path = tmp_path / "ckpt"
+    shutil.copytree(src.path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["fmt"] = fmt
+    (path / "config.json").write_text(json.dumps(config))
+    result = _cli("convert", path, "--to", "bf16", "-o", tmp_path / "out")
+    assert result.exit_code == 1 and f"fmt '{fmt}' {named}" in result.output, result.output
+
+
+def test_fbgemm_fp8_reads_as_channel(families):
+    fx = families("llama-3.1-fbgemm")
+    report = json.loads(_cli("inspect", fx.path, "--json").output)
+    assert report["quant_method"] == "fbgemm_fp8" and report["format"] == "channel-fp8" and not report["problems"]
+    # attention and the first/last MLP are bf16 in Meta's release: only layer 1's MLP is FP8
+    assert report["formats"]["channel-fp8"] == 3
+
+
+def test_mistral_params_without_quantization_entry_is_copied_for_bf16(families, tmp_path):
+    """A bf16 params.json (no `quantization`) stays as it was, apart from formatting."""
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(families("ministral-3").path, path)
+    params = json.loads((path / "params.json").read_text())
+    del params["quantization"]
+    (path / "params.json").write_text(json.dumps(params))
+    result = _cli("convert", path, "--to", "bf16", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "params.json").read_text()) == params
+    assert "consolidated.safetensors" in result.output and "Mistral-native" in result.output  # skipped, said why
