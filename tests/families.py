@@ -640,7 +640,7 @@ SPECS: dict[str, Spec] = {
         post=_mxfp4,
         hf_loadable=False,
         why_not_loadable="refused",
-        refusal="mxfp4",
+        refusal="MXFP4 (gpt-oss) packed 4-bit weights, not FP8",
     ),
 }
 # DeepSeek-V3.2's indexer: wq_b and wk are FP8, weights_proj and k_norm stay bf16.
