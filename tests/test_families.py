@@ -229,3 +229,16 @@ def test_mistral_params_without_quantization_entry_is_copied_for_bf16(families, 
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "out" / "params.json").read_text()) == params
     assert "consolidated.safetensors" in result.output and "Mistral-native" in result.output  # skipped, said why
+
+
+@pytest.mark.parametrize("to", ["bf16", "channel", "block"])
+def test_verify_checks_mistral_params(families, tmp_path, to):
+    """`verify` passes on the output, and fails once params.json declares the input's FP8 again."""
+    import shutil
+
+    fx = families("ministral-3")
+    out = _convert(fx, tmp_path, to)
+    assert _cli("verify", fx.path, out).exit_code == 0
+    shutil.copy(fx.path / "params.json", out / "params.json")
+    result = _cli("verify", fx.path, out)
+    assert result.exit_code == 1 and "params.json" in result.output, result.output
