@@ -132,7 +132,9 @@ class Spec:
     unexpected_prefixes: tuple[str, ...] = ()
 
 
-_NEVER = re.compile(r"(embed|norm|lm_head|\.gate\.weight$|_gate\.weight$|router|visual|e_score|shared_head|eh_proj)")
+_NEVER = re.compile(
+    r"(embed|norm|lm_head|\.gate\.weight$|_gate\.weight$|router|visual|e_score|shared_head|eh_proj|mtp\.fc)"
+)
 
 
 def _linear(name: str, t: torch.Tensor) -> bool:
@@ -215,6 +217,19 @@ def _add_mtp(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], _: Path) -> 
     tensors[p + "eh_proj.weight"] = (torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.02).to(torch.bfloat16)
     tensors[p + "shared_head.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
     cfg["num_nextn_predict_layers"] = 1
+
+
+def _add_qwen3_next_mtp(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], _: Path) -> None:
+    """Qwen3-Next ships its MTP module as `mtp.*` (a full-attention MoE layer, `mtp.fc` and norms), which
+    transformers ignores on load; built by hand from the last (full-attention) layer."""
+    last = f"model.layers.{cfg['num_hidden_layers'] - 1}."
+    for name in [k for k in tensors if k.startswith(last)]:
+        tensors["mtp.layers.0." + name[len(last) :]] = tensors[name].clone()
+    gen = torch.Generator().manual_seed(8)
+    tensors["mtp.fc.weight"] = (torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.02).to(torch.bfloat16)
+    for norm in ("mtp.norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden"):
+        tensors[norm + ".weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    cfg["mtp_num_hidden_layers"] = 1
 
 
 def _kimi_config(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], _: Path) -> None:
@@ -476,6 +491,8 @@ SPECS: dict[str, Spec] = {
         "block",
         lambda cfg: _fp8_block({"modules_to_not_convert": _not_converted_qwen3_next(cfg)})(cfg),
         _qwen3_next_fp8,
+        post=_add_qwen3_next_mtp,
+        unexpected_prefixes=("mtp.",),
     ),
     "qwen2-moe": Spec(
         "qwen2_moe",
