@@ -131,7 +131,7 @@ def convert(
     if part is None:
         if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-        finish(out, manifest, ckpt.root, plan.copy_files, index, config)
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files)
     else:  # record what finalize needs; the last part to finish finalizes
         manifest.extra = {
             "complete": True,
@@ -140,6 +140,7 @@ def convert(
                 "planned_shards": sorted(s.name for s in plan.shards),
                 "copy_from": str(ckpt.root.resolve()),
                 "copy_files": plan.copy_files,
+                "json_files": plan.json_files,
                 "index": index,
                 "config": config,
                 "claims_ue8m0": plan.claims_ue8m0,

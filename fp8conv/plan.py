@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .config import rewrite_for_block, rewrite_for_channel, rewrite_for_dequantized
+from .config import (
+    MISTRAL_PARAMS_NAME,
+    load_config,
+    rewrite_for_block,
+    rewrite_for_channel,
+    rewrite_for_dequantized,
+    rewrite_mistral_params,
+)
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3
 from .errors import CheckpointError, OptionsError
 from .families import ROLE_GROUPS, Family, family_of, fused_group, width_disagreements
@@ -119,6 +126,7 @@ class ConversionPlan:
     copy_files: list[str]
     skipped_files: list[tuple[str, str]]
     claims_ue8m0: bool = False  # --to block: write scale_fmt ue8m0 if every output scale is a power of two
+    json_files: dict[str, dict[str, Any]] = field(default_factory=dict)  # other JSON files, rewritten
     problems: list[CheckpointError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -154,7 +162,30 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
     plan.problems += _width_problems(ckpt, plan)
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
+    _plan_mistral_params(ckpt, plan)
     return plan
+
+
+def _plan_mistral_params(ckpt: Checkpoint, plan: ConversionPlan) -> None:
+    """A copied params.json would still declare the input's FP8 to vLLM --config-format mistral."""
+    if MISTRAL_PARAMS_NAME not in plan.copy_files:
+        return
+    try:
+        params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
+    except CheckpointError as exc:
+        plan.problems.append(exc)
+        return
+    plan.copy_files.remove(MISTRAL_PARAMS_NAME)
+    rewritten = rewrite_mistral_params(params, plan.config, plan.target)
+    if rewritten is None:
+        plan.skipped_files.append(
+            (
+                MISTRAL_PARAMS_NAME,
+                "Mistral-format config with no spelling for block FP8; config.json describes the output",
+            )
+        )
+    else:
+        plan.json_files[MISTRAL_PARAMS_NAME] = rewritten
 
 
 class _Planner:
@@ -205,13 +236,23 @@ class _Planner:
             return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt)
         base = module_of(name)
         if to == "channel":
-            return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), fmt, None, pad.parts)
+            if not name.endswith(".weight"):
+                self.problems.append(
+                    CheckpointError(
+                        "is a fused expert parameter as transformers 5 saves it; no engine reads channel FP8 "
+                        "(compressed-tensors) in that layout",
+                        tensor=name,
+                        shard=self.ckpt.index.shard_of(name).name,
+                        fix="convert with --to bf16, or --to block (transformers' fused FP8 layout)",
+                    )
+                )
+            return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape, name), fmt, None, pad.parts)
         keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
         # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
         # moves rows of one input block into two output blocks, so it is quantized afresh
         keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
         action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
-        return Job(name, action, _block_outputs(base, out_shape, self.out_block), fmt, self.out_block, pad.parts)
+        return Job(name, action, _block_outputs(base, out_shape, self.out_block, name), fmt, self.out_block, pad.parts)
 
     def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
         out_shape = pad.shape
@@ -246,18 +287,23 @@ class _Planner:
         return out
 
 
-def _channel_outputs(base: str, shape: tuple[int, ...]) -> tuple[TensorSpec, ...]:
+def _channel_outputs(base: str, shape: tuple[int, ...], weight: str | None = None) -> tuple[TensorSpec, ...]:
+    # X.weight -> X.weight_scale; a bare fused parameter X (transformers 5) -> X_scale
+    weight = weight or base + ".weight"
     return (
-        TensorSpec(base + ".weight", FP8_E4M3, shape),
-        TensorSpec(base + ".weight_scale", "F32", (*shape[:-1], 1)),
+        TensorSpec(weight, FP8_E4M3, shape),
+        TensorSpec(weight + "_scale", "F32", (*shape[:-1], 1)),
     )
 
 
-def _block_outputs(base: str, shape: tuple[int, ...], block: tuple[int, int]) -> tuple[TensorSpec, ...]:
+def _block_outputs(
+    base: str, shape: tuple[int, ...], block: tuple[int, int], weight: str | None = None
+) -> tuple[TensorSpec, ...]:
+    weight = weight or base + ".weight"
     grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
     return (
-        TensorSpec(base + ".weight", FP8_E4M3, shape),
-        TensorSpec(base + ".weight_scale_inv", "F32", grid),
+        TensorSpec(weight, FP8_E4M3, shape),
+        TensorSpec(weight + "_scale_inv", "F32", grid),
     )
 
 

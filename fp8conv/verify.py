@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .backends.torch_device import TorchDeviceBackend
-from .config import CONFIG_NAME
+from .config import CONFIG_NAME, MISTRAL_PARAMS_NAME
 from .families import width_disagreements
 from .formats import classify
 from .index import INDEX_NAME
@@ -141,6 +141,15 @@ def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
             config = {**config, "quantization_config": quant}
         if config != plan.config:
             fail(f"{CONFIG_NAME}: differs from what the plan writes")
+    for rel, doc in plan.json_files.items():  # params.json: its quantization entry must match the output
+        try:
+            if json.loads((out / rel).read_text()) != doc:
+                fail(f"{rel}: differs from what the plan writes")
+        except (OSError, ValueError) as exc:
+            fail(f"{rel}: unreadable ({exc})")
+    for rel, _ in plan.skipped_files:
+        if rel == MISTRAL_PARAMS_NAME and (out / rel).exists():
+            fail(f"{rel}: present, but it cannot describe this output")
 
 
 def _check_widths(out: Path, fail) -> None:

@@ -21,7 +21,12 @@ API (kept stable for other test files):
     fixture.layout          "block" | "channel" | "tensor" | "mxfp4"
     fixture.hf_loadable     whether transformers can load the converted output (else: tensors/config only)
     fixture.hf_class        the transformers class to load it with
+    fixture.why_not_loadable  the reason, when hf_loadable is False
     fixture.refusal         for an input fp8conv must refuse: a piece of the expected message
+    fixture.unexpected_prefixes  tensor-name prefixes transformers does not map (MTP layers)
+    fixture.extra_files     files beside the HF shards (Mistral: consolidated.safetensors, params.json)
+
+Building one takes 0.5-3 s (the first also imports transformers' model code).
 """
 
 from __future__ import annotations
@@ -132,7 +137,9 @@ class Spec:
     unexpected_prefixes: tuple[str, ...] = ()
 
 
-_NEVER = re.compile(r"(embed|norm|lm_head|\.gate\.weight$|_gate\.weight$|router|visual|e_score|shared_head|eh_proj)")
+_NEVER = re.compile(
+    r"(embed|norm|lm_head|\.gate\.weight$|_gate\.weight$|router|visual|e_score|shared_head|eh_proj|mtp\.fc)"
+)
 
 
 def _linear(name: str, t: torch.Tensor) -> bool:
@@ -215,6 +222,19 @@ def _add_mtp(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], _: Path) -> 
     tensors[p + "eh_proj.weight"] = (torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.02).to(torch.bfloat16)
     tensors[p + "shared_head.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
     cfg["num_nextn_predict_layers"] = 1
+
+
+def _add_qwen3_next_mtp(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], _: Path) -> None:
+    """Qwen3-Next ships its MTP module as `mtp.*` (a full-attention MoE layer, `mtp.fc` and norms), which
+    transformers ignores on load; built by hand from the last (full-attention) layer."""
+    last = f"model.layers.{cfg['num_hidden_layers'] - 1}."
+    for name in [k for k in tensors if k.startswith(last)]:
+        tensors["mtp.layers.0." + name[len(last) :]] = tensors[name].clone()
+    gen = torch.Generator().manual_seed(8)
+    tensors["mtp.fc.weight"] = (torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.02).to(torch.bfloat16)
+    for norm in ("mtp.norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden"):
+        tensors[norm + ".weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    cfg["mtp_num_hidden_layers"] = 1
 
 
 def _kimi_config(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], _: Path) -> None:
@@ -476,6 +496,8 @@ SPECS: dict[str, Spec] = {
         "block",
         lambda cfg: _fp8_block({"modules_to_not_convert": _not_converted_qwen3_next(cfg)})(cfg),
         _qwen3_next_fp8,
+        post=_add_qwen3_next_mtp,
+        unexpected_prefixes=("mtp.",),
     ),
     "qwen2-moe": Spec(
         "qwen2_moe",
@@ -530,7 +552,15 @@ SPECS: dict[str, Spec] = {
     ),
     "minimax-m2": Spec(
         "minimax_m2",
-        dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, rotary_dim=24, bos_token_id=1, eos_token_id=2),
+        dict(
+            _SMALL,
+            intermediate_size=MOE_INTER,  # the experts' width (transformers' grouped mm wants 16-byte rows)
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rotary_dim=24,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
         "block",
         _fp8_block({"fmt": "float8_e4m3fn", "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}),
         _linear,
@@ -538,7 +568,7 @@ SPECS: dict[str, Spec] = {
     ),
     "mixtral-autofp8": Spec(
         "mixtral",
-        dict(_SMALL, num_local_experts=4, num_experts_per_tok=2),
+        dict(_SMALL, intermediate_size=MOE_INTER, num_local_experts=4, num_experts_per_tok=2),
         "tensor",
         lambda cfg: {
             "quant_method": "fp8",
@@ -632,7 +662,7 @@ SPECS: dict[str, Spec] = {
         post=_mxfp4,
         hf_loadable=False,
         why_not_loadable="refused",
-        refusal="mxfp4",
+        refusal="MXFP4 (gpt-oss) packed 4-bit weights, not FP8",
     ),
 }
 # DeepSeek-V3.2's indexer: wq_b and wk are FP8, weights_proj and k_norm stay bf16.
