@@ -304,3 +304,27 @@ def test_fused_3d_experts_are_padded_half_by_half(kind, tp, tmp_path):
     a = logits(_bf16_model(tmp_path, "plain-bf16", tmp_path / "block", plain))
     b = logits(_bf16_model(tmp_path, "padded-bf16", tmp_path / "padded", padded))
     assert a.abs().max() > 0 and same_bits(a, b)
+
+
+def test_fused_fp8_experts_with_whole_block_halves_keep_their_bytes(tmp_path):
+    """gate_up [E, 2I, H] with I a multiple of 128: each half's blocks move as they are, scales with them."""
+    from .helpers import fp8, fp8_block_config, write_checkpoint
+
+    config = fp8_block_config() | {"model_type": "qwen3_moe", "hidden_size": 200, "moe_intermediate_size": 256}
+    gate_up, down = fp8((2, 512, 200), seed=1), fp8((2, 200, 256), seed=2)
+    gu_scale, d_scale = torch.rand(2, 4, 2) + 0.5, torch.rand(2, 2, 2) + 0.5
+    prefix = "model.layers.0.mlp.experts."
+    tensors = {prefix + "gate_up_proj": gate_up, prefix + "gate_up_proj_scale_inv": gu_scale}
+    tensors |= {prefix + "down_proj": down, prefix + "down_proj_scale_inv": d_scale}
+    write_checkpoint(tmp_path / "in", tensors, config, shards=2)
+    fp8conv.convert(tmp_path / "in", tmp_path / "out", to="block", pad_for_tp=4)
+    out = load_dir(tmp_path / "out")
+    w, s = out[prefix + "gate_up_proj"], out[prefix + "gate_up_proj_scale_inv"]
+    assert w.shape == (2, 1024, 200) and s.shape == (2, 8, 2)
+    assert same_bits(w[:, :256], gate_up[:, :256]) and same_bits(w[:, 512:768], gate_up[:, 256:])
+    assert (w[:, 256:512].view(torch.uint8) == 0).all() and (w[:, 768:].view(torch.uint8) == 0).all()
+    assert same_bits(s[:, :2], gu_scale[:, :2]) and same_bits(s[:, 4:6], gu_scale[:, 2:])
+    assert (s[:, 2:4] == 1).all() and (s[:, 6:] == 1).all()
+    assert out[prefix + "down_proj"].shape == (2, 200, 512) and same_bits(out[prefix + "down_proj"][..., :256], down)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["moe_intermediate_size"] == 512
+    assert fp8conv.verify(tmp_path / "in", tmp_path / "out").ok
