@@ -144,6 +144,7 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
         fin["copy_files"],
         fin["index"],
         fin["config"],
+        fin.get("json_files"),
     )
     return FinalizeResult(out, n, len(shards))
 
@@ -165,10 +166,13 @@ def finish(
     copy_files: list[str],
     index: dict[str, Any] | None,
     config: dict[str, Any] | None,
+    json_files: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """The end of every run: the other files, the manifest, then the index and config, last."""
     for rel in copy_files:
         copy_file_atomic(copy_from / rel, out / rel)
+    for rel, doc in (json_files or {}).items():
+        write_file_atomic(out / rel, dump_json(doc))
     manifest.save(out)
     if index is not None:
         write_file_atomic(out / INDEX_NAME, dump_json(index))

@@ -77,6 +77,7 @@ def convert(
     block_size: tuple[int, int] | None = None,
     fp8_max: float = 448.0,
     pad_for_tp: int | None = None,
+    pad_roles: tuple[str, ...] | None = None,
     overwrite: bool = False,
     device: str = "cpu",
     allow_nonfinite: bool = False,
@@ -94,7 +95,9 @@ def convert(
     direct_io: large reads and all shard writes bypass the page cache where the filesystem allows it
     (see direct_io.py); False sends everything through the page cache."""
     started = time.monotonic()
-    options = ConvertOptions(to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp)
+    options = ConvertOptions(
+        to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp, pad_roles=pad_roles
+    )
     options.validate()
     backend = get_backend(device)
     ckpt = open_checkpoint(source, revision=revision)
@@ -136,7 +139,7 @@ def convert(
     if part is None:
         if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-        finish(out, manifest, ckpt.root, plan.copy_files, index, config)
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files)
     else:  # record what finalize needs; the last part to finish finalizes
         manifest.extra = {
             "complete": True,
@@ -145,6 +148,7 @@ def convert(
                 "planned_shards": sorted(s.name for s in plan.shards),
                 "copy_from": str(ckpt.root.resolve()),
                 "copy_files": plan.copy_files,
+                "json_files": plan.json_files,
                 "index": index,
                 "config": config,
                 "claims_ue8m0": plan.claims_ue8m0,
