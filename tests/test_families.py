@@ -63,6 +63,16 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequant_block_reference(q, scale, (128, 128), torch.float32)
 
 
+def _plain_linears(fx: FamilyFixture) -> set[str]:
+    """Modules whose 2-D weight stays unquantized (routers, lm_head, the release's bf16 layers): an engine
+    quantizes every Linear the config does not list, so each must be listed."""
+    return {
+        n.removesuffix(".weight")
+        for n, t in fx.reference.items()
+        if n.endswith(".weight") and t.dim() == 2 and n not in fx.fp8_weights and "embed" not in n
+    }
+
+
 def _logits(fx: FamilyFixture, path: Path, **kwargs) -> torch.Tensor:
     cls = getattr(transformers, fx.hf_class)
     model, info = cls.from_pretrained(path, dtype=torch.bfloat16, output_loading_info=True, **kwargs)
@@ -119,6 +129,7 @@ def test_to_bf16(families, tmp_path, name):
         assert got_logits.abs().max() > 0 and same_bits(got_logits, ref_logits)
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
 @pytest.mark.parametrize("name", FAMILIES)
 def test_to_channel(families, tmp_path, name):
     fx = families(name)
@@ -141,6 +152,7 @@ def test_to_channel(families, tmp_path, name):
     assert qc["quant_method"] == "compressed-tensors" and qc["config_groups"]["group_0"]["weights"]["strategy"] == (
         "channel"
     )
+    assert _plain_linears(fx) <= set(qc["ignore"])
     if "params.json" in fx.extra_files:  # vLLM's Mistral reader passes a compressed-tensors entry through
         assert json.loads((out / "params.json").read_text())["quantization"] == qc
     if fx.hf_loadable:
@@ -173,6 +185,10 @@ def test_to_block(families, tmp_path, name):
     assert set(got) == set(fx.reference) | {n + "_scale_inv" for n in fx.fp8_weights}
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "fp8" and qc["fmt"] == "e4m3" and qc["weight_block_size"] == [128, 128]
+    listed = qc.get("modules_to_not_convert", [])  # absent when every Linear is FP8 (tied embeddings)
+    assert _plain_linears(fx) <= set(listed) and qc.get("ignored_layers", []) == listed
+    # V3.1 / V3.2 claim ue8m0 and every scale is a power of two: the claim survives the pass-through
+    assert qc.get("scale_fmt") == fx.config["quantization_config"].get("scale_fmt")
     if "params.json" in fx.extra_files:  # no Mistral-format spelling of DeepSeek-style block FP8 exists
         assert not (out / "params.json").exists()
 
