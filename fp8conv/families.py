@@ -26,6 +26,8 @@ VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|mm_projector|multi_modal_proje
 # Containers whose tensors may carry an MLP width: a name in one that no role claims is refused
 # by --pad-for-tp rather than left at the old width.
 MLP_CONTAINER = re.compile(_LAYER + r"(?:mlp|feed_forward|block_sparse_moe|moe|ffn)\.")
+# The bias of an MLP's down projection is hidden-sized: no width, never padded.
+OUTPUT_BIAS = re.compile(r"\.(?:down_proj|w2)\.bias$")
 
 # Unquantized in every FP8 release of these families (and by DeepSeek's own recipe).
 _UNQUANTIZED_BASE = (
@@ -86,6 +88,8 @@ def _gate_up_down(container: str, gate_up: str = r"(?:gate_proj|up_proj)", down:
     return (
         MlpTensor(re.compile(prefix + gate_up + r"\.weight$"), -2),
         MlpTensor(re.compile(prefix + down + r"\.weight$"), -1),
+        # mlp_bias (Llama, ...): gate/up biases have the width; down's bias has the hidden size (OUTPUT_BIAS)
+        MlpTensor(re.compile(prefix + gate_up + r"\.bias$"), -1),
     )
 
 
@@ -278,7 +282,7 @@ def _role_index(family_name: str, name: str) -> int | None:
 
 def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: int | None) -> int | None:
     """The axis holding the role's width (times parts), or None when the shape does not have it."""
-    if len(shape) < 2:
+    if len(shape) < max(-tensor.axis, -(tensor.alt_axis or -1)):
         return None
     want = width * tensor.parts
     if shape[tensor.axis] == want:

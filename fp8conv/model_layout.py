@@ -12,6 +12,7 @@ from typing import Any
 from .errors import CheckpointError, OptionsError
 from .families import (
     _UNQUANTIZED_BASE,
+    OUTPUT_BIAS,
     ROLE_GROUPS,
     Family,
     family_of,
@@ -66,7 +67,7 @@ class MlpPadding:
     def padded_shape(self, name: str, shape: tuple[int, ...], shard: str) -> Pad | None:
         found = role_of(self.family, name)
         if found is None:
-            if is_language_mlp(name) and not self.family.mlp_other.search(name):
+            if is_language_mlp(name) and not (self.family.mlp_other.search(name) or OUTPUT_BIAS.search(name)):
                 raise CheckpointError(
                     f"is inside an MLP but plays no role the family table knows for {self.family.name}, "
                     "so --pad-for-tp cannot tell which width it has",
