@@ -870,6 +870,8 @@ def test_block_padded(built, tmp_path, name, tp):
     _index_consistent(out)
     code, text = _cli("verify", b.path, out)
     assert code == 0, text
+    report = json.loads(_cli("inspect", out, "--json")[1])  # what fp8conv itself says of its output
+    assert not report["problems"] and report["tp_indivisible"][str(tp)] == [], report["tp_indivisible"]
     if tp == 2:  # an output whose config states a width its tensors do not have: verify and inspect say so
         key = b.variant.widths[0][0].split("*")[0]
         section = config
@@ -897,3 +899,18 @@ def test_block_padded(built, tmp_path, name, tp):
             }
             same = _model_of(b, tmp_path / "cropped", cropped, b.config)
             assert torch.allclose(a, _logits(b, same), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-scales-apart", "deepseek-v3.1-uint8"])
+def test_two_workers_write_what_one_does(built, tmp_path, name):
+    """-j 2 splits the shards between processes; scales in another worker's shard are still found."""
+    b = built(name)
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, jobs in ((one, "1"), (two, "2")):
+        code, text = _cli("convert", b.path, "--to", "block", "--pad-for-tp", "4", "-o", out, "-q", "-j", jobs)
+        assert code == 0, text
+    names = sorted(p.name for p in one.glob("*.safetensors"))
+    assert names == sorted(p.name for p in two.glob("*.safetensors"))
+    for n in names:
+        assert (one / n).read_bytes() == (two / n).read_bytes(), n
+    assert _cli("verify", b.path, two)[0] == 0
