@@ -26,6 +26,8 @@ VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|mm_projector|multi_modal_proje
 # Containers whose tensors may carry an MLP width: a name in one that no role claims is refused
 # by --pad-for-tp rather than left at the old width.
 MLP_CONTAINER = re.compile(_LAYER + r"(?:mlp|feed_forward|block_sparse_moe|moe|ffn)\.")
+# Fused 3-D expert parameters (transformers 5, Llama-4): group(1) is the module an engine builds from them.
+FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(?:gate_up_proj|gate_proj|up_proj|down_proj)$")
 # The bias of an MLP's down projection is hidden-sized: no width, never padded.
 OUTPUT_BIAS = re.compile(r"\.(?:down_proj|w2)\.bias$")
 

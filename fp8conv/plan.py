@@ -21,7 +21,7 @@ from .config import (
 )
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3
 from .errors import CheckpointError, OptionsError
-from .families import ROLE_GROUPS, Family, family_of, fused_group, width_disagreements
+from .families import FUSED_EXPERTS, ROLE_GROUPS, Family, family_of, fused_group, width_disagreements
 from .formats import CONVERTIBLE, Classification, Kind, WeightFormat, module_of
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .quant_config import module_matches
@@ -266,6 +266,10 @@ class _Planner:
             return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, block), None, block, pad.parts)
         if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and "embed" not in name:
             self.unquantized_linears.append(module_of(name))
+        elif (m := FUSED_EXPERTS.match(name)) and len(shape) == 3 and dtype != FP8_E4M3:
+            # transformers swaps every `*.experts` module not listed for FP8 experts (and vLLM quantizes
+            # a FusedMoE not ignored): bf16 fused experts left as they are must be listed, or they load as garbage
+            self.unquantized_linears.append(m.group(1))
         return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),), pad_parts=pad.parts)
 
     def output_config(self) -> dict[str, Any] | None:
