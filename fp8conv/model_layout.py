@@ -168,13 +168,20 @@ def updated_widths_config(config: dict[str, Any], padding: MlpPadding) -> None:
 
 
 def tp_report(
-    config: dict[str, Any] | None, block: tuple[int, int], tps: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    config: dict[str, Any] | None,
+    block: tuple[int, int],
+    tps: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    names: Iterable[str] | None = None,
 ) -> dict[str, list[str]]:
     """For each TP size, the MLP widths whose per-rank slice is not whole blocks, as vLLM's
     validate_fp8_block_shape checks them: gate/up rows (merged, column-parallel) by block_n at any TP,
-    down columns (row-parallel) by block_k once split across ranks."""
+    down columns (row-parallel) by block_k once split across ranks. With `names`, a known family's widths
+    that no tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has)."""
     widths = mlp_widths(config)
     family = family_of(config)
+    if family is not None and names is not None:
+        used = {found[0].width.label for name in names for found in [role_of(family, name)] if found}
+        widths = {label: w for label, w in widths.items() if label in used}
     group = {r.width.label: r.group for r in family.roles} if family else {}
     report: dict[str, list[str]] = {}
     for tp in tps:

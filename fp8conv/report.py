@@ -69,7 +69,7 @@ def inspect(
             partial.append(PartialBlockTensor(fmt.weight, list(shape), list(fmt.block), grid))
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
     block = cls.block_size or DEFAULT_BLOCK
-    tp_bad = tp_report(ckpt.config, block)
+    tp_bad = tp_report(ckpt.config, block, names=ckpt.index.locations)
     family = family_of(ckpt.config)
     shapes = ((n, e.shape, s.name) for n, (s, e) in ckpt.index.locations.items())
     widths = width_disagreements(ckpt.config, shapes, "config.json and the tensors disagree: correct config.json")
