@@ -478,6 +478,44 @@ VARIANTS: dict[str, Variant] = {
             ("text_config.intermediate_size", r"language_model\.layers\.\d+\.mlp\.down_proj\.weight$", -1),
         ),
     ),
+    # A bf16 Qwen3-VL-MoE as transformers 5 saves it (fine-tuned): fused 3-D experts [E, 2I, H] / [E, H, I].
+    "qwen3-vl-moe-bf16-fused": Variant(
+        "qwen3_vl_moe",
+        dict(
+            text_config=dict(
+                hidden_size=200,
+                num_hidden_layers=2,
+                vocab_size=256,
+                intermediate_size=330,
+                moe_intermediate_size=136,
+                num_experts=3,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                **_ATT,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=64,
+                intermediate_size=96,
+                num_heads=2,
+                out_hidden_size=200,
+                patch_size=16,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                deepstack_visual_indexes=[0],
+            ),
+            tie_word_embeddings=False,
+        ),
+        "none",
+        lambda n, t: False,
+        lambda cfg: None,
+        loader="Qwen3VLMoeForConditionalGeneration",
+        widths=(
+            ("text_config.moe_intermediate_size", r"experts\.gate_up_proj$", -2, 2),
+            ("text_config.moe_intermediate_size", r"experts\.down_proj$", -1),
+        ),
+    ),
     # GLM-4.5 with three decoder layers (one dense) and its MTP layer model.layers.3, channel FP8 with
     # float32 scales, routers and lm_head ignored, q/k/v biases.
     "glm4.5-3-layers-mtp": Variant(
@@ -663,11 +701,14 @@ def _index_consistent(folder: Path) -> None:
 
 
 def _plain_linears(b: Built, quantized: set[str]) -> set[str]:
-    return {
+    linears = {
         n.removesuffix(".weight")
         for n, t in b.reference.items()
         if n.endswith(".weight") and t.dim() == 2 and n not in quantized and "embed" not in n
     }
+    # fused 3-D experts (transformers' `*.experts` modules) left unquantized
+    experts = {n.rsplit(".", 1)[0] for n, t in b.reference.items() if t.dim() == 3 and n.endswith("_proj")}
+    return linears | {m for m in experts if not any(n.startswith(m + ".") for n in quantized)}
 
 
 def _quantized(b: Built, got: dict[str, torch.Tensor]) -> set[str]:
@@ -685,6 +726,17 @@ def _listed(module: str, patterns: list[str]) -> bool:
         elif module == p or module.endswith("." + p):
             return True
     return False
+
+
+def _unpad(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The leading corner of a padded tensor; a fused [gate; up] (gate_up_proj) holds two halves, each
+    padded at its own end."""
+    parts = 2 if name.endswith("gate_up_proj") else 1
+    for axis, want in enumerate(shape):
+        if t.shape[axis] != want:
+            size = want // parts
+            t = torch.cat([c.narrow(axis, 0, size) for c in t.chunk(parts, dim=axis)], dim=axis)
+    return t
 
 
 def _no_stale_quant(config: dict) -> None:
@@ -818,45 +870,35 @@ def test_block_padded(built, tmp_path, name, tp):
     config = json.loads((out / "config.json").read_text())
     _no_stale_quant(config)
     # every width the config states is the width of every tensor of that role, and splits into whole blocks
-    for key, pattern, axis in b.variant.widths:
+    for key, pattern, axis, *factor in b.variant.widths:
         width = _width(config, key)
         assert width % (128 * tp) == 0, (key, width)
         matched = [n for n in got if re.search(pattern, n)]
         assert matched, pattern
         for n in matched:
-            assert got[n].shape[axis] == width, (n, list(got[n].shape), key, width)
+            assert got[n].shape[axis] == width * (factor or [1])[0], (n, list(got[n].shape), key, width)
     quantized = _quantized(b, got)
-    dequantized = {}
+    dequantized, unpadded = {}, {}
     for n, ref in b.reference.items():
-        if n not in quantized and ref.dim() != 2:
-            t = got[n]
-            if ref.dim() == 1 and t.shape != ref.shape:  # a padded bias
-                assert torch.equal(t[: ref.shape[0]], ref) and not t[ref.shape[0] :].any(), n
-            else:
-                assert _bits(t, ref), n
-            dequantized[n] = t
-            continue
         t = got[n]
         if n in quantized:
             scale = got[n.removesuffix(".weight") + ".weight_scale_inv"]
-            assert scale.dtype == torch.float32 and tuple(scale.shape) == (
-                math.ceil(t.shape[0] / 128),
-                math.ceil(t.shape[1] / 128),
-            ), n
+            grid = (math.ceil(t.shape[0] / 128), math.ceil(t.shape[1] / 128))
+            assert scale.dtype == torch.float32 and tuple(scale.shape) == grid, n
             full = _dq_block(t, scale)
         else:
             full = t.float()
-        crop = full[: ref.shape[0], : ref.shape[1]]
-        outside = full.clone()
-        outside[: ref.shape[0], : ref.shape[1]] = 0
-        assert not outside.any(), n  # zeros in the padding
+        crop = _unpad(n, full, tuple(ref.shape))
+        assert full.count_nonzero() == crop.count_nonzero(), n  # zeros in the padding
         if b.variant.layout == "block" and n in b.fp8:
             assert torch.equal(crop, ref), n  # the same blocks, scales widened exactly
         elif n in quantized:  # requantized into 128x128 blocks: within one e4m3 step of the reference
-            assert ((crop - ref.float()).abs() <= ref.float().abs() * 2**-3 + ref.float().abs().max() * 2**-8).all(), n
+            r = ref.float()
+            assert ((crop - r).abs() <= r.abs() * 2**-3 + r.abs().max() * 2**-8).all(), n
         else:
             assert _bits(crop.to(ref.dtype), ref), n
-        dequantized[n] = full.bfloat16() if n in quantized else full.to(ref.dtype)
+        dequantized[n] = full.bfloat16() if n in quantized else t
+        unpadded[n] = crop.bfloat16() if n in quantized else crop.to(ref.dtype)
     qc = config["quantization_config"]
     if (b.config.get("quantization_config") or {}).get("scale_fmt") == "ue8m0":  # every scale a power of two
         assert qc.get("scale_fmt") == "ue8m0"
@@ -886,19 +928,13 @@ def test_block_padded(built, tmp_path, name, tp):
         return
     if b.variant.loadable and tp == 4:  # the padded model computes what the unpadded one does
         padded = _model_of(b, tmp_path / "padded", dequantized, config)
-        unpadded = _model_of(
-            b, tmp_path / "ref", {n: (t.bfloat16() if n in b.fp8 else t) for n, t in b.reference.items()}, b.config
-        )
-        a, r = _logits(b, padded), _logits(b, unpadded)
+        plain = {n: (t.bfloat16() if n in b.fp8 else t) for n, t in b.reference.items()}
+        a, r = _logits(b, padded), _logits(b, _model_of(b, tmp_path / "ref", plain, b.config))
         if b.variant.layout in ("block",):
             assert torch.allclose(a, r, atol=2e-2, rtol=0), (a - r).abs().max()
         else:  # requantized: the padded model equals a model of the same dequantized weights, unpadded
-            cropped = {
-                n: (t[tuple(slice(0, d) for d in b.reference[n].shape)] if t.dim() else t)
-                for n, t in dequantized.items()
-            }
-            same = _model_of(b, tmp_path / "cropped", cropped, b.config)
-            assert torch.allclose(a, _logits(b, same), atol=2e-2, rtol=0)
+            same = _model_of(b, tmp_path / "cropped", unpadded, b.config)
+            assert torch.equal(a, _logits(b, same))
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-scales-apart", "deepseek-v3.1-uint8"])
