@@ -138,8 +138,8 @@ FAMILIES: tuple[Family, ...] = (
         _MLP_ROUTERS,
     ),
     Family(
-        "GLM-4.5/4.6",
-        ("glm4_moe",),
+        "GLM-4.5/4.6, GLM-4.5V",
+        ("glm4_moe", "glm4v_moe_text", "glm4v_moe"),
         (DENSE, ROUTED, SHARED_DEEPSEEK),
         (_QKV, _GATE_UP, _EXPERTS),
         _unquantized(),
@@ -204,7 +204,11 @@ FAMILIES: tuple[Family, ...] = (
         _unquantized(r"\.feed_forward\.router\.", r"multi_modal_projector"),
         re.compile(r"\.feed_forward\.router\.weight$"),
     ),
-    Family("Qwen3 / Qwen2 dense", ("qwen3", "qwen2", "qwen3_vl_text"), **_DENSE_ONLY),
+    Family(
+        "Qwen3 / Qwen2 dense, Qwen2-VL / Qwen2.5-VL / Qwen3-VL",
+        ("qwen3", "qwen2", "qwen3_vl_text", "qwen2_5_vl_text", "qwen2_vl_text", "qwen2_5_vl", "qwen2_vl"),
+        **_DENSE_ONLY,
+    ),
     Family("Llama-3.x", ("llama",), **_DENSE_ONLY),
     Family("Mistral / Ministral", ("mistral", "ministral", "ministral3"), **_DENSE_ONLY),
 )

@@ -516,6 +516,94 @@ VARIANTS: dict[str, Variant] = {
             ("text_config.moe_intermediate_size", r"experts\.down_proj$", -1),
         ),
     ),
+    # Qwen2.5-VL, compressed-tensors FP8_DYNAMIC (RedHatAI-style): the vision tower (with gate/up/down MLPs of
+    # its own width) ignored by a regex.
+    "qwen2.5-vl-ct": Variant(
+        "qwen2_5_vl",
+        dict(
+            text_config=dict(
+                hidden_size=200,
+                num_hidden_layers=2,
+                vocab_size=256,
+                intermediate_size=330,
+                rope_scaling={"type": "mrope", "mrope_section": [5, 10, 10]},
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=64,
+                intermediate_size=96,
+                num_heads=2,
+                out_hidden_size=200,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                fullatt_block_indexes=[0],
+            ),
+            tie_word_embeddings=False,
+        ),
+        "channel",
+        _linears,
+        _ct_channel(lambda cfg: ["lm_head", "re:visual.*"]),
+        loader="Qwen2_5_VLForConditionalGeneration",
+        widths=(
+            ("text_config.intermediate_size", r"^model\.layers\.\d+\.mlp\.(gate|up)_proj\.weight$", -2),
+            ("text_config.intermediate_size", r"^model\.layers\.\d+\.mlp\.down_proj\.weight$", -1),
+        ),
+    ),
+    # GLM-4.5V: glm4v_moe with text_config glm4v_moe_text, per-expert channel FP8, the vision tower's own
+    # gate/up/down MLPs bf16.
+    "glm4.5v-ct": Variant(
+        "glm4v_moe",
+        dict(
+            text_config=dict(
+                hidden_size=160,
+                num_hidden_layers=2,
+                vocab_size=256,
+                intermediate_size=264,
+                moe_intermediate_size=72,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                attention_bias=True,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 3, 3],
+                    "partial_rotary_factor": 0.5,
+                },
+                **_ATT,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=64,
+                intermediate_size=96,
+                num_heads=2,
+                out_hidden_size=160,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+            ),
+            tie_word_embeddings=False,
+        ),
+        "channel",
+        _linears,
+        _ct_channel(lambda cfg: ["lm_head", "re:.*mlp.gate$", "re:model.visual.*"]),
+        loader="Glm4vMoeForConditionalGeneration",
+        post=_f32(r"e_score_correction_bias"),
+        widths=(
+            ("text_config.intermediate_size", r"layers\.0\.mlp\.(gate|up)_proj\.weight$", -2),
+            ("text_config.intermediate_size", r"layers\.0\.mlp\.down_proj\.weight$", -1),
+            ("text_config.moe_intermediate_size", r"mlp\.(experts\.\d+|shared_experts)\.(gate|up)_proj\.weight$", -2),
+            ("text_config.moe_intermediate_size", r"mlp\.(experts\.\d+|shared_experts)\.down_proj\.weight$", -1),
+        ),
+    ),
     # GLM-4.5 with three decoder layers (one dense) and its MTP layer model.layers.3, channel FP8 with
     # float32 scales, routers and lm_head ignored, q/k/v biases.
     "glm4.5-3-layers-mtp": Variant(
