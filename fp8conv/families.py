@@ -83,6 +83,9 @@ class Family:
     fused: tuple[re.Pattern[str], ...]  # each match's group(1): one layer an engine builds from them
     unquantized: re.Pattern[str]  # modules the FP8 releases leave in bf16/f32
     mlp_other: re.Pattern[str]  # tensors inside an MLP that carry no width (routers, biases)
+    # False: transformers builds this family's experts one Linear per expert under compressed-tensors
+    # (SequentialLlama4TextExperts), so fused 3-D experts cannot stay fused beside a channel FP8 config
+    fused_experts_beside_channel: bool = True
 
 
 def _gate_up_down(container: str, gate_up: str = r"(?:gate_proj|up_proj)", down: str = "down_proj"):
@@ -203,6 +206,7 @@ FAMILIES: tuple[Family, ...] = (
         ),
         _unquantized(r"\.feed_forward\.router\.", r"multi_modal_projector"),
         re.compile(r"\.feed_forward\.router\.weight$"),
+        fused_experts_beside_channel=False,
     ),
     Family(
         "Qwen3 / Qwen2 dense, Qwen2-VL / Qwen2.5-VL / Qwen3-VL",

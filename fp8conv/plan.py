@@ -270,6 +270,21 @@ class _Planner:
             # transformers swaps every `*.experts` module not listed for FP8 experts (and vLLM quantizes
             # a FusedMoE not ignored): bf16 fused experts left as they are must be listed, or they load as garbage
             self.unquantized_linears.append(m.group(1))
+            if (
+                self.options.to == "channel"
+                and self.family is not None
+                and not self.family.fused_experts_beside_channel
+            ):
+                self.problems.append(
+                    CheckpointError(
+                        f"is a fused 3-D expert parameter; transformers loads {self.family.name} experts under a "
+                        "compressed-tensors config one Linear per expert (experts.E.gate_proj ...), so it would not "
+                        "load beside channel FP8",
+                        tensor=name,
+                        shard=self.ckpt.index.shard_of(name).name,
+                        fix="convert with --to block or --to bf16",
+                    )
+                )
         return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),), pad_parts=pad.parts)
 
     def output_config(self) -> dict[str, Any] | None:
