@@ -32,8 +32,10 @@ FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(?:gate_up_proj|gate_proj|up_proj|d
 OUTPUT_BIAS = re.compile(r"\.(?:down_proj|w2)\.bias$")
 
 # Unquantized in every FP8 release of these families (and by DeepSeek's own recipe).
+# Multimodal projectors (Mistral-3's multi_modal_projector with its patch merger) stay bf16 in every release.
 _UNQUANTIZED_BASE = (
     r"embed|norm|lm_head|shared_head\.head|eh_proj|\.mlp\.gate\.weight$|_gate\.weight$|vision|visual|mm_projector"
+    r"|multi_modal_projector"
 )
 
 

@@ -518,6 +518,38 @@ VARIANTS: dict[str, Variant] = {
             ("text_config.moe_intermediate_size", r"experts\.down_proj$", -1),
         ),
     ),
+    # A bf16 Mistral-3 (fine-tuned): the Pixtral tower and the projector (with its patch merger) stay bf16.
+    "mistral3-bf16-input": Variant(
+        "mistral3",
+        dict(
+            text_config=dict(
+                model_type="ministral3",
+                hidden_size=200,
+                num_hidden_layers=2,
+                vocab_size=256,
+                intermediate_size=330,
+                **_ATT,
+            ),
+            vision_config=dict(
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=64,
+                patch_size=16,
+                head_dim=32,
+            ),
+            tie_word_embeddings=False,
+        ),
+        "none",
+        lambda n, t: False,
+        lambda cfg: None,
+        loader="Mistral3ForConditionalGeneration",
+        widths=(
+            ("text_config.intermediate_size", r"language_model\.model\.layers\.\d+\.mlp\.(gate|up)_proj\.weight$", -2),
+            ("text_config.intermediate_size", r"language_model\.model\.layers\.\d+\.mlp\.down_proj\.weight$", -1),
+        ),
+    ),
     # A bf16 Llama-4 (fine-tuned) as transformers saves it: fused experts transposed, [E, H, 2I] / [E, I, H].
     "llama4-bf16-fused": Variant(
         "llama4",
@@ -845,6 +877,8 @@ def _quantized(b: Built, got: dict[str, torch.Tensor]) -> set[str]:
     """The FP8 weights of an output: the input's, or for an unquantized input those fp8conv chose."""
     quantized = {n for n in b.reference if got[n].dtype == torch.float8_e4m3fn}
     assert b.fp8 <= quantized and (b.variant.layout == "none" or quantized == b.fp8), sorted(quantized ^ b.fp8)
+    # as in every FP8 release: vision towers and multimodal projectors stay in their float dtype
+    assert not [n for n in quantized if re.search(r"vision|visual|multi_modal_projector", n)]
     return quantized
 
 
