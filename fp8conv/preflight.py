@@ -20,10 +20,11 @@ from .source import Checkpoint
 
 
 def check_scales(
-    ckpt: Checkpoint, cls: Classification, allow_nonfinite: bool
+    ckpt: Checkpoint, cls: Classification, allow_nonfinite: bool, only_shard: str | None = None
 ) -> tuple[list[CheckpointError], list[str]]:
     """(problems, warnings): NaN/Inf scales are refused (listed as warnings with allow_nonfinite);
-    zero and negative scales are always refused."""
+    zero and negative scales are always refused. `only_shard`: the scales stored in that shard only
+    (--stream checks each shard's scales as it arrives, before any output needs them)."""
     problems: list[CheckpointError] = []
     warnings: list[str] = []
     fds: dict[str, int] = {}
@@ -32,6 +33,8 @@ def check_scales(
             if fmt.kind not in CONVERTIBLE or fmt.scale is None:
                 continue
             shard = ckpt.index.shard_of(fmt.scale)
+            if only_shard is not None and shard.name != only_shard:
+                continue
             if shard.name not in fds:
                 fds[shard.name] = os.open(ckpt.index.root / shard.name, os.O_RDONLY)
             scale = scale_to_float32(read_tensor(fds[shard.name], ckpt.index.entry(fmt.scale), shard.name))
