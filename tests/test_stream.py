@@ -16,8 +16,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from click.testing import CliRunner
 
 import fp8conv
+from fp8conv.cli import main
 from fp8conv.errors import CheckpointError, OptionsError, OutputError, PlanRefused
 from fp8conv.shard_source import LocalShardSource, evict_cached_file
 
@@ -84,22 +86,11 @@ def test_stream_cli_offline_and_keep_model_card(tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "README.md").read_bytes() == (tiny.path / "README.md").read_bytes()
     assert (cache / f"models--acme--tiny-fp8/snapshots/{COMMIT}" / tiny.shards[0]).is_file()  # not evicted
-    local = subprocess.run(
-        [sys.executable, "-m", "fp8conv", "convert", str(tiny.path), "--to", "bf16", "--stream", "-o", "x"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert local.returncode == 1 and "is a local checkpoint" in local.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "fp8conv", "convert", str(tiny.path), "--to", "bf16", "--evict-input", "-o", "x"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert bad.returncode == 2 and "--evict-input needs --stream" in bad.stderr
+    runner = CliRunner()
+    local = runner.invoke(main, ["convert", str(tiny.path), "--to", "bf16", "--stream", "-o", str(tmp_path / "x")])
+    assert local.exit_code == 1 and "is a local checkpoint" in local.stderr
+    bad = runner.invoke(main, ["convert", str(tiny.path), "--to", "bf16", "--evict-input", "-o", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "--evict-input needs --stream" in bad.stderr
 
 
 def test_stream_plans_from_remote_headers_before_any_download(tiny, tmp_path, hf_cache, monkeypatch):
