@@ -358,6 +358,11 @@ def convert_command(
             f"converted, {result.tensors_copied} copied, {len(result.files_copied)} other file(s) copied, "
             f"{_gib(result.bytes_written)} in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
         )
+    if result.streamed is not None and not quiet:
+        click.echo(
+            f"streamed: {len(result.streamed['fetched'])} shard(s) fetched, {len(result.streamed['evicted'])} "
+            f"evicted, {result.streamed['waited_s']:.1f} s spent waiting for shards"
+        )
     if result.verified is not None:
         _report_verify(result.verified)
 

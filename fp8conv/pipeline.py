@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,6 +76,7 @@ class ConvertResult:
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
     verified: VerifyResult | None = None  # with verify_after
+    streamed: dict[str, Any] | None = None  # --stream: shards fetched and evicted, seconds waited for them
 
 
 def convert(
@@ -134,6 +136,7 @@ def convert(
         raise PlanRefused(plan.problems + scale_problems)
     plan.warnings += scale_warnings
     band_elements = _check_memory_cap(ckpt, plan, max_memory)
+    streamed: dict[str, Any] | None = None
     out = Path(output)
     identity = input_identity(ckpt) if feed_source is None else stream_identity(ckpt, feed_source)
     manifest = Manifest(__version__, Manifest.options_dict(options), identity)
@@ -176,6 +179,7 @@ def convert(
         run.execute(out, stack, skip=keep | others)
         if run.feed is not None:
             run.feed.finish()
+            streamed = {"fetched": run.feed.fetched, "evicted": run.feed.evicted, "waited_s": run.feed.waited_s}
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
@@ -202,7 +206,7 @@ def convert(
     verified = None
     if stream_check is not None:  # each shard was checked as it was committed, before its inputs went
         stream_check.documents()
-        verified = stream_check.result(time.monotonic() - started)
+        verified = stream_check.result(stream_check.seconds)
     elif verify_after and part is None:
         verified = verify(ckpt.root, out, options=options)
     if verified is not None:  # provenance: the output says it was checked, and how that went
@@ -225,6 +229,7 @@ def convert(
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
+        streamed=streamed,
     )
 
 

@@ -74,6 +74,7 @@ class OutputCheck:
         self.failures: list[str] = []
         self.checked = self.sampled = 0
         self.reference = TorchDeviceBackend("cpu")
+        self.seconds = 0.0  # spent checking shards
 
     def fail(self, message: str) -> None:
         if len(self.failures) < self.max_failures:
@@ -87,6 +88,13 @@ class OutputCheck:
 
     def shard(self, shard: ShardPlan, manifest: Manifest | None) -> None:
         """Its hash against the manifest, its structure against the plan, and its numbers."""
+        started = time.monotonic()
+        try:
+            self._shard(shard, manifest)
+        finally:
+            self.seconds += time.monotonic() - started
+
+    def _shard(self, shard: ShardPlan, manifest: Manifest | None) -> None:
         out = self.out
         path = out / shard.name
         recorded = manifest is not None and shard.name in manifest.shards and path.is_file()
