@@ -120,7 +120,15 @@ def selected(name: str, only: list[str]) -> bool:
     return not only or any(o in name for o in only)
 
 
-def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only: list[str], device: str | None) -> dict:
+def run_size(
+    size_gib: float,
+    reps: int,
+    work: Path,
+    with_baselines: bool,
+    only: list[str],
+    device: str | None,
+    stream_rate_mb: float | None = None,
+) -> dict:
     src = synth.build(work / f"in-{size_gib:g}", size_gib)
     in_bytes = dir_bytes(src)
     py = sys.executable
@@ -159,6 +167,15 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "-j", "2"],
         "bf16",
     )
+    if stream_rate_mb:  # --stream against download-then-convert; no network here, so a throttled local copy
+        throttled = f"throttled local source at {stream_rate_mb:g} MB/s standing in for the network"
+        for mode, label in (
+            ("stream", f"fp8conv --to bf16 --stream --evict-input, {throttled}"),
+            ("then", f"download then convert (fp8conv --to bf16), {throttled}"),
+            ("download", f"download alone, {throttled}"),
+        ):
+            cmd = [py, str(HERE / "stream_source.py"), str(src), str(out), str(work / "staging")]
+            variants[label] = ([*cmd, "--rate-mb", f"{stream_rate_mb:g}", "--mode", mode], None)
     if with_baselines:
         variants["plain torch --to bf16"] = ([py, str(HERE / "plain_torch.py"), str(src), str(out)], "bf16")
         variants["compressed-tensors --to bf16 (ragged shapes)"] = (
@@ -245,6 +262,14 @@ def main() -> None:
     parser.add_argument("--no-baselines", action="store_true", help="skip plain torch and compressed-tensors")
     parser.add_argument("--device", default=None, help="also time fp8conv with --device DEVICE (e.g. cuda)")
     parser.add_argument(
+        "--stream-rate",
+        type=float,
+        default=None,
+        metavar="MB_S",
+        help="also time --stream against download-then-convert, a local source throttled to MB_S MB/s "
+        "standing in for the network (select them alone with --only stream --only download)",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         default=[],
@@ -264,7 +289,7 @@ def main() -> None:
     for i, size in enumerate(sizes):
         baselines = not args.no_baselines and i == len(sizes) - 1
         doc["runs"][f"DeepSeek-like shapes, {size:g} GiB"] = run_size(
-            size, args.reps, work, baselines, args.only, args.device
+            size, args.reps, work, baselines, args.only, args.device, args.stream_rate
         )
         print(f"done {size:g} GiB", file=sys.stderr)
     if not args.no_baselines and not args.only:

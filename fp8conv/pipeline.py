@@ -46,12 +46,14 @@ from .stream import (
 )
 from .streaming import (
     DEFAULT_AHEAD,
+    HEADERS_FILE,
     Schedule,
     StreamFeed,
     adopt_local_header,
     check_stream_space,
     make_schedule,
     open_stream,
+    save_input_headers,
     stream_identity,
 )
 from .verify import OutputCheck, VerifyResult, verify
@@ -123,7 +125,7 @@ def convert(
     backend = get_backend(device)
     feed_source: ShardSource | None = None
     if stream is not False:
-        ckpt, feed_source = open_stream(source, revision, stream)
+        ckpt, feed_source = open_stream(source, revision, stream, Path(output) if resume else None)
     else:
         ckpt = open_checkpoint(source, revision=revision)
     cls = classify(ckpt.index, ckpt.config, block_size)
@@ -169,6 +171,8 @@ def convert(
             check_stream_space(out, mine_bytes + copied - kept, feed_source.root, held, count, prefetch, evict_input)
     _prepare_output(out, keep, others)
     manifest.save(out)
+    if feed_source is not None:
+        save_input_headers(out, ckpt, feed_source)
     run = _Run(ckpt, plan, backend, progress, manifest, band_elements, direct_io)
     stream_check = OutputCheck(ckpt.index, plan, out, 1.0, 20) if verify_after and schedule is not None else None
     with ExitStack() as stack:
@@ -186,6 +190,7 @@ def convert(
         if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
         finish(out, manifest, ckpt.root, plan.copy_files, index, config, card_note)
+        (out / HEADERS_FILE).unlink(missing_ok=True)  # --stream: only a resume needed them
     else:  # record what finalize needs; the last part to finish finalizes
         manifest.extra = {
             "complete": True,

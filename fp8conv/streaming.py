@@ -13,6 +13,8 @@ input takes is computed, and checked against the free space, before anything is 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import threading
@@ -26,18 +28,25 @@ from typing import Any
 from . import hub
 from .errors import CheckpointError, OptionsError, OutputError
 from .index import INDEX_NAME, CheckpointIndex, Shard
+from .manifest import input_identity
 from .plan import ConversionPlan
-from .safetensors_file import ShardHeader, read_header
+from .safetensors_file import ShardHeader, TensorEntry, read_header
 from .shard_source import HubShardSource, ShardSource
 from .source import Checkpoint, open_checkpoint, open_with_headers
+from .writer import write_file_atomic
 
 DEFAULT_AHEAD = 1
+HEADERS_FILE = Path(".fp8conv") / "input-headers.json"
+SINGLE_FILE = "model.safetensors"
 
 
-def open_stream(location: str | os.PathLike[str], revision: str | None, stream: bool | ShardSource):
+def open_stream(
+    location: str | os.PathLike[str], revision: str | None, stream: bool | ShardSource, resume_from: Path | None
+):
     """(checkpoint planned from headers, the source its shards come from). A Hub ID downloads only
     its small files (config, index, tokenizer, model card) here; shards not in the cache get their
-    headers read remotely. A ShardSource given by the caller (tests, bench) serves `location`'s shards."""
+    headers from the interrupted run being resumed (`resume_from`, the output), else remotely.
+    A ShardSource given by the caller (tests, bench) serves `location`'s shards."""
     if not isinstance(stream, bool):
         ckpt = open_checkpoint(location)
         ckpt.index.root = stream.root  # shards are read where the source delivers them
@@ -49,21 +58,72 @@ def open_stream(location: str | os.PathLike[str], revision: str | None, stream: 
         )
     root = hub.snapshot(location, revision, weights=False)
     source = HubShardSource(location, revision, root)
-    return open_with_headers(root, _hub_headers(location, root, source)), source
+    saved = _saved_headers(resume_from, source) if resume_from is not None else {}
+    return open_with_headers(root, _hub_headers(location, root, source, saved)), source
 
 
-def _hub_headers(repo_id: str, root: Path, source: HubShardSource) -> dict[str, ShardHeader]:
-    """Cached shards' headers read locally; the others' remotely (a few KB each), never the weights."""
+def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None:
+    """The headers the plan was made from, for --resume: an evicted shard is then never needed again,
+    not even its header (an offline resume plans without the network). Removed once the run is done."""
+    prov = source.provenance()
+    if "commit" not in prov:
+        return
+    shards = {}
+    for shard in ckpt.index.shards:
+        h = shard.header
+        tensors = {t: [e.dtype, list(e.shape), e.start - h.data_start, e.nbytes] for t, e in h.tensors.items()}
+        shards[shard.name] = {"tensors": tensors, "metadata": h.metadata}
+    doc = {"repo_id": prov["repo_id"], "commit": prov["commit"], "shards": shards}
+    write_file_atomic(out / HEADERS_FILE, json.dumps(doc).encode())
+
+
+def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
+    """Headers an interrupted run of the same repo and commit saved, in the remote form (offsets
+    relative to the data); every fetched shard is still checked against them."""
+    try:
+        doc = json.loads((out / HEADERS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if (doc.get("repo_id"), doc.get("commit")) != (source.repo_id, source.commit):
+        return {}
+    headers = {}
+    for name, shard in doc["shards"].items():
+        entries = {t: TensorEntry(t, d, tuple(shape), start, n) for t, (d, shape, start, n) in shard["tensors"].items()}
+        size = max((e.start + e.nbytes for e in entries.values()), default=0)
+        headers[name] = ShardHeader(Path(name), size, 0, entries, dict(shard["metadata"]))
+    return headers
+
+
+def _hub_headers(
+    repo_id: str, root: Path, source: HubShardSource, saved: dict[str, ShardHeader]
+) -> dict[str, ShardHeader]:
+    """Cached shards' headers read locally, then those an interrupted run saved; the others' remotely
+    (a few KB each), never the weights."""
     index_file = root / INDEX_NAME
     names: list[str] | None = None
     if index_file.is_file():
-        import json
-
         names = sorted(set(json.loads(index_file.read_text(encoding="utf-8")).get("weight_map", {}).values()))
-    remote = hub.remote_headers(repo_id, source.commit) if names is None or not all(map(source.present, names)) else {}
+    elif source.present(SINGLE_FILE):  # no index: one model.safetensors, cached
+        names = [SINGLE_FILE]
+    elif saved:
+        names = sorted(saved)
+    missing = [n for n in names or [] if not source.present(n) and n not in saved]
+    try:
+        remote = hub.remote_headers(repo_id, source.commit) if names is None or missing else {}
+    except CheckpointError as exc:
+        if not missing:
+            raise
+        raise CheckpointError(
+            f"{len(missing)} shard(s) are not in the cache ({', '.join(missing[:3])}) and their headers cannot be "
+            f"read remotely: {exc.problem}",
+            fix="connect to the Hub (HF_HUB_OFFLINE unset): the plan reads a few KB of header per shard",
+        ) from exc
     headers = {}
     for name in names if names is not None else sorted(remote):
-        headers[name] = read_header(root / name, display_name=name) if source.present(name) else remote.get(name)
+        if source.present(name):
+            headers[name] = read_header(root / name, display_name=name)
+        else:
+            headers[name] = saved.get(name) or remote.get(name)
         if headers[name] is None:
             raise CheckpointError(f"names shard {name!r}, which the repository does not hold", shard=INDEX_NAME)
     return headers
@@ -74,11 +134,7 @@ def stream_identity(ckpt: Checkpoint, source: ShardSource) -> dict[str, Any]:
     hash are kept so a mismatch can be named. A local source has headers on disk: the usual identity."""
     prov = source.provenance()
     if "commit" not in prov:
-        from .manifest import input_identity
-
         return input_identity(ckpt)
-    import hashlib
-
     config = ckpt.root / "config.json"
     return {
         "repo_id": prov["repo_id"],

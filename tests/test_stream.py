@@ -325,3 +325,47 @@ def test_model_card_note_replaces_an_old_one(tiny, tmp_path):
     assert "converted a local copy (folder `bf16`, revision unknown)" in card
     fp8conv.convert(tiny.path, tmp_path / "kept", to="bf16", keep_model_card=True)
     assert (tmp_path / "kept" / "README.md").read_bytes() == (tiny.path / "README.md").read_bytes()
+
+
+def test_resume_after_eviction_plans_offline_from_the_saved_headers(tiny, tmp_path, hf_cache, monkeypatch):
+    """An interrupted streamed run evicted input 0; offline, the resume plans from the headers that run
+    saved (the shard is gone from the cache and the Hub is out of reach) and never fetches it again."""
+    from fp8conv.shard_source import HubShardSource
+    from fp8conv.streaming import HEADERS_FILE
+
+    snap = lay_out_hf_cache(tiny.path, hf_cache, REPO)
+    real_fetch = HubShardSource.fetch
+    fetched = []
+
+    def failing_fetch(self, name, cancel):
+        if name == tiny.shards[2]:
+            raise CheckpointError("network down", shard=name)
+        fetched.append(name)
+        return real_fetch(self, name, cancel)
+
+    monkeypatch.setattr(HubShardSource, "fetch", failing_fetch)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="network down"):
+        fp8conv.convert(REPO, out, to="bf16", stream=True, evict_input=True)
+    assert not (snap / tiny.shards[0]).exists() and (out / HEADERS_FILE).is_file()
+    monkeypatch.setattr(HubShardSource, "fetch", real_fetch)
+    headers = (out / HEADERS_FILE).read_bytes()
+    (out / HEADERS_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"shard\(s\) are not in the cache \(model-00001-of-00003") as info:
+        fp8conv.convert(REPO, out, to="bf16", stream=True, evict_input=True, resume=True)
+    assert "headers cannot be read remotely" in str(info.value)
+    (out / HEADERS_FILE).write_bytes(headers)
+    result = fp8conv.convert(REPO, out, to="bf16", stream=True, evict_input=True, resume=True)
+    assert result.streamed is not None and tiny.shards[0] not in result.streamed["fetched"]
+    assert not (out / HEADERS_FILE).exists()
+    fp8conv.convert(tiny.path, tmp_path / "local", to="bf16")
+    assert without_provenance(dir_snapshot(out)) == without_provenance(dir_snapshot(tmp_path / "local"))
+
+
+def test_stream_a_single_file_repo_without_index(make_tiny, tmp_path, hf_cache):
+    tiny = make_tiny(num_shards=1, with_index=False)
+    snap = lay_out_hf_cache(tiny.path, hf_cache, REPO)
+    result = fp8conv.convert(REPO, tmp_path / "out", to="channel", stream=True, evict_input=True)
+    assert result.shards == ["model.safetensors"] and not (snap / "model.safetensors").exists()
+    fp8conv.convert(tiny.path, tmp_path / "local", to="channel")
+    assert without_provenance(dir_snapshot(tmp_path / "out")) == without_provenance(dir_snapshot(tmp_path / "local"))
