@@ -24,7 +24,7 @@ from .formats import classify
 from .hub import looks_like_repo_id
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
-from .parts import assign_parts, finalize, finish, part_path, with_scale_fmt
+from .parts import assign_parts, check_part, drop_other_splits, finalize, finish, part_path, with_scale_fmt
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
 from .provenance import model_card_note, source_record
@@ -78,6 +78,10 @@ class ConvertResult:
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
     verified: VerifyResult | None = None  # with verify_after
+    # --part I/N: shards, tensors and bytes are this part's; bytes_written leaves out shards_kept
+    part: tuple[int, int] | None = None
+    shards_kept: list[str] = field(default_factory=list)  # finished by an earlier run, checked, not redone
+    finalized: bool = True  # False for a part while other parts are unfinished
     streamed: dict[str, Any] | None = None  # --stream: shards fetched and evicted, seconds waited for them
 
 
@@ -90,6 +94,7 @@ def convert(
     block_size: tuple[int, int] | None = None,
     fp8_max: float = 448.0,
     pad_for_tp: int | None = None,
+    pad_roles: tuple[str, ...] | None = None,
     overwrite: bool = False,
     device: str = "cpu",
     allow_nonfinite: bool = False,
@@ -114,7 +119,9 @@ def convert(
     a ShardSource's; evict_input removes each from the cache once every output reading it is written.
     keep_model_card: copy README.md unchanged (by default a "Converted with fp8conv" note is appended)."""
     started = time.monotonic()
-    options = ConvertOptions(to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp)
+    options = ConvertOptions(
+        to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp, pad_roles=pad_roles
+    )
     options.validate()
     if evict_input and stream is False:
         raise OptionsError("--evict-input needs --stream", fix="add --stream, or drop --evict-input")
@@ -155,7 +162,8 @@ def convert(
         others = {s.name for s in plan.shards} - set(mine)
         manifest.path = part_path(out, part).relative_to(out)
         manifest.record_stat = True
-    keep = _resumable_shards(out, plan, manifest) if resume else set()
+        check_part(out, part, manifest, overwrite=overwrite)
+    keep = _resumable_shards(out, plan, manifest, part) if resume else set()
     _check_output(ckpt, out, overwrite or resume or part is not None)
     schedule = make_schedule(ckpt.index, plan, keep) if feed_source is not None else None
     if space_check:
@@ -170,6 +178,8 @@ def convert(
             held, count = schedule.peak_input(sizes, prefetch, evict_input, present)
             check_stream_space(out, mine_bytes + copied - kept, feed_source.root, held, count, prefetch, evict_input)
     _prepare_output(out, keep, others)
+    if part is None or overwrite:  # records of another split (or of none: this run is whole) are stale
+        drop_other_splits(out, part[1] if part else 0)
     manifest.save(out)
     if feed_source is not None:
         save_input_headers(out, ckpt, feed_source)
@@ -184,12 +194,13 @@ def convert(
         if run.feed is not None:
             run.feed.finish()
             streamed = {"fetched": run.feed.fetched, "evicted": run.feed.evicted, "waited_s": run.feed.waited_s}
+    finalized = True
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
         if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-        finish(out, manifest, ckpt.root, plan.copy_files, index, config, card_note)
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, card_note)
         (out / HEADERS_FILE).unlink(missing_ok=True)  # --stream: only a resume needed them
     else:  # record what finalize needs; the last part to finish finalizes
         manifest.extra = {
@@ -199,6 +210,7 @@ def convert(
                 "planned_shards": sorted(s.name for s in plan.shards),
                 "copy_from": str(ckpt.root.resolve()),
                 "copy_files": plan.copy_files,
+                "json_files": plan.json_files,
                 "index": index,
                 "config": config,
                 "claims_ue8m0": plan.claims_ue8m0,
@@ -207,7 +219,7 @@ def convert(
             "source": record,
         }
         manifest.save(out)
-        finalize(out, require_all=False)
+        finalized = finalize(out, require_all=False) is not None
     verified = None
     if stream_check is not None:  # each shard was checked as it was committed, before its inputs went
         stream_check.documents()
@@ -225,15 +237,18 @@ def convert(
     return ConvertResult(
         output=out,
         target=plan.target,
-        shards=[s.name for s in plan.shards],
+        shards=[s.name for s in plan.shards if s.name not in others],
         tensors_converted=run.converted,
         tensors_copied=run.copied,
-        bytes_written=plan.output_bytes,
+        bytes_written=sum(s.nbytes for s in plan.shards if s.name not in others | keep),
         seconds=time.monotonic() - started,
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
+        part=part,
+        shards_kept=sorted(keep),
+        finalized=finalized,
         streamed=streamed,
     )
 
@@ -497,15 +512,20 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     return band
 
 
-def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest) -> set[str]:
-    """Shards an interrupted run finished that still check out; refuses other options or input."""
-    if not (out / MANIFEST).is_file():
-        if out.is_dir() and any(out.iterdir()):
+def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None) -> set[str]:
+    """Shards an interrupted run finished that still check out; refuses other options or input. A part
+    resumes from its own record only: the other parts may not have started, or be running."""
+    if not (out / manifest.path).is_file():
+        if part is None and out.is_dir() and any(out.iterdir()):
+            fanout = any((out / MANIFEST.parent).glob("part-*-of-*.json"))
             raise OptionsError(
-                f"{out} has no {MANIFEST} to resume from", fix="convert into an empty directory, or use --overwrite"
+                f"{out} has no {MANIFEST} to resume from",
+                fix="it holds parts of a fan-out: resume each with --part I/N --resume, or run fp8conv finalize"
+                if fanout
+                else "convert into an empty directory, or use --overwrite",
             )
         return set()
-    old = load_manifest(out)
+    old = load_manifest(out, manifest.path)
     mismatch = resume_mismatch(old, manifest)
     if mismatch:
         raise OptionsError(f"cannot resume {out}: {mismatch}", fix="convert again with --overwrite")

@@ -18,7 +18,7 @@ Reader = Callable[[str], torch.Tensor]
 
 def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[torch.Tensor]:
     if job.action is Action.COPY:
-        return [pad_to(read(job.source), job.spec.shape)]
+        return [pad_to(read(job.source), job.spec.shape, parts=job.pad_parts)]
     if job.action is Action.DEQUANTIZE:
         assert job.fmt is not None and job.fmt.scale is not None
         out_dtype = torch_dtype(job.spec.dtype)
@@ -28,7 +28,11 @@ def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[to
         weight = read(job.source)
         grid = scale_grid(read(job.fmt.scale), job.fmt, tuple(weight.shape))
         grid = grid.reshape(*weight.shape[:-2], *grid.shape[-2:])
-        return [pad_to(weight, job.outputs[0].shape), pad_to(grid.contiguous(), job.outputs[1].shape, 1.0)]
+        parts = job.pad_parts  # the plan keeps blocks of a fused [gate; up] only when each half is whole blocks
+        return [
+            pad_to(weight, job.outputs[0].shape, 0.0, parts),
+            pad_to(grid.contiguous(), job.outputs[1].shape, 1.0, parts),
+        ]
     # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
     if job.fmt is not None:
         assert job.fmt.scale is not None
@@ -38,5 +42,5 @@ def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[to
         w32 = dequantize(weight, read(job.fmt.scale), job.fmt, torch.float32, backend)
     else:
         w32 = read(job.source).to(torch.float32)
-    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
+    q, scale = quantize(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_block, fp8_max, backend)
     return [q, scale]
