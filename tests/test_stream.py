@@ -198,13 +198,17 @@ def test_stream_order_with_a_scale_in_another_shard(tiny, tmp_path, recorded_com
     assert order.index(("evict", s0)) > order.index(("commit", s0))
     assert order.index(("evict", s1)) > order.index(("commit", s1))  # output 1 reads it too
     assert order.index(("evict", s2)) > order.index(("commit", s2))
-    assert events.index(("fetch", s2)) < events.index(("commit", s1))  # download overlaps conversion
-    assert events.index(("fetch", s2)) > events.index(("commit", s0))  # but no further ahead than --prefetch
+    assert events.index(("fetch", s2)) > events.index(("commit", s0))  # no further ahead than --prefetch 1
     assert source.peak == 2 and list(source.root.iterdir()) == []
     fp8conv.convert(tiny.path, tmp_path / "local", to="bf16")
     assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "local") | {
         ".fp8conv/manifest.json": (tmp_path / "out" / ".fp8conv" / "manifest.json").read_bytes()
     }
+    # --prefetch 2: input 2 is downloaded while output 0 is converted
+    events.clear()
+    source = RecordingSource(tiny.path, tmp_path / "staging2", events, delay_s=0.3)
+    fp8conv.convert(tiny.path, tmp_path / "out2", to="bf16", stream=source, evict_input=True, prefetch=2)
+    assert events.index(("fetch", s2)) < events.index(("commit", s0)) and source.peak == 3
 
 
 def test_stream_disk_bound_is_refused_with_both_numbers(tiny, tmp_path, monkeypatch):
