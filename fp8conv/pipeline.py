@@ -62,6 +62,10 @@ class ConvertResult:
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
     verified: VerifyResult | None = None  # with verify_after
+    # packed 4-bit weights quantized to FP8: output blocks (rows for --to channel) that give back every
+    # 4-bit value exactly, of all such blocks; the rest lost bits
+    packed_blocks_exact: int = 0
+    packed_blocks_total: int = 0
 
 
 def convert(
@@ -157,6 +161,8 @@ def convert(
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
+        packed_blocks_exact=run.exactness[0],
+        packed_blocks_total=run.exactness[1],
     )
 
 
@@ -176,6 +182,7 @@ class _Run:
         self.band_elements = band_elements
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
+        self.exactness = [0, 0]  # packed 4-bit weights quantized to FP8: exact blocks, all blocks
         self.direct_io = direct_io
         self.readers: dict[str, ShardReader] = {}
         self.readers_lock = threading.Lock()
@@ -258,6 +265,7 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
+        names += [job.fmt.global_scale] if job.fmt is not None and job.fmt.global_scale else []
         if self._streamed(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
@@ -303,7 +311,7 @@ class _Run:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1
             return lambda: None
-        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max)
+        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max, self.exactness)
         if len(tensors) > 1 and self.all_scales_pow2:
             self.all_scales_pow2 = all_powers_of_two(tensors[1])
         self.converted += job.action is not Action.COPY

@@ -13,7 +13,7 @@ from typing import Any
 from .config import rewrite_for_block, rewrite_for_channel, rewrite_for_dequantized
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3
 from .errors import CheckpointError, OptionsError
-from .formats import CONVERTIBLE, Classification, Kind, WeightFormat, module_of
+from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .model_layout import (
     MlpPadding,
     fused_group,
@@ -21,11 +21,13 @@ from .model_layout import (
     plan_mlp_padding,
     updated_widths_config,
 )
+from .packed_formats import packed_output_shape
 from .quant_config import module_matches
 from .source import Checkpoint
 from .writer import TensorSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
+DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
 TARGETS = ("bf16", "channel", "block")
 FP8_MAX_STANDARD = 448.0
 FP8_MAX_GAUDI2 = 240.0
@@ -160,7 +162,9 @@ class _Planner:
         self.unquantized_linears: list[str] = []
         self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
         # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
-        self.quantize_floats = options.to != "bf16" and not any(w.kind in CONVERTIBLE for w in cls.weights.values())
+        self.quantize_floats = options.to != "bf16" and not any(
+            w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
+        )
         self.padding: MlpPadding | None = None
         if options.pad_for_tp:
             self.padding = plan_mlp_padding(ckpt.config, options.pad_for_tp, self.out_block)
@@ -176,7 +180,9 @@ class _Planner:
             except CheckpointError as exc:
                 self.problems.append(exc)
                 shape = entry.shape
-            if fmt is not None and fmt.kind in CONVERTIBLE:
+            if fmt is not None and fmt.kind in PACKED:
+                jobs.append(self._packed_job(fmt, shard_name))
+            elif fmt is not None and fmt.kind in CONVERTIBLE:
                 jobs.append(self._quantized_job(name, fmt, entry.shape, shape))
             elif name in self.plain or fmt is not None:
                 jobs.append(self._plain_job(name, entry.dtype, entry.shape, shape))
@@ -197,7 +203,35 @@ class _Planner:
             return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), fmt, None)
         keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
         action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
-        return Job(name, action, _block_outputs(base, out_shape, self.out_block), fmt, self.out_block)
+        outputs = _block_outputs(base, out_shape, self.out_block, _block_scale_suffix(fmt))
+        return Job(name, action, outputs, fmt, self.out_block)
+
+    def _packed_job(self, fmt: WeightFormat, shard_name: str) -> Job:
+        """A packed 4-bit weight: dequantized in float32, then rounded once or quantized to FP8."""
+        assert fmt.out_name is not None
+        shape = packed_output_shape(fmt)
+        if self.options.to == "bf16":
+            out_dtype = DEQUANTIZE_NAME[self.options.dtype]
+            return Job(fmt.weight, Action.DEQUANTIZE, (TensorSpec(fmt.out_name, out_dtype, shape),), fmt)
+        if fmt.kind is Kind.MXFP4_GPT_OSS:
+            self.problems.append(
+                CheckpointError(
+                    f"gpt-oss MXFP4 experts have no FP8 layout that transformers or vLLM load (--to {self.options.to})",
+                    tensor=fmt.weight,
+                    shard=shard_name,
+                    fix="convert gpt-oss with --to bf16",
+                )
+            )
+        try:
+            padded = self._padded(fmt.out_name, shape, shard_name)
+        except CheckpointError as exc:
+            self.problems.append(exc)
+            padded = shape
+        base = module_of(fmt.out_name)
+        if self.options.to == "channel":
+            return Job(fmt.weight, Action.QUANTIZE, _channel_outputs(base, padded), fmt, None)
+        outputs = _block_outputs(base, padded, self.out_block, _block_scale_suffix(fmt))
+        return Job(fmt.weight, Action.QUANTIZE, outputs, fmt, self.out_block)
 
     def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], out_shape) -> Job:
         is_linear = is_quantizable_linear(name, dtype, len(shape))
@@ -217,12 +251,14 @@ class _Planner:
             return None
         to = self.options.to
         if to == "bf16":
-            return rewrite_for_dequantized(config, self.options.dtype)
+            return _with_expert_dtype(rewrite_for_dequantized(config, self.options.dtype), None)
         ignore = sorted(set(self.unquantized_linears))
+        # DeepSeek-V4: every expert is FP8 now (block FP8 with float32 scales, as V4's Base model ships)
+        expert_dtype = "fp8" if self.cls.settings.expert_dtype is not None else None
         if to == "channel":
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
-            return rewrite_for_channel(config, ignore, flavor)
-        out = rewrite_for_block(config, self.out_block, ignore)
+            return _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
+        out = _with_expert_dtype(rewrite_for_block(config, self.out_block, ignore), expert_dtype)
         if self.padding is not None:
             updated_widths_config(out, self.padding)
         if self.cls.settings.activation_scheme == "static":
@@ -237,12 +273,36 @@ def _channel_outputs(base: str, shape: tuple[int, ...]) -> tuple[TensorSpec, ...
     )
 
 
-def _block_outputs(base: str, shape: tuple[int, ...], block: tuple[int, int]) -> tuple[TensorSpec, ...]:
+def _block_outputs(
+    base: str, shape: tuple[int, ...], block: tuple[int, int], scale_suffix: str = ".weight_scale_inv"
+) -> tuple[TensorSpec, ...]:
     grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
     return (
         TensorSpec(base + ".weight", FP8_E4M3, shape),
-        TensorSpec(base + ".weight_scale_inv", "F32", grid),
+        TensorSpec(base + scale_suffix, "F32", grid),
     )
+
+
+def _block_scale_suffix(fmt: WeightFormat) -> str:
+    """DeepSeek-V4 names block scales `<module>.scale`; its output keeps that name."""
+    return V4_SCALE_SUFFIX if fmt.scale is not None and fmt.scale.endswith(V4_SCALE_SUFFIX) else ".weight_scale_inv"
+
+
+def _with_expert_dtype(config: dict[str, Any], value: str | None) -> dict[str, Any]:
+    """DeepSeek-V4's expert_dtype (top level, text_config, or inside quantization_config) set or dropped."""
+    sections = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    for section in sections:
+        if "expert_dtype" in section or (value is not None and section is config):
+            if value is None:
+                section.pop("expert_dtype", None)
+            else:
+                section["expert_dtype"] = value
+        qc = section.get("quantization_config")
+        if isinstance(qc, dict) and "expert_dtype" in qc:
+            qc["expert_dtype"] = value
+            if value is None:
+                qc.pop("expert_dtype")
+    return config
 
 
 def _fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint) -> list[CheckpointError]:

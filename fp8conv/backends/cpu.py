@@ -175,3 +175,31 @@ class CpuBackend(TorchDeviceBackend):
                 torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max)
                 q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
                 scale_out[m, g0 : g0 + gn] = s
+
+    def decode_4bit(
+        self, codes: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor
+    ) -> None:
+        """Table-driven: a 256-entry table maps each byte to its two float32 values at once (as one int64),
+        so a chunk is one gather over the bytes and one in-place multiply by the group scales."""
+        pairs = _byte_pair_table(values)
+        m_count, n, half = codes.shape
+        step = max(1, CHUNK_ELEMENTS // max(2 * half, 1))
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                rows = min(step, n - r0)
+                index = self._buffer("codes", rows * half, torch.int32)
+                index.copy_(codes[m, r0 : r0 + rows].reshape(-1))
+                dst = out[m, r0 : r0 + rows]
+                if dst.is_contiguous():
+                    torch.index_select(pairs, 0, index, out=dst.view(-1).view(torch.int64))
+                else:
+                    dst.copy_(torch.index_select(pairs, 0, index).view(torch.float32).view(rows, 2 * half))
+                dst.view(rows, -1, group).mul_(scale[m, r0 : r0 + rows, :, None])
+
+
+def _byte_pair_table(values: torch.Tensor) -> torch.Tensor:
+    """[256] int64: entry b holds float32 values[b & 15] in its first 4 bytes and values[b >> 4] in the
+    next 4 (memory order, so a gathered row is the low code's value, then the high code's)."""
+    b = torch.arange(256)
+    pairs = torch.stack((values[b & 0xF], values[b >> 4]), dim=1).to(torch.float32).contiguous()
+    return pairs.view(torch.int64).reshape(256)

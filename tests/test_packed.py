@@ -1,0 +1,263 @@
+"""Packed 4-bit inputs: DeepSeek-V4 (MXFP4 experts + block FP8), gpt-oss MXFP4, compressed-tensors INT4
+and NVFP4, ModelOpt NVFP4 -- classified, converted to bf16 / channel / block FP8, refused when broken.
+
+Checkpoints are packed by the tests' own code (tests/packing.py) and checked against the format
+definitions evaluated in float64, and against compressed-tensors' and transformers' own decoders."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import fp8conv
+from fp8conv.formats import Kind, classify
+from fp8conv.source import open_checkpoint
+
+from .helpers import fp8, load_dir, write_checkpoint
+from .packing import (
+    e2m1_value,
+    e8m0_value,
+    group_scaled,
+    pack_int32,
+    pack_nibbles,
+    random_codes,
+    random_e8m0,
+)
+from .reference import dequant_block_reference, quantize_reference, same_bits
+
+V4_EXPERTS = {  # [out, in]: K = 320 and 96, neither a multiple of 128
+    "w1": (96, 320),
+    "w2": (320, 96),
+    "w3": (96, 320),
+}
+V4_LINEARS = {"attn.wq_a": (200, 320), "attn.wkv": (130, 320), "ffn.shared_experts.w1": (96, 320)}
+
+
+def v4_config(**extra) -> dict:
+    qc = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
+    return {
+        "model_type": "deepseek_v4",
+        "torch_dtype": "bfloat16",
+        "expert_dtype": "fp4",
+        "quantization_config": qc,
+    } | extra
+
+
+def build_v4(path, config=None, layers: int = 2, experts: int = 2, shards: int = 3, scale_low: int = 118):
+    """A tiny DeepSeek-V4-shaped checkpoint; returns (tensors, truth): truth is the float64 value of every
+    quantized weight, from the definitions."""
+    tensors: dict[str, torch.Tensor] = {
+        "embed.weight": torch.randn(64, 320).to(torch.bfloat16),
+        "head.weight": torch.randn(64, 320).to(torch.bfloat16),
+        "norm.weight": torch.ones(320, dtype=torch.bfloat16),
+    }
+    truth: dict[str, torch.Tensor] = {}
+    seed = 0
+    for i in range(layers):
+        p = f"layers.{i}."
+        tensors[p + "attn_norm.weight"] = torch.ones(320, dtype=torch.bfloat16)
+        tensors[p + "hc_attn_fn"] = torch.randn(4, 320)  # float32, copied
+        tensors[p + "attn.attn_sink"] = torch.randn(2)
+        tensors[p + "ffn.gate.weight"] = torch.randn(experts, 320).to(torch.bfloat16)
+        for name, (n, k) in V4_LINEARS.items():
+            seed += 1
+            q = fp8((n, k), seed)
+            scale = random_e8m0((math.ceil(n / 128), math.ceil(k / 128)), seed, 110, 122)
+            tensors[p + name + ".weight"] = q
+            tensors[p + name + ".scale"] = scale.view(torch.float8_e8m0fnu)
+            truth[p + name + ".weight"] = dequant_block_reference(
+                q, e8m0_value(scale).to(torch.float32), (128, 128), torch.float32
+            ).to(torch.float64)
+        for e in range(experts):
+            for w, (n, k) in V4_EXPERTS.items():
+                seed += 1
+                name = f"{p}ffn.experts.{e}.{w}"
+                codes = random_codes((n, k), seed)
+                if (i, e, w) == (0, 0, "w2"):
+                    codes[:128] = 0  # an all-zero block (and rows): requantized exactly
+                scale = random_e8m0((n, k // 32), seed, scale_low, scale_low + 12)
+                tensors[name + ".weight"] = pack_nibbles(codes).view(torch.int8)
+                tensors[name + ".scale"] = scale.view(torch.float8_e8m0fnu)
+                truth[name + ".weight"] = group_scaled(e2m1_value(codes), e8m0_value(scale), 32)
+    write_checkpoint(path, tensors, v4_config() if config is None else config, shards=shards)
+    return tensors, truth
+
+
+def test_v4_tensors_are_classified_by_dtype_companion_and_config(tmp_path):
+    build_v4(tmp_path / "c")
+    ckpt = open_checkpoint(tmp_path / "c")
+    cls = classify(ckpt.index, ckpt.config)
+    assert cls.problems == []
+    assert cls.weights["layers.0.ffn.experts.1.w2.weight"].kind is Kind.MXFP4
+    assert cls.weights["layers.0.ffn.experts.1.w2.weight"].shape == (320, 96)
+    assert cls.weights["layers.1.attn.wq_a.weight"].kind is Kind.BLOCK
+    assert cls.weights["layers.1.attn.wq_a.weight"].scale == "layers.1.attn.wq_a.scale"
+    counts = cls.kind_counts()
+    assert counts["mxfp4"] == 12 and counts["block-fp8"] == 6
+    report = fp8conv.inspect(tmp_path / "c")
+    assert report.formats["mxfp4"] == 12
+    expert_elements = 2 * 2 * (3 * 96 * 320)
+    fp8_elements = 2 * sum(n * k for n, k in V4_LINEARS.values())
+    plain = 2 * 64 * 320 * 2 + 320 * 2 + 2 * (320 * 2 + 4 * 320 * 4 + 2 * 4 + 2 * 320 * 2)
+    assert report.estimated_output_bytes["bf16"] == 2 * (expert_elements + fp8_elements) + plain
+
+
+def test_v4_to_bf16_dequantizes_every_expert_once_in_float32(tmp_path):
+    src, truth = build_v4(tmp_path / "c")
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    for name, value in truth.items():
+        assert same_bits(got[name], value.to(torch.float32).to(torch.bfloat16)), name
+    assert not [n for n in got if n.endswith(".scale")]
+    for name in ("embed.weight", "layers.1.hc_attn_fn", "layers.0.attn.attn_sink", "layers.0.ffn.gate.weight"):
+        assert same_bits(got[name], src[name]), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and "expert_dtype" not in config
+    assert result.tensors_converted == len(truth)
+
+
+@pytest.mark.parametrize("to", ["block", "channel"])
+def test_v4_to_fp8_requantizes_experts_and_counts_exact_blocks(tmp_path, to):
+    _, truth = build_v4(tmp_path / "c", scale_low=100)
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to=to)
+    got = load_dir(tmp_path / "out")
+    suffix = ".scale" if to == "block" else ".weight_scale"  # V4 keeps its own scale name for block FP8
+    exact = total = 0
+    for name, value in truth.items():
+        base = name.removesuffix(".weight")
+        w32 = value.to(torch.float32)
+        if ".ffn.experts." in name:
+            q_ref, s_ref = quantize_reference(w32, (128, 128) if to == "block" else None)
+            assert same_bits(got[name], q_ref) and same_bits(
+                got[base + suffix], s_ref.reshape(got[base + suffix].shape)
+            ), name
+            bn, bk = (128, 128) if to == "block" else (1, w32.shape[1])
+            back = dequant_block_reference(got[name], got[base + suffix].reshape(s_ref.shape), (bn, bk), torch.float32)
+            n, k = w32.shape
+            for r in range(0, n, bn):
+                for c in range(0, k, bk):
+                    total += 1
+                    exact += bool(torch.equal(back[r : r + bn, c : c + bk], w32[r : r + bn, c : c + bk]))
+    assert (result.packed_blocks_exact, result.packed_blocks_total) == (exact, total)
+    # amax / 448 scales put most E2M1 values between FP8 steps: only the all-zero block (rows) is exact
+    assert 0 < exact < total
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["expert_dtype"] == "fp8"
+    if to == "block":
+        assert config["quantization_config"]["weight_block_size"] == [128, 128]
+        assert "scale_fmt" not in config["quantization_config"]  # the new scales are amax / 448
+        # the FP8 linears keep their bytes; their e8m0 scales widen to float32 under the same name
+        assert got["layers.0.attn.wq_a.scale"].dtype == torch.float32
+        assert not [n for n in got if n.endswith("weight_scale_inv")]
+
+
+def test_v4_without_expert_dtype_fp4_is_refused_not_guessed(tmp_path):
+    config = v4_config()
+    del config["expert_dtype"]
+    build_v4(tmp_path / "c", config=config)
+    with pytest.raises(fp8conv.CheckpointError, match="does not declare it") as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert "ffn.experts" in str(err.value) and "expert_dtype 'fp4'" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_v41_expert_dtype_inside_quantization_config_is_read(tmp_path):
+    config = v4_config()
+    config["quantization_config"]["expert_dtype"] = config.pop("expert_dtype")
+    _, truth = build_v4(tmp_path / "c", config=config, layers=1, experts=1)
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    name = "layers.0.ffn.experts.0.w2.weight"
+    assert same_bits(got[name], truth[name].to(torch.float32).to(torch.bfloat16))
+
+
+# --- the one-byte traps from the issue, each a test that catches it ---------------------------------
+
+
+def test_trap_one_byte_tensors_are_not_fp8(tmp_path):
+    """A tool that treats every one-byte tensor as FP8 reads the int8 experts as e4m3 bytes."""
+    src, truth = build_v4(tmp_path / "c", layers=1, experts=1)
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    name = "layers.0.ffn.experts.0.w1.weight"
+    assert got[name].shape == (96, 320)  # two values per byte, not one
+    as_fp8 = src[name].view(torch.float8_e4m3fn).to(torch.float32)
+    assert not torch.equal(got[name][:, :160].float(), as_fp8.to(torch.bfloat16).float())
+    assert same_bits(got[name], truth[name].to(torch.float32).to(torch.bfloat16))
+
+
+def test_trap_e8m0_is_read_by_its_bits(tmp_path):
+    """Byte 120 is 2^-7 (not 120.0, as copying the bytes into float32 gives) and byte 124 is 2^-3 (not 0,
+    as a numeric cast of the e8m0 value into uint8 gives)."""
+    from fp8conv.rewrite.scales import scale_to_float32
+
+    b = torch.tensor([120, 124, 127, 130], dtype=torch.uint8)
+    expected = torch.tensor([2.0**-7, 2.0**-3, 1.0, 8.0])
+    assert torch.equal(scale_to_float32(b.view(torch.float8_e8m0fnu)), expected)
+    assert torch.equal(scale_to_float32(b), expected)  # gpt-oss stores the same exponents as uint8
+    codes = torch.full((4, 64), 2, dtype=torch.uint8)  # every value 1.0
+    scale = torch.tensor([[120, 124]] * 4, dtype=torch.uint8)
+    tensors = {"layers.0.ffn.experts.0.w1.weight": pack_nibbles(codes).view(torch.int8)}
+    tensors["layers.0.ffn.experts.0.w1.scale"] = scale.view(torch.float8_e8m0fnu)
+    write_checkpoint(tmp_path / "c", tensors, v4_config())
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")["layers.0.ffn.experts.0.w1.weight"].float()
+    assert torch.equal(got[:, :32], torch.full((4, 32), 2.0**-7))
+    assert torch.equal(got[:, 32:], torch.full((4, 32), 2.0**-3))
+
+
+def test_nibble_order_is_low_first(tmp_path):
+    """Byte 0x2C holds code 0xC (-2.0) in its low nibble: element 0; code 2 (1.0) in its high: element 1."""
+    row = torch.tensor([[0x2C] * 16], dtype=torch.uint8)
+    tensors = {"layers.0.ffn.experts.0.w1.weight": row.view(torch.int8)}
+    tensors["layers.0.ffn.experts.0.w1.scale"] = torch.full((1, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    write_checkpoint(tmp_path / "c", tensors, v4_config())
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")["layers.0.ffn.experts.0.w1.weight"].float()
+    assert got[0, :4].tolist() == [-2.0, 1.0, -2.0, 1.0]
+    # compressed-tensors' INT4 words: element 8g+j in bits [4j, 4j+4)
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert (pack_int32(torch.arange(8, dtype=torch.uint8)[None]) == word).all()
+
+
+# --- refusals: named, before anything is written ------------------------------------------------------
+
+
+def _v4_expert(tmp_path, codes_shape, scale: torch.Tensor):
+    tensors = {"layers.0.ffn.experts.0.w1.weight": pack_nibbles(random_codes(codes_shape, 1)).view(torch.int8)}
+    tensors["layers.0.ffn.experts.0.w1.scale"] = scale.view(torch.float8_e8m0fnu)
+    write_checkpoint(tmp_path / "c", tensors, v4_config())
+
+
+def test_nan_e8m0_scale_byte_is_refused_by_name(tmp_path):
+    scale = torch.full((4, 2), 127, dtype=torch.uint8)
+    scale[1, 1] = 255
+    _v4_expert(tmp_path, (4, 64), scale)
+    with pytest.raises(fp8conv.CheckpointError, match="NaN") as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert "layers.0.ffn.experts.0.w1.scale" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_scale_grid_disagreeing_with_k_is_refused(tmp_path):
+    _v4_expert(tmp_path, (4, 64), torch.full((4, 3), 127, dtype=torch.uint8))  # K = 64 needs 2 per row
+    with pytest.raises(fp8conv.CheckpointError, match=r"K = 64 in groups of 32 needs \[4, 2\]") as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert "layers.0.ffn.experts.0.w1.weight" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_k_not_a_multiple_of_the_group_is_refused(tmp_path):
+    _v4_expert(tmp_path, (4, 48), torch.full((4, 2), 127, dtype=torch.uint8))  # K = 48
+    with pytest.raises(fp8conv.CheckpointError, match="not a multiple of the group size 32"):
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert not (tmp_path / "out").exists()
