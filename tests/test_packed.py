@@ -24,6 +24,7 @@ from .packing import (
     pack_int32,
     pack_nibbles,
     random_codes,
+    random_e4m3_scales,
     random_e8m0,
 )
 from .reference import dequant_block_reference, quantize_reference, same_bits
@@ -261,3 +262,246 @@ def test_k_not_a_multiple_of_the_group_is_refused(tmp_path):
     with pytest.raises(fp8conv.CheckpointError, match="not a multiple of the group size 32"):
         fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
     assert not (tmp_path / "out").exists()
+
+
+# --- compressed-tensors INT4 and NVFP4, ModelOpt NVFP4: against compressed-tensors' own decoders --------
+
+
+def _ct_config(fmt: str, weights: dict) -> dict:
+    group = {"targets": ["Linear"], "weights": weights, "format": fmt}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
+    return {"model_type": "deepseek_v3", "torch_dtype": "bfloat16", "quantization_config": qc}
+
+
+INT4_WEIGHTS = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}
+NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+
+
+def build_int4(path, shapes: dict[str, tuple[int, int]], seed: int = 0):
+    tensors, truth = {"lm_head.weight": torch.randn(8, 64).to(torch.bfloat16)}, {}
+    for i, (base, (n, k)) in enumerate(shapes.items()):
+        codes = random_codes((n, k), seed + i)
+        scale = (torch.rand(n, k // 32, generator=torch.Generator().manual_seed(i)) + 0.01).to(torch.bfloat16)
+        tensors[base + ".weight_packed"] = pack_int32(codes)
+        tensors[base + ".weight_scale"] = scale
+        tensors[base + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
+        truth[base + ".weight"] = group_scaled(codes.to(torch.float64) - 8, scale.to(torch.float64), 32)
+    write_checkpoint(path, tensors, _ct_config("pack-quantized", INT4_WEIGHTS), shards=2)
+    return tensors, truth
+
+
+def test_int4_pack_quantized_matches_compressed_tensors(tmp_path):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    shapes = {"model.layers.1.mlp.experts.0.gate_proj": (40, 96), "model.layers.1.mlp.experts.0.down_proj": (96, 64)}
+    src, truth = build_int4(tmp_path / "c", shapes)
+    ckpt = open_checkpoint(tmp_path / "c")
+    assert {w.kind for w in classify(ckpt.index, ckpt.config).weights.values()} == {Kind.INT4}
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**INT4_WEIGHTS))
+    for base in shapes:
+        state = {k.removeprefix(base + "."): v for k, v in src.items() if k.startswith(base + ".")}
+        theirs = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+        ours = got[base + ".weight"]
+        assert same_bits(ours, truth[base + ".weight"].to(torch.float32).to(torch.bfloat16)), base
+        assert same_bits(ours, theirs.to(torch.bfloat16)), base
+        assert not [n for n in got if n.startswith(base + ".weight_")]
+    assert json.loads((tmp_path / "out" / "config.json").read_text()).get("quantization_config") is None
+
+
+def test_int4_weight_shape_that_disagrees_is_refused(tmp_path):
+    """compressed-tensors pads K up to whole int32 words; fp8conv refuses what it would have to guess."""
+    src, _ = build_int4(tmp_path / "c", {"model.layers.0.mlp.down_proj": (8, 64)})
+    src["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([8, 61], dtype=torch.int32)
+    write_checkpoint(tmp_path / "c", src, _ct_config("pack-quantized", INT4_WEIGHTS))
+    with pytest.raises(fp8conv.CheckpointError, match=r"unpacked weight is \[8, 61\]") as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert "model.layers.0.mlp.down_proj.weight_shape" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def build_nvfp4(path, shapes, global_scale: float, modelopt: bool = False):
+    tensors, truth = {}, {}
+    global_scale = float(torch.tensor(global_scale, dtype=torch.float32))  # the value stored
+    for i, (base, (n, k)) in enumerate(shapes.items()):
+        codes = random_codes((n, k), 10 + i)
+        scale = random_e4m3_scales((n, k // 16), i)
+        scale[0, 0] = 0.0  # an all-zero group's scale (amax / 6 = 0) is legal
+        exact = group_scaled(e2m1_value(codes), scale.to(torch.float64), 16)
+        if modelopt:
+            tensors[base + ".weight"] = pack_nibbles(codes)
+            tensors[base + ".weight_scale_2"] = torch.tensor(global_scale)
+            tensors[base + ".input_scale"] = torch.tensor(1.0)
+            truth[base + ".weight"] = exact * global_scale
+        else:
+            tensors[base + ".weight_packed"] = pack_nibbles(codes)
+            tensors[base + ".weight_global_scale"] = torch.tensor([global_scale])
+            tensors[base + ".input_global_scale"] = torch.tensor([1.0])
+            truth[base + ".weight"] = exact / global_scale
+        tensors[base + ".weight_scale"] = scale
+    if modelopt:
+        qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+        config = {"model_type": "llama", "torch_dtype": "bfloat16", "quantization_config": qc}
+    else:
+        config = _ct_config("nvfp4-pack-quantized", NVFP4_WEIGHTS)
+    write_checkpoint(path, tensors, config, shards=2)
+    return tensors, truth
+
+
+NVFP4_SHAPES = {"model.layers.0.self_attn.q_proj": (24, 64), "model.layers.0.mlp.down_proj": (64, 48)}
+
+
+@pytest.mark.parametrize("global_scale", [2.0**-9, 1 / 2688.0])
+def test_nvfp4_compressed_tensors(tmp_path, global_scale):
+    """A power-of-two global scale: every path is exact and compressed-tensors agrees bit for bit. Any
+    other: fp8conv rounds (e2m1 * scale) / global once in float32; compressed-tensors rounds
+    scale / global first, so the two may differ by one float32 step before the bf16 rounding."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    src, truth = build_nvfp4(tmp_path / "c", NVFP4_SHAPES, global_scale)
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**NVFP4_WEIGHTS))
+    for base in NVFP4_SHAPES:
+        ours = got[base + ".weight"]
+        assert same_bits(ours, truth[base + ".weight"].to(torch.float32).to(torch.bfloat16)), base
+        state = {k.removeprefix(base + "."): v for k, v in src.items() if k.startswith(base + ".")}
+        theirs = NVFP4PackedCompressor.decompress(state, scheme)["weight"].to(torch.float32)
+        if global_scale == 2.0**-9:
+            assert same_bits(ours, theirs.to(torch.bfloat16)), base
+        else:
+            assert torch.allclose(ours.float(), theirs, rtol=2**-7, atol=0), base
+    assert sorted(got) == ["model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+
+
+def test_nvfp4_modelopt(tmp_path):
+    _, truth = build_nvfp4(tmp_path / "c", NVFP4_SHAPES, 1 / 2688.0, modelopt=True)
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    for name, value in truth.items():
+        # e2m1 * e4m3 is exact, so one float32 rounding by weight_scale_2 is the float64 value rounded once
+        assert same_bits(got[name], value.to(torch.float32).to(torch.bfloat16)), name
+    fp8conv.convert(tmp_path / "c", tmp_path / "ch", to="channel")
+    out = load_dir(tmp_path / "ch")
+    for name, value in truth.items():
+        q_ref, s_ref = quantize_reference(value.to(torch.float32), None)
+        assert same_bits(out[name], q_ref) and same_bits(out[name + "_scale"], s_ref), name
+
+
+def test_int8_weight_with_float_scale_is_not_taken_for_nvfp4(tmp_path):
+    tensors = {"x.weight": torch.zeros(4, 4, dtype=torch.uint8), "x.weight_scale": torch.ones(4, 1)}
+    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    write_checkpoint(tmp_path / "c", tensors, {"quantization_config": qc})
+    with pytest.raises(fp8conv.CheckpointError, match="are int8, not FP8 or packed FP4"):
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+
+
+# --- the CPU backend's table-driven decode is the reference's, bit for bit -------------------------------
+
+
+def test_cpu_table_decode_matches_reference_bit_for_bit():
+    from fp8conv.backends import get_backend
+    from fp8conv.formats import Kind
+    from fp8conv.rewrite.unpack import code_values
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3, 2).reshape(3, 8, 64)  # every byte, three experts
+    scale = torch.rand(3, 8, 4) * 2.0 ** torch.randint(-20, 20, (3, 8, 4)).float()
+    for kind in (Kind.MXFP4, Kind.INT4):
+        outs = []
+        for device in ("reference", "cpu"):
+            out = torch.empty(3, 8, 128)
+            get_backend(device).decode_4bit(codes, code_values(kind), scale, 32, out)
+            outs.append(out)
+        assert same_bits(outs[0], outs[1]), kind
+        values = e2m1_value(codes[0, 0, :16]) if kind is Kind.MXFP4 else None
+        if values is not None:  # low nibble first, against the tests' own definition
+            low = values.to(torch.float32) * scale[0, 0, 0]
+            assert torch.equal(outs[1][0, 0, 0:32:2][:16], low)
+
+
+# --- gpt-oss: transformers' own MXFP4 decoder, and the bf16 output loads as transformers' gpt-oss --------
+
+TOKENS = torch.tensor([[1, 7, 42, 3, 99, 250, 17, 5]])
+
+
+def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).to(torch.bfloat16)
+    reference = {k: v.contiguous() for k, v in model.state_dict().items()}
+    packed = dict(reference)
+    seed = 100
+    for i in range(cfg.num_hidden_layers):
+        for proj, (rows, k) in {"gate_up_proj": (2 * 96, 64), "down_proj": (64, 96)}.items():
+            seed += 1
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            codes = random_codes((4, rows, k), seed)  # [E, out, in], as gpt-oss stores them
+            scales = random_e8m0((4, rows, k // 32), seed, 118, 126)
+            del packed[name]
+            packed[name + "_blocks"] = pack_nibbles(codes).reshape(4, rows, k // 32, 16)
+            packed[name + "_scales"] = scales
+            value = group_scaled(e2m1_value(codes), e8m0_value(scales), 32)
+            reference[name] = value.transpose(1, 2).to(torch.float32).to(torch.bfloat16).contiguous()
+    cfg.save_pretrained(tmp_path / "ref")
+    save_file(reference, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    write_checkpoint(tmp_path / "c", packed, config, shards=2)
+    ckpt = open_checkpoint(tmp_path / "c")
+    assert classify(ckpt.index, ckpt.config).kind_counts()["mxfp4-gpt-oss"] == 4
+
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    for i in range(cfg.num_hidden_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            theirs = convert_moe_packed_tensors(packed[name + "_blocks"], packed[name + "_scales"])
+            assert same_bits(got[name], theirs) and same_bits(got[name], reference[name]), name
+    assert not [n for n in got if n.endswith(("_blocks", "_scales"))]
+
+    def logits(path):
+        loaded, info = transformers.GptOssForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, output_loading_info=True
+        )
+        assert not any(info.values()), info
+        with torch.no_grad():
+            return loaded(TOKENS).logits.float()
+
+    ours, expected = logits(tmp_path / "out"), logits(tmp_path / "ref")
+    assert ours.abs().max() > 0 and same_bits(ours, expected)
+
+    with pytest.raises(fp8conv.CheckpointError, match="gpt-oss MXFP4 experts have no FP8 layout"):
+        fp8conv.convert(tmp_path / "c", tmp_path / "fp8", to="block")
+    assert not (tmp_path / "fp8").exists()
