@@ -127,6 +127,13 @@ def convert(
     run = _Run(ckpt, plan, backend, progress, manifest, band_elements, direct_io)
     with ExitStack() as stack:
         run.execute(out, stack, skip=keep | others)
+    exact, total = run.exactness
+    if total:
+        unit = "rows" if options.to == "channel" else f"{_out_block_text(plan)} blocks"
+        plan.warnings.append(
+            f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
+            "(their amax / 448 scales put 4-bit values between FP8 steps)"
+        )
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
@@ -322,6 +329,11 @@ class _Run:
                 writer.write_tensor(spec.name, tensor)
 
         return write
+
+
+def _out_block_text(plan: ConversionPlan) -> str:
+    block = next((j.out_block for s in plan.shards for j in s.jobs if j.out_block), None)
+    return f"{block[0]}x{block[1]}" if block else ""
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:

@@ -114,7 +114,8 @@ def test_v4_tensors_are_classified_by_dtype_companion_and_config(tmp_path):
 
 def test_v4_to_bf16_dequantizes_every_expert_once_in_float32(tmp_path):
     src, truth = build_v4(tmp_path / "c")
-    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16", verify_after=True)
+    assert result.verified is not None and result.verified.ok, result.verified
     got = load_dir(tmp_path / "out")
     for name, value in truth.items():
         assert same_bits(got[name], value.to(torch.float32).to(torch.bfloat16)), name
@@ -129,7 +130,9 @@ def test_v4_to_bf16_dequantizes_every_expert_once_in_float32(tmp_path):
 @pytest.mark.parametrize("to", ["block", "channel"])
 def test_v4_to_fp8_requantizes_experts_and_counts_exact_blocks(tmp_path, to):
     _, truth = build_v4(tmp_path / "c", scale_low=100)
-    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to=to)
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to=to, verify_after=True)
+    assert result.verified is not None and result.verified.ok, result.verified
+    assert any(f"{result.packed_blocks_exact} of {result.packed_blocks_total}" in w for w in result.warnings)
     got = load_dir(tmp_path / "out")
     suffix = ".scale" if to == "block" else ".weight_scale"  # V4 keeps its own scale name for block FP8
     exact = total = 0
@@ -505,3 +508,36 @@ def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path):
     with pytest.raises(fp8conv.CheckpointError, match="gpt-oss MXFP4 experts have no FP8 layout"):
         fp8conv.convert(tmp_path / "c", tmp_path / "fp8", to="block")
     assert not (tmp_path / "fp8").exists()
+
+
+def test_kimi_style_int4_experts_to_bf16_load_in_transformers_deepseek_v3(make_tiny, tmp_path):
+    """Kimi-K2-Thinking's layout: routed experts pack-quantized INT4, everything else bf16."""
+    pytest.importorskip("transformers")
+    from .test_engines import _logits, _reference_model_dir
+
+    tiny = make_tiny(dialect="bf16")
+    src = load_dir(tiny.path)
+    packed, reference = {}, {}
+    for i, (name, t) in enumerate(sorted(src.items())):
+        if ".mlp.experts." not in name or "layers.2." in name:  # the MTP layer stays bf16 (transformers drops it)
+            packed[name] = reference[name] = t
+            continue
+        base, (n, k) = name.removesuffix(".weight"), t.shape
+        codes = random_codes((n, k), 500 + i)
+        scale = (t.float().abs().reshape(n, k // 32, 32).amax(-1) / 8 + 1e-3).to(torch.bfloat16)
+        packed[base + ".weight_packed"] = pack_int32(codes)
+        packed[base + ".weight_scale"] = scale
+        packed[base + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
+        reference[name] = group_scaled(codes.to(torch.float64) - 8, scale.to(torch.float64), 32).to(torch.bfloat16)
+    config = json.loads((tiny.path / "config.json").read_text())
+    ignore = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.gate$", "re:.*layers\\.0\\.mlp.*"]
+    config["quantization_config"] = _ct_config("pack-quantized", INT4_WEIGHTS)["quantization_config"] | {
+        "ignore": ignore
+    }
+    write_checkpoint(tmp_path / "c", packed, config, shards=3)
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    got = load_dir(tmp_path / "out")
+    assert sorted(got) == sorted(reference)
+    assert all(same_bits(got[n], reference[n]) for n in reference)
+    ours, expected = _logits(tmp_path / "out"), _logits(_reference_model_dir(tmp_path, tmp_path / "c", reference))
+    assert ours.abs().max() > 0 and same_bits(ours, expected)
