@@ -410,24 +410,31 @@ def test_int8_weight_with_float_scale_is_not_taken_for_nvfp4(tmp_path):
 # --- the CPU backend's table-driven decode is the reference's, bit for bit -------------------------------
 
 
-def test_cpu_table_decode_matches_reference_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scales", ["powers of two", "bf16 values", "float32 values"])
+def test_cpu_table_decode_matches_reference_bit_for_bit(dtype, scales):
     from fp8conv.backends import get_backend
-    from fp8conv.formats import Kind
     from fp8conv.rewrite.unpack import code_values
 
     codes = torch.arange(256, dtype=torch.uint8).repeat(3, 2).reshape(3, 8, 64)  # every byte, three experts
-    scale = torch.rand(3, 8, 4) * 2.0 ** torch.randint(-20, 20, (3, 8, 4)).float()
+    gen = torch.Generator().manual_seed(3)
+    scale = {
+        "powers of two": 2.0 ** torch.randint(-130, 120, (3, 8, 4), generator=gen).float(),
+        "bf16 values": torch.rand(3, 8, 4, generator=gen).to(torch.bfloat16).float() * 2.0**-60,
+        "float32 values": torch.rand(3, 8, 4, generator=gen) + 1e-3,
+    }[scales]
     for kind in (Kind.MXFP4, Kind.INT4):
         outs = []
         for device in ("reference", "cpu"):
-            out = torch.empty(3, 8, 128)
+            out = torch.empty(3, 8, 128, dtype=dtype)
             get_backend(device).decode_4bit(codes, code_values(kind), scale, 32, out)
             outs.append(out)
         assert same_bits(outs[0], outs[1]), kind
-        values = e2m1_value(codes[0, 0, :16]) if kind is Kind.MXFP4 else None
-        if values is not None:  # low nibble first, against the tests' own definition
-            low = values.to(torch.float32) * scale[0, 0, 0]
-            assert torch.equal(outs[1][0, 0, 0:32:2][:16], low)
+    # low nibble first, against the tests' own definition: bytes 0..15 hold code b in the low nibble
+    low = (e2m1_value(codes[0, 0, :16]) * scale[0, 0, 0].double()).to(torch.float32).to(dtype)
+    out = torch.empty(3, 8, 128, dtype=dtype)
+    get_backend("cpu").decode_4bit(codes, code_values(Kind.MXFP4), scale, 32, out)
+    assert same_bits(out[0, 0, 0:32:2].contiguous(), low)
 
 
 # --- gpt-oss: transformers' own MXFP4 decoder, and the bf16 output loads as transformers' gpt-oss --------

@@ -179,9 +179,17 @@ class CpuBackend(TorchDeviceBackend):
     def decode_4bit(
         self, codes: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor
     ) -> None:
-        """Table-driven: a 256-entry table maps each byte to its two float32 values at once (as one int64),
-        so a chunk is one gather over the bytes and one in-place multiply by the group scales."""
-        pairs = _byte_pair_table(values)
+        """Table-driven: a 256-entry table maps each byte to its two values at once (one int64 of two
+        float32, or one int32 of two bf16), so a chunk is one gather over the bytes and one in-place
+        multiply by the group scales. Into bf16 directly when the scales are bf16 values: the products
+        (at most 3 + 8 significant bits) are then exact in float32, and torch's bf16 multiply rounds that
+        float32 product once, as the reference does."""
+        to_bf16 = out.dtype == torch.bfloat16 and bool((scale.to(torch.bfloat16).to(torch.float32) == scale).all())
+        if out.dtype != torch.float32 and not to_bf16:
+            super().decode_4bit(codes, values, scale, group, out)
+            return
+        pairs = _byte_pair_table(values, out.dtype)
+        scale = scale.to(out.dtype)
         m_count, n, half = codes.shape
         step = max(1, CHUNK_ELEMENTS // max(2 * half, 1))
         for m in range(m_count):
@@ -191,15 +199,16 @@ class CpuBackend(TorchDeviceBackend):
                 index.copy_(codes[m, r0 : r0 + rows].reshape(-1))
                 dst = out[m, r0 : r0 + rows]
                 if dst.is_contiguous():
-                    torch.index_select(pairs, 0, index, out=dst.view(-1).view(torch.int64))
+                    torch.index_select(pairs, 0, index, out=dst.view(-1).view(pairs.dtype))
                 else:
-                    dst.copy_(torch.index_select(pairs, 0, index).view(torch.float32).view(rows, 2 * half))
+                    dst.copy_(torch.index_select(pairs, 0, index).view(out.dtype).view(rows, 2 * half))
                 dst.view(rows, -1, group).mul_(scale[m, r0 : r0 + rows, :, None])
 
 
-def _byte_pair_table(values: torch.Tensor) -> torch.Tensor:
-    """[256] int64: entry b holds float32 values[b & 15] in its first 4 bytes and values[b >> 4] in the
-    next 4 (memory order, so a gathered row is the low code's value, then the high code's)."""
+def _byte_pair_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[256] entries of two `dtype` values: byte b holds values[b & 15] first and values[b >> 4] second in
+    memory, so a gathered row is the low code's value, then the high code's. The values (E2M1, INT4) are
+    exact in bf16."""
     b = torch.arange(256)
-    pairs = torch.stack((values[b & 0xF], values[b >> 4]), dim=1).to(torch.float32).contiguous()
-    return pairs.view(torch.int64).reshape(256)
+    pairs = torch.stack((values[b & 0xF], values[b >> 4]), dim=1).to(dtype).contiguous()
+    return pairs.view(torch.int64 if dtype == torch.float32 else torch.int32).reshape(256)

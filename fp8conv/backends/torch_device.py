@@ -94,4 +94,4 @@ class TorchDeviceBackend:
                 w = torch.stack((values[c & 0xF], values[c >> 4]), dim=-1).reshape(r1 - r0, 2 * half)
                 s = scale[m, r0:r1].to(self.device, torch.float32)
                 w.view(r1 - r0, -1, group).mul_(s[:, :, None])
-                out[m, r0:r1].copy_(w)
+                out[m, r0:r1].copy_(w)  # one rounding to out's dtype

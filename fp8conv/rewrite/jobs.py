@@ -25,9 +25,9 @@ def run_job(
     if job.action is Action.COPY:
         return [pad_to(read(job.source), job.spec.shape)]
     if job.fmt is not None and job.fmt.kind in PACKED:
-        w32 = unpack_to_float32(read, job.fmt, backend)
         if job.action is Action.DEQUANTIZE:
-            return [to_output_layout(w32, job.fmt).to(torch_dtype(job.spec.dtype))]
+            return [to_output_layout(unpack_to_float32(read, job.fmt, backend, torch_dtype(job.spec.dtype)), job.fmt)]
+        w32 = unpack_to_float32(read, job.fmt, backend)
         q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
         if exactness is not None:
             block = job.out_block or (1, job.spec.shape[-1])

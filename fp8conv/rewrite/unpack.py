@@ -25,8 +25,11 @@ def code_values(kind: Kind) -> torch.Tensor:
     return torch.tensor(INT4_VALUES if kind is Kind.INT4 else E2M1_VALUES, dtype=torch.float32)
 
 
-def unpack_to_float32(read: Callable[[str], torch.Tensor], fmt: WeightFormat, backend: Backend) -> torch.Tensor:
-    """The weight's float32 values, shaped fmt.shape ([..., N, K], before gpt-oss's transpose)."""
+def unpack_to_float32(
+    read: Callable[[str], torch.Tensor], fmt: WeightFormat, backend: Backend, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The weight's float32 values rounded once to `dtype`, shaped fmt.shape ([..., N, K], before gpt-oss's
+    transpose). Without a global scale the backend writes `dtype` directly; with one, float32 first."""
     assert fmt.shape is not None and fmt.scale is not None and fmt.group is not None
     shape = fmt.shape
     n, k = shape[-2], shape[-1]
@@ -34,7 +37,8 @@ def unpack_to_float32(read: Callable[[str], torch.Tensor], fmt: WeightFormat, ba
     # int8 / uint8 / int32 containers: the bytes, viewed (little-endian: an int32's nibbles in order)
     codes = read(fmt.weight).contiguous().view(torch.uint8).reshape(m, n, k // 2)
     scale = scale_to_float32(read(fmt.scale)).reshape(m, n, k // fmt.group)
-    out = torch.empty((m, n, k), dtype=torch.float32)
+    direct = fmt.global_scale is None
+    out = torch.empty((m, n, k), dtype=dtype if direct else torch.float32)
     if out.numel():
         backend.decode_4bit(codes, code_values(fmt.kind), scale, fmt.group, out)
     if fmt.global_scale is not None:
@@ -43,7 +47,7 @@ def unpack_to_float32(read: Callable[[str], torch.Tensor], fmt: WeightFormat, ba
             out.div_(g)
         else:
             out.mul_(g)
-    return out.view(shape)
+    return out.view(shape) if out.dtype == dtype else out.view(shape).to(dtype)
 
 
 def to_output_layout(w: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
