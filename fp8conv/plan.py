@@ -167,6 +167,13 @@ class _Planner:
         )
         self.padding: MlpPadding | None = None
         if options.pad_for_tp:
+            if cls.settings.expert_dtype is not None or any(w.kind in PACKED for w in cls.weights.values()):
+                # its MLP names (ffn.experts.E.w1, *_blocks, weight_packed) are not the ones padding knows:
+                # config.json would claim padded widths the tensors do not have
+                raise OptionsError(
+                    "--pad-for-tp does not know the MLP layout of DeepSeek-V4 or packed 4-bit checkpoints",
+                    fix="convert without --pad-for-tp",
+                )
             self.padding = plan_mlp_padding(ckpt.config, options.pad_for_tp, self.out_block)
         self.plain = set(cls.plain)
 

@@ -411,14 +411,20 @@ def test_int8_weight_with_float_scale_is_not_taken_for_nvfp4(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scales", ["powers of two", "bf16 values", "float32 values"])
+@pytest.mark.parametrize("scales", ["e8m0 bytes", "e8m0 values", "powers of two", "bf16 values", "float32 values"])
 def test_cpu_table_decode_matches_reference_bit_for_bit(dtype, scales):
     from fp8conv.backends import get_backend
     from fp8conv.rewrite.unpack import code_values
 
     codes = torch.arange(256, dtype=torch.uint8).repeat(3, 2).reshape(3, 8, 64)  # every byte, three experts
     gen = torch.Generator().manual_seed(3)
+    from fp8conv.rewrite.scales import scale_to_float32
+
+    every_byte = torch.arange(255, dtype=torch.uint8)[torch.randperm(255, generator=gen)][:96].reshape(3, 8, 4)
+    every_byte[0, 0, :2] = torch.tensor([0, 254])  # 2^-127 (a float32 subnormal) and 2^127 (6 x 2^127 is inf)
     scale = {
+        "e8m0 bytes": every_byte,  # MXFP4 as unpack hands it over: the CPU's (scale, byte) table
+        "e8m0 values": scale_to_float32(every_byte.view(torch.float8_e8m0fnu)),
         "powers of two": 2.0 ** torch.randint(-130, 120, (3, 8, 4), generator=gen).float(),
         "bf16 values": torch.rand(3, 8, 4, generator=gen).to(torch.bfloat16).float() * 2.0**-60,
         "float32 values": torch.rand(3, 8, 4, generator=gen) + 1e-3,
@@ -431,7 +437,8 @@ def test_cpu_table_decode_matches_reference_bit_for_bit(dtype, scales):
             outs.append(out)
         assert same_bits(outs[0], outs[1]), kind
     # low nibble first, against the tests' own definition: bytes 0..15 hold code b in the low nibble
-    low = (e2m1_value(codes[0, 0, :16]) * scale[0, 0, 0].double()).to(torch.float32).to(dtype)
+    first = float(e8m0_value(scale[0, 0, 0])) if scale.dtype == torch.uint8 else float(scale[0, 0, 0])
+    low = (e2m1_value(codes[0, 0, :16]) * first).to(torch.float32).to(dtype)
     out = torch.empty(3, 8, 128, dtype=dtype)
     get_backend("cpu").decode_4bit(codes, code_values(Kind.MXFP4), scale, 32, out)
     assert same_bits(out[0, 0, 0:32:2].contiguous(), low)
@@ -548,3 +555,25 @@ def test_kimi_style_int4_experts_to_bf16_load_in_transformers_deepseek_v3(make_t
     assert all(same_bits(got[n], reference[n]) for n in reference)
     ours, expected = _logits(tmp_path / "out"), _logits(_reference_model_dir(tmp_path, tmp_path / "c", reference))
     assert ours.abs().max() > 0 and same_bits(ours, expected)
+
+
+def test_cli_inspect_and_convert_name_the_packed_formats(tmp_path):
+    from click.testing import CliRunner
+
+    from fp8conv.cli import main
+
+    build_v4(tmp_path / "c", layers=1, experts=1)
+    runner = CliRunner()
+    result = runner.invoke(main, ["inspect", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert "format:        mixed(block-fp8+mxfp4)" in result.stdout
+    assert "block-fp8 3, mxfp4 3, unquantized" in result.stdout
+    assert "--to bf16 ~" in result.stdout and "problems:      none" in result.stdout
+    result = runner.invoke(main, ["convert", str(tmp_path / "c"), "--to", "block", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "128x128 blocks exact" in result.stderr and "lost bits" in result.stderr
+    result = runner.invoke(
+        main, ["convert", str(tmp_path / "c"), "--to", "block", "--pad-for-tp", "8", "-o", str(tmp_path / "tp")]
+    )
+    assert result.exit_code == 1 and "--pad-for-tp does not know" in result.stderr
+    assert not (tmp_path / "tp").exists()

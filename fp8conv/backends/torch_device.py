@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..rewrite.scales import scale_to_float32
+
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
 
 
@@ -92,6 +94,6 @@ class TorchDeviceBackend:
                 r1 = min(n, r0 + step)
                 c = codes[m, r0:r1].to(self.device).to(torch.int64)
                 w = torch.stack((values[c & 0xF], values[c >> 4]), dim=-1).reshape(r1 - r0, 2 * half)
-                s = scale[m, r0:r1].to(self.device, torch.float32)
+                s = scale_to_float32(scale[m, r0:r1]).to(self.device)
                 w.view(r1 - r0, -1, group).mul_(s[:, :, None])
                 out[m, r0:r1].copy_(w)  # one rounding to out's dtype

@@ -13,7 +13,7 @@ from ..plan import Action, Job
 from .dequant import dequantize, scale_grid
 from .pad import pad_to
 from .quant import quantize, requantize
-from .unpack import block_exactness, to_output_layout, unpack_to_float32
+from .unpack import block_exactness, dequantized_output, unpack_to_float32
 
 Reader = Callable[[str], torch.Tensor]
 
@@ -26,14 +26,14 @@ def run_job(
         return [pad_to(read(job.source), job.spec.shape)]
     if job.fmt is not None and job.fmt.kind in PACKED:
         if job.action is Action.DEQUANTIZE:
-            return [to_output_layout(unpack_to_float32(read, job.fmt, backend, torch_dtype(job.spec.dtype)), job.fmt)]
+            return [dequantized_output(read, job.fmt, backend, torch_dtype(job.spec.dtype))]
         w32 = unpack_to_float32(read, job.fmt, backend)
         q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
         if exactness is not None:
             block = job.out_block or (1, job.spec.shape[-1])
             n, k = w32.shape[-2:]  # --pad-for-tp added zeros (exact) after the blocks that hold values
             grid = (-(-n // block[0]), -(-k // block[1]))
-            exact, total = block_exactness(w32, q[..., :n, :k], scale[..., : grid[0], : grid[1]], block)
+            exact, total = block_exactness(w32, q[..., :n, :k], scale[..., : grid[0], : grid[1]], block, backend)
             exactness[0] += exact
             exactness[1] += total
         return [q, scale]

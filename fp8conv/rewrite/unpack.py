@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -36,7 +37,11 @@ def unpack_to_float32(
     m = math.prod(shape[:-2])
     # int8 / uint8 / int32 containers: the bytes, viewed (little-endian: an int32's nibbles in order)
     codes = read(fmt.weight).contiguous().view(torch.uint8).reshape(m, n, k // 2)
-    scale = scale_to_float32(read(fmt.scale)).reshape(m, n, k // fmt.group)
+    stored = read(fmt.scale)
+    if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):  # E8M0: its bytes, viewed (never a numeric cast)
+        scale = stored.contiguous().view(torch.uint8).reshape(m, n, k // fmt.group)
+    else:
+        scale = scale_to_float32(stored).reshape(m, n, k // fmt.group)
     direct = fmt.global_scale is None
     out = torch.empty((m, n, k), dtype=dtype if direct else torch.float32)
     if out.numel():
@@ -50,23 +55,42 @@ def unpack_to_float32(
     return out.view(shape) if out.dtype == dtype else out.view(shape).to(dtype)
 
 
-def to_output_layout(w: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """gpt-oss's bf16 experts are [E, K, N] (transformers' GptOssExperts): transpose the last two dims."""
-    if fmt.kind is Kind.MXFP4_GPT_OSS:
-        return w.transpose(-1, -2).contiguous()
-    return w
+def dequantized_output(
+    read: Callable[[str], torch.Tensor], fmt: WeightFormat, backend: Backend, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight as written by --to bf16 (or float16 / float32): one expert of a fused [E, N, K] tensor at
+    a time, so only one expert is ever held twice; gpt-oss's experts transposed to [E, K, N] as
+    transformers' GptOssExperts holds them."""
+    assert fmt.shape is not None
+    shape = fmt.shape
+    if len(shape) == 2:
+        return unpack_to_float32(read, fmt, backend, dtype)
+    weight, scale = read(fmt.weight), read(fmt.scale)  # read once, sliced per expert below
+    experts = weight.reshape(-1, *weight.shape[len(shape) - 2 :])
+    scales = scale.reshape(-1, *scale.shape[len(shape) - 2 :])
+    transpose = fmt.kind is Kind.MXFP4_GPT_OSS
+    out = torch.empty((*shape[:-2], shape[-1], shape[-2]) if transpose else shape, dtype=dtype)
+    flat = out.view(-1, *out.shape[-2:])
+    one = replace(fmt, shape=shape[-2:])
+    for e in range(experts.shape[0]):
+        tensors = {fmt.weight: experts[e], fmt.scale: scales[e]}
+        w = unpack_to_float32(lambda name, t=tensors: t[name] if name in t else read(name), one, backend, dtype)
+        flat[e].copy_(w.T if transpose else w)
+    return out
 
 
-def block_exactness(w32: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[int, int]:
+def block_exactness(
+    w32: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], backend: Backend
+) -> tuple[int, int]:
     """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value."""
     n, k = w32.shape[-2], w32.shape[-1]
     bn, bk = block
     gn, gk = math.ceil(n / bn), math.ceil(k / bk)
-    w3, q3 = w32.reshape(-1, n, k), q.reshape(-1, n, k)
-    s3 = scale.reshape(-1, gn, gk)
-    lossy = torch.zeros(w3.shape[0], gn * bn, gk * bk, dtype=torch.bool)
-    expanded = s3.repeat_interleave(bn, dim=1)[:, :n].repeat_interleave(bk, dim=2)[:, :, :k]
-    lossy[:, :n, :k] = (q3.to(torch.float32) * expanded) != w3
-    per_block = lossy.view(-1, gn, bn, gk, bk).any(dim=4).any(dim=2)
+    back = torch.empty((math.prod(w32.shape[:-2]), n, k), dtype=torch.float32)
+    backend.dequantize_blocks(q.reshape(back.shape), scale.reshape(-1, gn, gk), block, back)
+    differs = back.ne_(w32.reshape(back.shape))  # in place: 1.0 where a value did not come back
+    if n % bn or k % bk:  # zero-pad to whole blocks: padding never differs
+        differs = torch.nn.functional.pad(differs, (0, gk * bk - k, 0, gn * bn - n))
+    per_block = differs.view(-1, gn, bn, gk, bk).amax(dim=(2, 4))
     total = per_block.numel()
-    return total - int(per_block.sum()), total
+    return total - int(per_block.count_nonzero()), total
