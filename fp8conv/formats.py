@@ -178,7 +178,8 @@ def classify(
                 )
             )
         elif fmt.kind in CONVERTIBLE | PACKED and module_matches(module_of(fmt.weight), settings.not_converted):
-            warnings.append(f"{fmt.weight} is FP8 although {where} lists its module as not converted")
+            what = "FP8" if fmt.kind in CONVERTIBLE else str(fmt.kind)
+            warnings.append(f"{fmt.weight} is {what} although {where} lists its module as not converted")
     if settings.method is not None and not weights:
         warnings.append(f"{where} declares quant_method {settings.method!r} but no tensor is FP8")
     return Classification(
