@@ -20,6 +20,7 @@ from .safetensors_file import TensorEntry
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
+BARE_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a fused 3-D expert parameter without `.weight`
 PACKED_SUFFIXES = (".weight_packed", "_blocks")  # compressed-tensors packed FP4/INT4, gpt-oss MXFP4
 V4_SCALE_SUFFIX = ".scale"  # DeepSeek-V4 names a weight's scale `<module>.scale`
 
@@ -246,6 +247,11 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
         return None
     # float8_e4m3fn from here on
     if base is None:
+        # transformers 5 saves fused MoE experts as bare parameters: `experts.gate_up_proj` [E, 2I, H]
+        # with `experts.gate_up_proj_scale_inv` [E, gn, gk] (its FineGrainedFP8 layout)
+        bare = [name + s for s in BARE_SCALE_SUFFIXES if name + s in names]
+        if len(bare) == 1 and len(entry.shape) == 3:
+            return _classify_scaled(ctx, entry, ctx.index.entry(bare[0]), ())
         return WeightFormat(
             name,
             Kind.UNSUPPORTED,

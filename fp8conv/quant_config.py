@@ -10,6 +10,13 @@ from .config import find_quantization_config
 from .errors import CheckpointError
 
 FLOAT_QUANTIZED_FORMATS = ("float-quantized", "naive-quantized")
+# How configs spell the one FP8 type fp8conv reads: DeepSeek "e4m3", MiniMax-M2 torch's "float8_e4m3fn",
+# safetensors' "F8_E4M3", Mistral's "fp8_e4m3". Compared lowercased.
+E4M3_SPELLINGS = frozenset({"e4m3", "e4m3fn", "float8_e4m3fn", "float8_e4m3", "f8_e4m3", "fp8_e4m3", "fp8_e4m3fn"})
+# Methods that are plain FP8 under another name: Meta's Llama-3.1 FP8 release (channel weight_scale [N, 1]).
+FP8_ALIASES = ("fbgemm_fp8",)
+# Packed 4-bit methods named in the refusal, so the user knows it is not an FP8 dialect fp8conv misses.
+FOUR_BIT_METHODS = {"mxfp4": "MXFP4 (gpt-oss)", "nvfp4": "NVFP4", "modelopt_fp4": "NVFP4 (ModelOpt)"}
 # Packed 4-bit formats a config can declare -> elements per scale along K (see formats.Kind)
 MXFP4_GROUP = 32
 NVFP4_GROUP = 16
@@ -50,7 +57,7 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
         return QuantSettings(method=None, where=where)
     method = qconfig.get("quant_method")
     settings = QuantSettings(method=str(method) if method is not None else None, where=where)
-    if method == "fp8":
+    if method == "fp8" or method in FP8_ALIASES:
         _read_fp8(qconfig, settings)
         _read_expert_dtype(config or {}, qconfig, settings)
     elif method == "compressed-tensors":
@@ -59,6 +66,15 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
         _read_gpt_oss_mxfp4(qconfig, settings)
     elif method == "modelopt":
         _read_modelopt(qconfig, settings)
+    elif isinstance(method, str) and method.lower() in FOUR_BIT_METHODS:
+        settings.problems.append(
+            CheckpointError(
+                f"quantization_config.quant_method {method!r} is {FOUR_BIT_METHODS[method.lower()]} packed 4-bit "
+                "weights, not FP8",
+                shard=where,
+                fix="fp8conv converts FP8 checkpoints only; packed 4-bit input is not supported",
+            )
+        )
     else:
         settings.problems.append(
             CheckpointError(
@@ -76,15 +92,29 @@ def _read_fp8(q: dict[str, Any], s: QuantSettings) -> None:
             s.block = parse_block_size(q["weight_block_size"], s.where)
         except CheckpointError as exc:
             s.problems.append(exc)
-    if q.get("fmt", "e4m3") != "e4m3":
+    fmt_problem = _fmt_problem(q.get("fmt", "e4m3"))
+    if fmt_problem:
         s.problems.append(
-            CheckpointError(f"fmt {q.get('fmt')!r} is not e4m3", shard=s.where, fix="fp8conv reads e4m3 FP8 only")
+            CheckpointError(fmt_problem, shard=s.where, fix="fp8conv reads e4m3 (float8_e4m3fn) FP8 only")
         )
-    s.activation_scheme = q.get("activation_scheme")
+    # fbgemm_fp8 quantizes activations per token at run time (bounded by activation_scale_ub): dynamic
+    s.activation_scheme = q.get("activation_scheme", "dynamic" if s.method in FP8_ALIASES else None)
     s.scale_fmt = q.get("scale_fmt")
     for key in ("modules_to_not_convert", "ignored_layers"):
         if isinstance(q.get(key), list):
             s.not_converted += [str(m) for m in q[key]]
+
+
+def _fmt_problem(fmt: Any) -> str | None:
+    """None when `fmt` names e4m3fn; otherwise what it names instead (e5m2 and fnuz are other types)."""
+    spelled = str(fmt).lower()
+    if spelled in E4M3_SPELLINGS:
+        return None
+    if "e5m2" in spelled:
+        return f"fmt {fmt!r} is e5m2 FP8, not e4m3"
+    if "fnuz" in spelled:
+        return f"fmt {fmt!r} is AMD's e4m3fnuz (exponent bias 8), not e4m3fn"
+    return f"fmt {fmt!r} is not a known spelling of e4m3 FP8"
 
 
 def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:

@@ -23,7 +23,7 @@ def run_job(
 ) -> list[torch.Tensor]:
     """exactness: [exact, total] output blocks, added to for packed 4-bit weights quantized to FP8."""
     if job.action is Action.COPY:
-        return [pad_to(read(job.source), job.spec.shape)]
+        return [pad_to(read(job.source), job.spec.shape, parts=job.pad_parts)]
     if job.fmt is not None and job.fmt.kind in PACKED:
         if job.action is Action.DEQUANTIZE:
             return [dequantized_output(read, job.fmt, backend, torch_dtype(job.spec.dtype))]
@@ -46,7 +46,11 @@ def run_job(
         weight = read(job.source)
         grid = scale_grid(read(job.fmt.scale), job.fmt, tuple(weight.shape))
         grid = grid.reshape(*weight.shape[:-2], *grid.shape[-2:])
-        return [pad_to(weight, job.outputs[0].shape), pad_to(grid.contiguous(), job.outputs[1].shape, 1.0)]
+        parts = job.pad_parts  # the plan keeps blocks of a fused [gate; up] only when each half is whole blocks
+        return [
+            pad_to(weight, job.outputs[0].shape, 0.0, parts),
+            pad_to(grid.contiguous(), job.outputs[1].shape, 1.0, parts),
+        ]
     # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
     if job.fmt is not None:
         assert job.fmt.scale is not None
@@ -56,5 +60,5 @@ def run_job(
         w32 = dequantize(weight, read(job.fmt.scale), job.fmt, torch.float32, backend)
     else:
         w32 = read(job.source).to(torch.float32)
-    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
+    q, scale = quantize(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_block, fp8_max, backend)
     return [q, scale]
