@@ -78,6 +78,10 @@ class ConvertResult:
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
     verified: VerifyResult | None = None  # with verify_after
+    # packed 4-bit weights quantized to FP8: output blocks (rows for --to channel) that give back every
+    # 4-bit value exactly, of all such blocks; the rest lost bits
+    packed_blocks_exact: int = 0
+    packed_blocks_total: int = 0
     # --part I/N: shards, tensors and bytes are this part's; bytes_written leaves out shards_kept
     part: tuple[int, int] | None = None
     shards_kept: list[str] = field(default_factory=list)  # finished by an earlier run, checked, not redone
@@ -139,7 +143,7 @@ def convert(
     if cls.problems:
         raise PlanRefused(cls.problems)
     plan = plan_conversion(ckpt, cls, options)
-    # --stream: each shard's scales are checked as it arrives (the data is not here yet)
+    # --stream: an output shard's scales are checked once its inputs are there (the data is not here yet)
     scale_problems, scale_warnings = check_scales(ckpt, cls, allow_nonfinite) if feed_source is None else ([], [])
     if plan.problems or scale_problems:
         raise PlanRefused(plan.problems + scale_problems)
@@ -194,6 +198,13 @@ def convert(
         if run.feed is not None:
             run.feed.finish()
             streamed = {"fetched": run.feed.fetched, "evicted": run.feed.evicted, "waited_s": run.feed.waited_s}
+    exact, total = run.exactness
+    if total:
+        unit = "rows" if options.to == "channel" else f"{_out_block_text(plan)} blocks"
+        plan.warnings.append(
+            f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
+            "(their amax / 448 scales put 4-bit values between FP8 steps)"
+        )
     finalized = True
     config = plan.config
     index = plan.index_document() if plan.write_index else None
@@ -246,6 +257,8 @@ def convert(
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
+        packed_blocks_exact=run.exactness[0],
+        packed_blocks_total=run.exactness[1],
         part=part,
         shards_kept=sorted(keep),
         finalized=finalized,
@@ -269,6 +282,7 @@ class _Run:
         self.band_elements = band_elements
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
+        self.exactness = [0, 0]  # packed 4-bit weights quantized to FP8: exact blocks, all blocks
         self.direct_io = direct_io
         self.readers: dict[str, ShardReader] = {}
         self.readers_lock = threading.Lock()
@@ -363,6 +377,7 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
+        names += [job.fmt.global_scale] if job.fmt is not None and job.fmt.global_scale else []
         if self._streamed(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
@@ -408,7 +423,7 @@ class _Run:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1
             return lambda: None
-        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max)
+        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max, self.exactness)
         if len(tensors) > 1 and self.all_scales_pow2:
             self.all_scales_pow2 = all_powers_of_two(tensors[1])
         self.converted += job.action is not Action.COPY
@@ -430,14 +445,18 @@ def _stream_feed(
     allow_nonfinite: bool,
     check: OutputCheck | None,
 ) -> StreamFeed:
-    """The hooks --stream adds to a run: a shard's arrival (its own header, its scales checked), the
-    per-shard verify after a commit, and closing a shard's reader before it is evicted."""
+    """The hooks --stream adds to a run: a shard's arrival (its own header checked and adopted), an
+    output shard's scales checked once its inputs are there (before it is converted), the per-shard
+    verify after a commit, and closing a shard's reader before it is evicted."""
     by_name = {s.name: s for s in run.plan.shards}
     cls = classify(run.ckpt.index, run.ckpt.config, run.plan.options.block_size)
 
     def arrived(name: str, path: Path) -> None:
         adopt_local_header(run.ckpt.index, name, path)
-        problems, warnings = check_scales(run.ckpt, cls, allow_nonfinite, only_shard=name)
+
+    def ready(output: str) -> None:
+        weights = {job.source for job in by_name[output].jobs}
+        problems, warnings = check_scales(run.ckpt, cls, allow_nonfinite, only_weights=weights)
         if problems:
             raise PlanRefused(problems)
         run.plan.warnings.extend(warnings)
@@ -454,7 +473,13 @@ def _stream_feed(
         arrived=arrived,
         before_evict=run.close_reader,
         after_commit=after_commit,
+        ready=ready,
     )
+
+
+def _out_block_text(plan: ConversionPlan) -> str:
+    block = next((j.out_block for s in plan.shards for j in s.jobs if j.out_block), None)
+    return f"{block[0]}x{block[1]}" if block else ""
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:

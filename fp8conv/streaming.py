@@ -3,8 +3,8 @@ converted once the input shards it reads (its own, and those holding its compani
 and with --evict-input each input shard removed once every output that reads it is committed.
 
 The plan is made from headers before any shard is fetched (remote headers for a Hub repo), so every
-refusal the headers allow still comes first. Scales are data: each shard's are checked as it arrives,
-before any output that needs them is written; a bad one stops the run with no index or config.json
+refusal the headers allow still comes first. Scales are data: an output shard's are checked once the
+input shards holding them are there, before it is written; a bad one stops the run with no index or config.json
 written, so the output never looks complete.
 
 The schedule is a pure function of the plan: the order shards are fetched in, when each may be
@@ -178,8 +178,9 @@ def make_schedule(index: CheckpointIndex, plan: ConversionPlan, skip: set[str]) 
         read = set()
         for job in shard.jobs:
             read.add(index.shard_of(job.source).name)
-            if job.fmt is not None and job.fmt.scale:
-                read.add(index.shard_of(job.fmt.scale).name)
+            for companion in job.fmt.consumed if job.fmt is not None else ():  # scales, global scales...
+                if companion in index.locations:
+                    read.add(index.shard_of(companion).name)
         needs[shard.name] = sorted(read, key=position.__getitem__)
     fetches: list[tuple[str, int]] = []
     last_use: dict[str, int] = {}
@@ -266,9 +267,11 @@ class StreamFeed:
         arrived: Callable[[str, Path], None],
         before_evict: Callable[[str], None],
         after_commit: Callable[[str], None] | None = None,
+        ready: Callable[[str], None] | None = None,
     ) -> None:
         self.source, self.schedule, self.ahead, self.evict = source, schedule, ahead, evict
         self.arrived, self.before_evict, self.after_commit = arrived, before_evict, after_commit
+        self.ready = ready  # called with an output shard once its inputs are present, before it is converted
         self.cond = threading.Condition()
         self.present: set[str] = set()
         self.released = 0  # outputs of schedule.order committed (and released) so far, in order
@@ -326,6 +329,8 @@ class StreamFeed:
             self.waited_s += time.monotonic() - started
             if self.error is not None:
                 raise self.error
+        if self.ready is not None:
+            self.ready(output)
 
     def committed(self, output: str) -> None:
         """The output shard is fsynced, renamed and in the manifest (called on the writer thread)."""

@@ -21,13 +21,14 @@ import torch
 from .backends.torch_device import TorchDeviceBackend
 from .config import CONFIG_NAME, MISTRAL_PARAMS_NAME
 from .families import width_disagreements
-from .formats import classify
+from .formats import PACKED, classify
 from .index import INDEX_NAME, CheckpointIndex
 from .manifest import MANIFEST, Manifest, load_manifest
 from .plan import Action, ConversionPlan, ConvertOptions, Job, ShardPlan, plan_conversion
 from .rewrite.dequant import dequantize
 from .rewrite.jobs import run_job
 from .rewrite.pad import pad_to
+from .rewrite.unpack import unpack_to_float32
 from .safetensors_file import read_header, read_tensor
 from .source import open_checkpoint
 
@@ -212,7 +213,9 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
     if not all(_same_bits(g, e) for g, e in zip(got, expected, strict=True)):
         problems.append(f"{name}: differs from the reference backend's output")
     # independent of any backend: the FP8 rounding bound against the dequantized input
-    if job.fmt is not None:
+    if job.fmt is not None and job.fmt.kind in PACKED:
+        truth = unpack_to_float32(read_in, job.fmt, reference)
+    elif job.fmt is not None:
         truth = dequantize(read_in(job.source), read_in(job.fmt.scale), job.fmt, torch.float32, reference)
     else:
         truth = read_in(job.source).to(torch.float32)
