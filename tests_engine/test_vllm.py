@@ -177,21 +177,34 @@ LOAD_ONLY = [
 ]
 
 
+UNPADDED = "deepseek_v3-block-unpadded"
+
+
+@pytest.fixture(scope="module")
+def loaded(converted, tmp_path_factory):
+    """One worker process for every load-only check (vLLM imported once; each model's ranks forked)."""
+    out = tmp_path_factory.mktemp("loaded")
+    models = [f"{k}-{t}={getattr(converted[k], t)}" for k, t in LOAD_ONLY]
+    models.append(f"{UNPADDED}={converted['deepseek_v3'].block}")
+    run_worker(f"LOAD-ONLY at TP 1 and 2, {len(models)} checkpoints", "load", str(out), *models, "--tp", "1,2")
+    return out
+
+
 @pytest.mark.parametrize(("kind", "target"), LOAD_ONLY, ids=[f"{k}-{t}" for k, t in LOAD_ONLY])
-def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, kind, target, tmp_path):
+def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind, target):
     """LOAD-ONLY (no compute on this CPU): vLLM builds the model, its loaders accept every weight
     (DefaultModelLoader refuses a parameter the checkpoint left uninitialized), and each rank's
     parameters are the checkpoint's bytes, split the way tensor parallelism splits them."""
     path = getattr(converted[kind], target)
-    proc = run_worker(f"{kind} {target}: LOAD-ONLY tp 1,2", "load", str(path), str(tmp_path), "--tp", "1,2")
-    errors = "\n".join(p.read_text()[:3000] for p in sorted(tmp_path.glob("tp*/rank*.err")))
-    assert proc.returncode == 0, errors or proc.stderr[-5000:]
+    folder = loaded / f"{kind}-{target}"
+    errors = "\n".join(p.read_text()[:3000] for p in sorted(folder.glob("tp*/rank*.err")))
+    assert not errors, errors
     ckpt = _checkpoint(path)
     used: set[str] = set()
     layouts: dict[str, str] = {}
     for tp in (1, 2):
         for rank in range(tp):
-            params = torch.load(tmp_path / f"tp{tp}" / f"rank{rank}.pt")
+            params = torch.load(folder / f"tp{tp}" / f"rank{rank}.pt")
             for name, got in params.items():
                 if KV_CACHE_SCALE.search(name):
                     continue
@@ -207,15 +220,12 @@ def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, kind, target
     print(f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} FP8 scales")
 
 
-def test_load_only_unpadded_block_output_refused_by_vllm(converted, tmp_path):
+def test_load_only_unpadded_block_output_refused_by_vllm(loaded):
     """What --pad-for-tp fixes (the padded output loads above): DeepSeek's moe_intermediate_size 192 and
     intermediate_size 384 are not whole 128-blocks per rank. vLLM refuses the unpadded block output at
     TP 1 in its MoE weight loader (the expert down projections, w2) and at TP 2 before loading."""
-    path = converted["deepseek_v3"].block
-    proc = run_worker("deepseek_v3 block (unpadded): LOAD-ONLY tp 1,2", "load", str(path), str(tmp_path), "--tp", "1,2")
-    assert proc.returncode != 0
-    tp1 = (tmp_path / "tp1" / "rank0.err").read_text()
+    tp1 = (loaded / UNPADDED / "tp1" / "rank0.err").read_text()
     assert "_load_w2" in tp1, tp1[-3000:]
-    tp2 = (tmp_path / "tp2" / "rank0.err").read_text().splitlines()[0]
+    tp2 = (loaded / UNPADDED / "tp2" / "rank0.err").read_text().splitlines()[0]
     assert re.search(r"= 192 is not divisible by weight quantization block_[nk] = 128", tp2), tp2
     print(f"unpadded block refused by vLLM: TP 1: {tp1.splitlines()[0]} (loading w2); TP 2: {tp2}")

@@ -1,7 +1,8 @@
-"""Runs inside .venv-engine (vLLM's CPU build), one model per process; the tests call it and read JSON.
+"""Runs inside .venv-engine (vLLM's CPU build); the tests call it and read what it writes. `generate` runs
+one model per process; `load` imports vLLM once and forks the ranks of each model and TP size.
 
   generate MODEL OUT.json [--native-rope]   greedy tokens and top log-probabilities, offline LLM
-  load MODEL OUT_DIR --tp 1,2               vLLM's model construction and weight loaders, no compute
+  load OUT_DIR NAME=MODEL... --tp 1,2       vLLM's model construction and weight loaders, no compute
 
 Not imported by the tests: this file needs vllm, which the main .venv does not have.
 """
@@ -97,39 +98,41 @@ def _load_rank(model: str, out: Path, tp: int, rank: int, port: int) -> None:
     torch.save(params, out / f"rank{rank}.pt")
 
 
-def load(model: str, out: Path, tps: list[int]) -> int:
-    """For each TP size, its ranks are forked after vLLM is imported once (an import costs seconds) and
-    connected with gloo; each writes out/tp{N}/rank{r}.pt, or rank{r}.err with the exception."""
+def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
+    """vLLM is imported once (an import costs seconds); then for each model and TP size, its ranks are
+    forked and connected with gloo, so each model's memory goes with its rank processes. Each rank writes
+    out/<name>/tp{N}/rank{r}.pt, or rank{r}.err with the exception."""
     import socket
 
     import vllm  # noqa: F401
 
     failed = 0
-    timing = {}
-    for tp in tps:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        folder = out / f"tp{tp}"
-        folder.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        pids = []
-        for rank in range(tp):
-            pid = os.fork()
-            if pid == 0:
-                code = 0
-                try:
-                    _load_rank(model, folder, tp, rank, port)
-                except BaseException as e:  # the message is what a refusal test asserts on
-                    (folder / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
-                    code = 1
-                os._exit(code)
-            pids.append(pid)
-        for pid in pids:
-            _, status = os.waitpid(pid, 0)
-            failed |= os.waitstatus_to_exitcode(status) != 0
-        timing[f"tp{tp}_s"] = time.perf_counter() - t0
-    (out / "timing.json").write_text(json.dumps(timing))
+    for name, model in models.items():
+        timing = {}
+        for tp in tps:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            folder = out / name / f"tp{tp}"
+            folder.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            pids = []
+            for rank in range(tp):
+                pid = os.fork()
+                if pid == 0:
+                    code = 0
+                    try:
+                        _load_rank(model, folder, tp, rank, port)
+                    except BaseException as e:  # the message is what a refusal test asserts on
+                        (folder / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+                        code = 1
+                    os._exit(code)
+                pids.append(pid)
+            for pid in pids:
+                _, status = os.waitpid(pid, 0)
+                failed |= os.waitstatus_to_exitcode(status) != 0
+            timing[f"tp{tp}_s"] = time.perf_counter() - t0
+        (out / name / "timing.json").write_text(json.dumps(timing))
     return 1 if failed else 0
 
 
@@ -141,14 +144,15 @@ def main() -> int:
     g.add_argument("out", type=Path)
     g.add_argument("--native-rope", action="store_true")
     ld = sub.add_parser("load")
-    ld.add_argument("model")
     ld.add_argument("out", type=Path)
+    ld.add_argument("models", nargs="+", help="NAME=PATH for each checkpoint")
     ld.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2")
     a = parser.parse_args()
     if a.cmd == "generate":
         generate(a.model, a.out, a.native_rope)
         return 0
-    return load(a.model, a.out, [int(n) for n in a.tp.split(",")])
+    models = dict(m.split("=", 1) for m in a.models)
+    return load(models, a.out, [int(n) for n in a.tp.split(",")])
 
 
 if __name__ == "__main__":
