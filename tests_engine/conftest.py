@@ -25,6 +25,7 @@ WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 WORKER_TIMEOUT_S = 600
 
 TIMINGS: list[tuple[str, float]] = []
+VERDICTS: list[str] = []  # what each test saw, shown after the run (what was computed, what only loaded)
 
 
 @dataclass
@@ -75,6 +76,10 @@ def worker_json(label: str, *args: str, out: Path) -> dict:
 
 
 def pytest_terminal_summary(terminalreporter):
+    if VERDICTS:
+        terminalreporter.section("vLLM on fp8conv's outputs")
+        for line in VERDICTS:
+            terminalreporter.write_line(line)
     if TIMINGS:
         terminalreporter.section("vLLM processes (wall seconds, import included)")
         for label, seconds in TIMINGS:

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from .conftest import run_worker, worker_json
+from .conftest import VERDICTS, run_worker, worker_json
 from .models import BLOCK, KINDS
 
 transformers = pytest.importorskip("transformers")
@@ -72,7 +72,7 @@ def test_bf16_output_greedy_tokens_match_transformers(converted, kind, tmp_path)
     got = worker_json(f"{kind} bf16: generate", *args, out=tmp_path / "out.json")
     hf_tokens, hf_logprobs = _transformers_greedy(path)
     verdict = _compare_greedy(got, hf_tokens, hf_logprobs, BF16_LOGPROB_TOL)
-    print(f"{kind} bf16: vLLM {got['tokens']} transformers {hf_tokens}: {verdict}")
+    VERDICTS.append(f"COMPUTED {kind} bf16: vLLM {got['tokens']} transformers {hf_tokens}: {verdict}")
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
@@ -87,7 +87,10 @@ def test_channel_dense_output_computed_by_vllm_matches_transformers(converted, t
     first = got["logprobs"][0]
     diffs = {int(t): abs(lp - float(hf_logprobs[0][int(t)])) for t, lp in first.items()}
     assert max(diffs.values()) <= CHANNEL_LOGPROB_TOL, diffs
-    print(f"qwen3 channel: first-token top-{len(diffs)} log-probabilities within {max(diffs.values()):.4f}")
+    VERDICTS.append(
+        f"COMPUTED qwen3 channel (FP8 kernel): first-token top-{len(diffs)} log-probabilities "
+        f"within {max(diffs.values()):.4f} of transformers + compressed-tensors"
+    )
 
 
 # ---- LOAD-ONLY: vLLM's model construction and weight loaders at TP 1 and 2, no compute ----
@@ -217,7 +220,7 @@ def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind
     assert any(v.startswith("split") for v in layouts.values()), layouts  # TP 2 really split something
     quantized = [n for n in used if n.endswith(("weight_scale_inv", "weight_scale"))]
     assert quantized, f"no FP8 parameter in vLLM's model of {path.name}"
-    print(f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} FP8 scales")
+    VERDICTS.append(f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} FP8 scales")
 
 
 def test_load_only_unpadded_block_output_refused_by_vllm(loaded):
@@ -228,4 +231,6 @@ def test_load_only_unpadded_block_output_refused_by_vllm(loaded):
     assert "_load_w2" in tp1, tp1[-3000:]
     tp2 = (loaded / UNPADDED / "tp2" / "rank0.err").read_text().splitlines()[0]
     assert re.search(r"= 192 is not divisible by weight quantization block_[nk] = 128", tp2), tp2
-    print(f"unpadded block refused by vLLM: TP 1: {tp1.splitlines()[0]} (loading w2); TP 2: {tp2}")
+    VERDICTS.append(
+        f"LOAD-ONLY deepseek_v3 block unpadded, refused by vLLM: TP 1: {tp1.splitlines()[0]} (loading w2); TP 2: {tp2}"
+    )
