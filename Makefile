@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp8conv-installed
 DEMO_DIR := build/demo
 
-.PHONY: setup demo test lint bench kernel gpu-check engine-test clean
+.PHONY: setup demo test lint bench kernel gpu-check slurm-test engine-test clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,11 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_backend.py
 	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/kernel.py --json bench/kernel-cuda.json
 	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/bench.py --sizes 1 --reps 2 --no-baselines --device cuda --work /tmp/fp8conv-bench
+
+# The Slurm fan-out example run for real on a one-node Slurm started here (root: installs slurm-wlm and
+# munge when missing), one array task cancelled mid-shard and rerun; about a minute. tests_slurm/run.sh.
+slurm-test: setup
+	bash tests_slurm/run.sh
 
 clean:
 	rm -rf build .pytest_cache

@@ -21,7 +21,7 @@ from .backends.hpu import GAUDI2_FP8_MAX, GAUDI3_FP8_MAX
 from .dtypes import DEQUANT_TARGETS
 from .errors import Fp8ConvError, OptionsError
 from .parts import finalize, parse_part
-from .pipeline import convert
+from .pipeline import ConvertResult, convert
 from .plan import FP8_MAX_STANDARD, TARGETS, ConvertOptions
 from .report import InspectReport, inspect
 from .verify import VerifyResult, verify
@@ -116,8 +116,10 @@ def _render_report(r: InspectReport) -> str:
     lines.append(f"tensor parallel: MLP widths that do not split into whole {block} blocks per rank")
     for tp, bad in r.tp_indivisible.items():
         lines.append(f"  TP={tp:<3} " + ("ok" if not bad else "not divisible: " + "; ".join(bad)))
+        for roles, size in r.padded_output_bytes.get(tp, {}).items():
+            lines.append(f"          --pad-for-tp {tp} --pad-roles {roles}: --to block ~{_gib(size)}")
     if any(r.tp_indivisible.values()):
-        lines.append("  (convert --to block --pad-for-tp N zero-pads the MLP widths to fix this)")
+        lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
     lines.append(f"problems:      {len(r.problems) or 'none'}")
     lines += [f"  {p}" for p in r.problems]
     lines += [f"warning: {w}" for w in r.warnings]
@@ -174,6 +176,13 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     default=None,
     metavar="N",
     help="--to block: zero-pad MLP widths so each of N tensor-parallel ranks holds whole blocks.",
+)
+@click.option(
+    "--pad-roles",
+    default=None,
+    metavar="ROLES",
+    help="With --pad-for-tp: the MLP roles to pad, from dense,shared,routed (default: all; "
+    "dense,shared when the routed experts run expert-parallel).",
 )
 @click.option(
     "--device",
@@ -235,6 +244,7 @@ def convert_command(
     fp8_max: str | None,
     hardware: str | None,
     pad_for_tp: int | None,
+    pad_roles: str | None,
     device: str,
     threads: int | None,
     overwrite: bool,
@@ -260,14 +270,16 @@ def convert_command(
         memory_cap = parse_size(max_memory) if max_memory else None
     except OptionsError as exc:
         raise click.UsageError(exc.one_line()) from None
+    roles = tuple(r.strip() for r in pad_roles.split(",") if r.strip()) if pad_roles is not None else None
     try:  # options that do not fit together are usage errors (exit 2), found before any work
-        ConvertOptions(target, dtype, block_size, range_max, pad_for_tp).validate()
+        ConvertOptions(target, dtype, block_size, range_max, pad_for_tp, roles).validate()
     except OptionsError as exc:
         raise click.UsageError(exc.one_line()) from None
     if jobs > 1:
         if part is not None:
             raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
         flags = [("--block-size", block_size and f"{block_size[0]},{block_size[1]}"), ("--pad-for-tp", pad_for_tp)]
+        flags += [("--pad-roles", pad_roles)]
         flags += [("--revision", revision), ("--overwrite", overwrite), ("--resume", resume)]
         flags += [("--allow-nonfinite", allow_nonfinite), ("--no-space-check", no_space_check)]
         flags += [("--max-memory", max_memory), ("--buffered-io", buffered_io)]
@@ -293,6 +305,7 @@ def convert_command(
             block_size=block_size,
             fp8_max=range_max,
             pad_for_tp=pad_for_tp,
+            pad_roles=roles,
             device=device,
             overwrite=overwrite,
             resume=resume,
@@ -315,14 +328,25 @@ def convert_command(
     for path, why in result.files_skipped:
         click.echo(f"warning: {path} was not copied: {why}", err=True)
     if not quiet:
-        rate = result.bytes_written / max(result.seconds, 1e-9) / 2**20
-        click.echo(
-            f"wrote {result.output}: {len(result.shards)} shard(s), {result.tensors_converted} tensor(s) "
-            f"converted, {result.tensors_copied} copied, {len(result.files_copied)} other file(s) copied, "
-            f"{_gib(result.bytes_written)} in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
-        )
+        click.echo(_summary(result))
     if result.verified is not None:
         _report_verify(result.verified)
+
+
+def _summary(result: ConvertResult) -> str:
+    """What this process did: a part reports its own shards, tensors, bytes and rate, not the run's."""
+    rate = result.bytes_written / max(result.seconds, 1e-9) / 2**20
+    kept = f" ({len(result.shards_kept)} kept from an earlier run)" if result.shards_kept else ""
+    work = (
+        f"{len(result.shards)} shard(s){kept}, {result.tensors_converted} tensor(s) converted, "
+        f"{result.tensors_copied} copied"
+    )
+    written = f"{_gib(result.bytes_written)} written in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
+    if result.part is None:
+        return f"wrote {result.output}: {work}, {len(result.files_copied)} other file(s) copied, {written}"
+    i, n = result.part
+    state = "all parts done, finalized" if result.finalized else "other parts unfinished; the last to finish finalizes"
+    return f"wrote part {i}/{n} of {result.output}: {work}, {written}; {state}"
 
 
 def parse_size(text: str) -> int:

@@ -10,6 +10,8 @@ from typing import Any
 from .errors import CheckpointError
 
 CONFIG_NAME = "config.json"
+# Mistral releases ship params.json (vLLM --config-format mistral) beside config.json.
+MISTRAL_PARAMS_NAME = "params.json"
 # Multimodal checkpoints (Kimi-VL, Qwen3-VL, ...) keep the language model's settings under text_config.
 NESTED_CONFIG_KEYS = ("text_config",)
 
@@ -116,6 +118,23 @@ def rewrite_for_block(config: dict[str, Any], block: tuple[int, int], not_conver
         quant["ignored_layers"] = not_converted  # vLLM
     out["quantization_config"] = quant
     return out
+
+
+def rewrite_mistral_params(
+    params: dict[str, Any], output_config: dict[str, Any] | None, to: str
+) -> dict[str, Any] | None:
+    """params.json's `quantization` entry, rewritten like config.json's quantization_config; None when
+    params.json cannot describe the output. vLLM's Mistral reader accepts `qformat_weight: fp8_e4m3`
+    (per-tensor) or a compressed-tensors entry, which it passes through; it has no spelling for
+    DeepSeek-style block FP8 (`weight_scale_inv` grids)."""
+    out = copy.deepcopy(params)
+    out.pop("quantization", None)
+    if to == "bf16":
+        return out
+    if to == "channel" and output_config is not None and isinstance(output_config.get("quantization_config"), dict):
+        out["quantization"] = copy.deepcopy(output_config["quantization_config"])
+        return out
+    return None
 
 
 def dump_json(doc: dict[str, Any]) -> bytes:

@@ -56,12 +56,17 @@ class Manifest:
     def options_dict(options: ConvertOptions) -> dict[str, Any]:
         d = asdict(options)
         d["block_size"] = list(options.block_size) if options.block_size else None
+        if options.pad_roles is None:  # manifests of runs without it stay as they were
+            d.pop("pad_roles")
+        else:
+            d["pad_roles"] = list(options.pad_roles)
         return d
 
     def convert_options(self) -> ConvertOptions:
         opts = dict(self.options)
-        if opts.get("block_size") is not None:
-            opts["block_size"] = tuple(opts["block_size"])
+        for key in ("block_size", "pad_roles"):
+            if opts.get(key) is not None:
+                opts[key] = tuple(opts[key])
         return ConvertOptions(**opts)
 
     path: Path = MANIFEST  # relative to the output; a part of a fan-out writes its own
@@ -111,8 +116,8 @@ class Manifest:
         return Manifest(self.fp8conv_version, self.options, self.input, shards)
 
 
-def load_manifest(out: Path) -> Manifest:
-    path = out / MANIFEST
+def load_manifest(out: Path, rel: Path = MANIFEST) -> Manifest:
+    path = out / rel
     try:
         doc = json.loads(path.read_text())
         return Manifest(doc["fp8conv_version"], doc["options"], doc["input"], doc.get("shards", {}))

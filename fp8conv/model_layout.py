@@ -1,132 +1,169 @@
-"""What tensor names mean in DeepSeek / Kimi / Qwen style checkpoints: Linears, fused groups, MLP widths."""
+"""What tensor names mean, from the family table (families.py): quantizable Linears, fused groups,
+and the MLP padding of --pad-for-tp."""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointError, OptionsError
+from .families import (
+    _UNQUANTIZED_BASE,
+    ROLE_GROUPS,
+    Family,
+    family_of,
+    fused_group,
+    is_language_mlp,
+    model_type_of,
+    role_of,
+    text_config,
+    width_axis,
+    widths_by_role,
+)
+
+__all__ = ["fused_group", "text_config"]
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
-# Unquantized in every FP8 release of these families (and by DeepSeek's own recipe): never quantized.
-NEVER_QUANTIZED = re.compile(
-    r"(embed|norm|lm_head|shared_head\.head|eh_proj|\.mlp\.gate\.weight$|_gate\.weight$|vision|visual|mm_projector)"
-)
-
-# Modules an engine fuses into one layer must share one scheme (vLLM: "Found different quantization
-# schemes for the shards of ..."). Key: the fused layer, from a weight name.
-FUSED_GROUPS = (
-    re.compile(r"^(.*\.self_attn\.)(?:q_a_proj|kv_a_proj_with_mqa)\.weight$"),
-    re.compile(r"^(.*\.self_attn\.)(?:q_proj|k_proj|v_proj)\.weight$"),
-    re.compile(r"^(.*\.mlp\.(?:shared_experts?\.)?)(?:gate_proj|up_proj)\.weight$"),
-    re.compile(r"^(.*\.mlp\.experts\.)\d+\.(?:gate_proj|up_proj|down_proj)\.weight$"),
-)
-
-# MLP tensors whose intermediate dimension --pad-for-tp pads: (pattern, width key, padded axis from the end)
-_MLP = r"^(?:.*\.)?layers\.\d+\.mlp\."
-MLP_ROLES = (
-    (re.compile(_MLP + r"(?:gate_proj|up_proj)\.weight$"), "intermediate_size", -2),
-    (re.compile(_MLP + r"down_proj\.weight$"), "intermediate_size", -1),
-    (re.compile(_MLP + r"experts\.\d+\.(?:gate_proj|up_proj)\.weight$"), "moe_intermediate_size", -2),
-    (re.compile(_MLP + r"experts\.\d+\.down_proj\.weight$"), "moe_intermediate_size", -1),
-    (re.compile(_MLP + r"shared_experts\.(?:gate_proj|up_proj)\.weight$"), "shared_experts", -2),
-    (re.compile(_MLP + r"shared_experts\.down_proj\.weight$"), "shared_experts", -1),
-    (
-        re.compile(_MLP + r"shared_expert\.(?:gate_proj|up_proj)\.weight$"),
-        "shared_expert_intermediate_size",
-        -2,
-    ),
-    (re.compile(_MLP + r"shared_expert\.down_proj\.weight$"), "shared_expert_intermediate_size", -1),
-)
-FUSED_EXPERTS = re.compile(_MLP + r"experts\.(?:gate_up_proj|down_proj)$")
+NEVER_QUANTIZED = re.compile("(" + _UNQUANTIZED_BASE + ")")  # families the table does not know
+# Keys an unknown family's config may use for its MLP widths: shown by inspect, never padded.
+_GENERIC_WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
-def is_quantizable_linear(name: str, dtype: str, ndim: int) -> bool:
-    return name.endswith(".weight") and dtype in FLOAT_DTYPES and ndim in (2, 3) and not NEVER_QUANTIZED.search(name)
-
-
-def fused_group(name: str) -> str | None:
-    for pattern in FUSED_GROUPS:
-        m = pattern.match(name)
-        if m:
-            return m.group(1) + f"<{pattern.pattern}>"
-    return None
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    nested = config.get("text_config")
-    return nested if isinstance(nested, dict) and "hidden_size" in nested else config
+def is_quantizable_linear(name: str, dtype: str, ndim: int, family: Family | None = None) -> bool:
+    unquantized = family.unquantized if family is not None else NEVER_QUANTIZED
+    return name.endswith(".weight") and dtype in FLOAT_DTYPES and ndim in (2, 3) and not unquantized.search(name)
 
 
 def mlp_widths(config: dict[str, Any] | None) -> dict[str, int]:
-    """Each intermediate width the MLP tensors use, by role."""
+    """Each intermediate width the MLP tensors use, by its config label."""
+    if family_of(config) is not None:
+        return widths_by_role(config)
     c = text_config(config or {})
-    widths = {k: c.get(k) for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")}
-    widths = {k: v for k, v in widths.items() if isinstance(v, int) and v > 0}
-    n_shared = c.get("n_shared_experts")
-    if "moe_intermediate_size" in widths and isinstance(n_shared, int) and n_shared > 0:
-        widths["shared_experts"] = widths["moe_intermediate_size"] * n_shared
-    return widths
+    return {k: v for k in _GENERIC_WIDTH_KEYS for v in [c.get(k)] if isinstance(v, int) and v > 0}
+
+
+@dataclass(frozen=True)
+class Pad:
+    """A padded output shape; `parts` > 1: the padded axis holds that many widths, each padded."""
+
+    shape: tuple[int, ...]
+    parts: int = 1
 
 
 @dataclass(frozen=True)
 class MlpPadding:
-    """Old and new width per role, for --pad-for-tp."""
+    """--pad-for-tp: the new value of each config key whose roles are padded."""
 
-    widths: dict[str, int]
-    padded: dict[str, int]
+    family: Family
+    config: dict[str, Any]  # the (text) config of the input
+    groups: tuple[str, ...]  # the role groups padded
+    padded: dict[str, int]  # config key -> new width
+    warnings: list[str] = field(default_factory=list)
 
-    def padded_shape(self, name: str, shape: tuple[int, ...], shard: str) -> tuple[int, ...] | None:
-        for pattern, role, axis in MLP_ROLES:
-            if not pattern.match(name) or role not in self.widths:
-                continue
-            if shape[axis] != self.widths[role]:
+    def padded_shape(self, name: str, shape: tuple[int, ...], shard: str) -> Pad | None:
+        found = role_of(self.family, name)
+        if found is None:
+            if is_language_mlp(name) and not self.family.mlp_other.search(name):
                 raise CheckpointError(
-                    f"has {shape[axis]} along its intermediate dimension but config.json implies "
-                    f"{self.widths[role]} ({role})",
+                    f"is inside an MLP but plays no role the family table knows for {self.family.name}, "
+                    "so --pad-for-tp cannot tell which width it has",
                     tensor=name,
                     shard=shard,
-                    fix="config.json and the tensors disagree; --pad-for-tp needs them to agree",
+                    fix="convert without --pad-for-tp (or add the name to fp8conv/families.py)",
                 )
-            if self.padded[role] == shape[axis]:
-                return None
-            new = list(shape)
-            new[axis] = self.padded[role]
-            return tuple(new)
-        if FUSED_EXPERTS.match(name):
-            raise OptionsError(
-                "--pad-for-tp does not support fused 3-D expert tensors yet",
-                fix="convert without --pad-for-tp",
+            return None
+        role, tensor = found
+        if role.group not in self.groups:
+            return None
+        width = role.width.of(self.config)
+        hidden = self.config.get("hidden_size") if isinstance(self.config.get("hidden_size"), int) else None
+        axis = None if width is None else width_axis(tensor, shape, width, hidden)
+        if width is None or axis is None:
+            raise CheckpointError(
+                f"has shape {list(shape)} but config.json implies {role.width.label} = {width} along its "
+                "intermediate dimension",
+                tensor=name,
+                shard=shard,
+                fix="config.json and the tensors disagree; --pad-for-tp needs them to agree",
             )
-        return None
+        factor = self.config[role.width.times] if role.width.times else 1  # DeepSeek's n_shared_experts
+        new_width = self.padded[role.width.key] * factor
+        if new_width == width:
+            return None
+        new = list(shape)
+        new[axis] = new_width * tensor.parts
+        return Pad(tuple(new), tensor.parts)
 
 
-def plan_mlp_padding(config: dict[str, Any] | None, tp: int, block: tuple[int, int]) -> MlpPadding:
-    """Pad each width to a multiple of tp * lcm(bn, bk): every rank then holds whole blocks of gate/up
-    rows (block_n) and of down columns (block_k)."""
-    widths = mlp_widths(config)
-    if not widths:
+def plan_mlp_padding(
+    config: dict[str, Any] | None,
+    tp: int,
+    block: tuple[int, int],
+    names: Iterable[str],
+    groups: tuple[str, ...] | None = None,
+) -> MlpPadding:
+    """Pad each chosen role's width to a multiple of tp * lcm(bn, bk): every rank then holds whole blocks
+    of gate/up rows (block_n) and of down columns (block_k). Roles no tensor plays are left alone; a
+    config key two roles share is padded for both or neither."""
+    family = family_of(config)
+    if family is None:
         raise OptionsError(
-            "--pad-for-tp needs intermediate_size / moe_intermediate_size in config.json",
-            fix="add them to config.json, or convert without --pad-for-tp",
+            f"--pad-for-tp does not know model_type {model_type_of(config)!r}: which tensors use which MLP "
+            "width is in fp8conv's family table",
+            fix="convert without --pad-for-tp",
         )
+    c = text_config(config or {})
+    chosen = groups or ROLE_GROUPS
+    present: dict[int, str] = {}  # role index -> one tensor playing it
+    for name in names:
+        found = role_of(family, name)
+        if found is not None:
+            present.setdefault(family.roles.index(found[0]), name)
+    roles = [(family.roles[i], example) for i, example in sorted(present.items())]
+    warnings = [
+        f"--pad-roles {g}: no {g} MLP tensor in this {model_type_of(config)} checkpoint"
+        for g in chosen
+        if groups and all(r.group != g for r, _ in roles)
+    ]
+    selected = [(r, e) for r, e in roles if r.group in chosen]
+    if not selected:
+        raise OptionsError(
+            f"--pad-for-tp: no MLP tensor of the roles {', '.join(chosen)} in this checkpoint",
+            fix="convert without --pad-for-tp",
+        )
+    keys = {r.width.key for r, _ in selected}
+    for role, example in roles:
+        if role.group not in chosen and role.width.key in keys:
+            partner = next(r for r, _ in selected if r.width.key == role.width.key)
+            raise OptionsError(
+                f"--pad-roles: the {partner.group} MLP ({partner.width.label}) and the {role.group} MLP "
+                f"({role.width.label}, e.g. {example}) share config.json's {role.width.key}, so they are "
+                "padded together or not at all",
+                fix=f"add {role.group} to --pad-roles, or leave {partner.group} out",
+            )
     unit = tp * math.lcm(*block)
-    padded = {role: -(-w // unit) * unit for role, w in widths.items()}
-    if "shared_experts" in padded:  # engines build shared experts as moe_intermediate_size * n_shared
-        padded["shared_experts"] = padded["moe_intermediate_size"] * (
-            widths["shared_experts"] // widths["moe_intermediate_size"]
-        )
-    return MlpPadding(widths, padded)
+    padded = {}
+    for role, example in selected:
+        width = c.get(role.width.key)
+        if role.width.of(c) is None or not isinstance(width, int):
+            raise OptionsError(
+                f"--pad-for-tp needs {role.width.label} in config.json for the {role.group} MLP (e.g. {example})",
+                fix="add it to config.json, or convert without --pad-for-tp",
+            )
+        padded[role.width.key] = -(-width // unit) * unit
+    return MlpPadding(family, c, tuple(chosen), padded, warnings)
 
 
 def updated_widths_config(config: dict[str, Any], padding: MlpPadding) -> None:
-    """Write the padded widths back into the (text) config, in place."""
+    """Write the padded widths back into the (text) config, in place; the planner then checks every
+    tensor of every role against them."""
     c = text_config(config)
-    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        if key in padding.padded and key in c:
-            c[key] = padding.padded[key]
+    for key, value in padding.padded.items():
+        if key in c:
+            c[key] = value
 
 
 def tp_report(
@@ -136,13 +173,15 @@ def tp_report(
     validate_fp8_block_shape checks them: gate/up rows (merged, column-parallel) by block_n at any TP,
     down columns (row-parallel) by block_k once split across ranks."""
     widths = mlp_widths(config)
+    family = family_of(config)
+    group = {r.width.label: r.group for r in family.roles} if family else {}
     report: dict[str, list[str]] = {}
     for tp in tps:
         bad = []
-        for role, w in widths.items():
+        for label, w in widths.items():
             per_rank = w / tp
             whole = w % tp == 0 and (w // tp) % block[0] == 0 and (tp == 1 or (w // tp) % block[1] == 0)
             if not whole:
-                bad.append(f"{role} {w} -> {per_rank:g}/rank")
+                bad.append(f"{group.get(label, 'mlp')} {label} {w} -> {per_rank:g}/rank")
         report[str(tp)] = bad
     return report

@@ -14,7 +14,7 @@ from typing import Any
 from .config import CONFIG_NAME, dump_json
 from .errors import OptionsError, OutputError
 from .index import INDEX_NAME
-from .manifest import MANIFEST, Manifest
+from .manifest import MANIFEST, Manifest, resume_mismatch
 from .plan import ShardPlan
 from .writer import copy_file_atomic, fsync_dir, write_file_atomic
 
@@ -43,6 +43,60 @@ def part_path(out: Path, part: tuple[int, int]) -> Path:
     return out / MANIFEST.parent / f"part-{part[0]}-of-{part[1]}.json"
 
 
+def part_docs(out: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    """Every part manifest in OUT, by (I, N)."""
+    docs = {}
+    for path in sorted((out / MANIFEST.parent).glob("part-*-of-*.json")):
+        m = PART_FILE.match(path.name)
+        if m:
+            try:
+                docs[(int(m.group(1)), int(m.group(2)))] = json.loads(path.read_text())
+            except FileNotFoundError:  # dropped by a part started with --overwrite since the glob
+                continue
+    return docs
+
+
+def check_part(out: Path, part: tuple[int, int], manifest: Manifest, *, overwrite: bool) -> None:
+    """Before a part writes anything: refuse, by name, an OUT that is not an fp8conv output, holds a split
+    into another N, or parts run with other options, input or version. Never the mere presence of other
+    parts: they run, retry and finish in any order. --overwrite lets this part replace what is there."""
+    i, n = part
+    if overwrite:
+        return
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST.parent).is_dir():
+        raise OptionsError(
+            f"output directory {out} is not empty and holds no fp8conv output",
+            fix="choose an empty directory, or pass --overwrite to write into it",
+        )
+    for (j, m), doc in part_docs(out).items():
+        if m != n:
+            raise OptionsError(
+                f"{out} holds part {j}/{m} of a split into {m} parts; this is --part {i}/{n}",
+                fix=f"run every part with the same N (--part I/{m}), or pass --overwrite to every part to start over",
+            )
+        if j == i:
+            continue  # this part's own record: replaced, or checked by --resume
+        why = _doc_mismatch(doc, manifest)
+        if why:
+            raise OptionsError(
+                f"cannot run --part {i}/{n} in {out}: part {j}/{n} there differs: {why}",
+                fix="run every part with the same options, input and fp8conv, or pass --overwrite to every part",
+            )
+
+
+def _doc_mismatch(doc: dict[str, Any], manifest: Manifest) -> str | None:
+    if doc.get("fp8conv_version") != manifest.fp8conv_version:
+        return f"it was written by fp8conv {doc.get('fp8conv_version')}, this is {manifest.fp8conv_version}"
+    return resume_mismatch(Manifest(doc["fp8conv_version"], doc["options"], doc["input"]), manifest)
+
+
+def drop_other_splits(out: Path, count: int) -> None:
+    """--overwrite: the manifests of a split into another N would keep finalize from ever finishing."""
+    for i, m in part_docs(out):
+        if m != count:
+            part_path(out, (i, m)).unlink(missing_ok=True)
+
+
 @dataclass
 class FinalizeResult:
     output: Path
@@ -55,11 +109,7 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
     its part recorded is not read again), then copy the other files and write the manifest, index and
     config. With require_all=False, return None while parts are unfinished."""
     out = Path(output)
-    docs = {}
-    for path in sorted((out / MANIFEST.parent).glob("part-*-of-*.json")):
-        m = PART_FILE.match(path.name)
-        if m:
-            docs[(int(m.group(1)), int(m.group(2)))] = json.loads(path.read_text())
+    docs = part_docs(out)
     if not docs:
         raise OptionsError(f"{out} holds no part manifests", fix="run convert --part I/N first")
     counts = {n for _, n in docs}
@@ -94,6 +144,7 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
         fin["copy_files"],
         fin["index"],
         fin["config"],
+        fin.get("json_files"),
     )
     return FinalizeResult(out, n, len(shards))
 
@@ -115,10 +166,13 @@ def finish(
     copy_files: list[str],
     index: dict[str, Any] | None,
     config: dict[str, Any] | None,
+    json_files: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """The end of every run: the other files, the manifest, then the index and config, last."""
     for rel in copy_files:
         copy_file_atomic(copy_from / rel, out / rel)
+    for rel, doc in (json_files or {}).items():
+        write_file_atomic(out / rel, dump_json(doc))
     manifest.save(out)
     if index is not None:
         write_file_atomic(out / INDEX_NAME, dump_json(index))

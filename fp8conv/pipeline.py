@@ -22,7 +22,7 @@ from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
-from .parts import assign_parts, finalize, finish, part_path, with_scale_fmt
+from .parts import assign_parts, check_part, drop_other_splits, finalize, finish, part_path, with_scale_fmt
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
 from .rewrite.dequant import scale_grid
@@ -62,6 +62,14 @@ class ConvertResult:
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
     verified: VerifyResult | None = None  # with verify_after
+    # packed 4-bit weights quantized to FP8: output blocks (rows for --to channel) that give back every
+    # 4-bit value exactly, of all such blocks; the rest lost bits
+    packed_blocks_exact: int = 0
+    packed_blocks_total: int = 0
+    # --part I/N: shards, tensors and bytes are this part's; bytes_written leaves out shards_kept
+    part: tuple[int, int] | None = None
+    shards_kept: list[str] = field(default_factory=list)  # finished by an earlier run, checked, not redone
+    finalized: bool = True  # False for a part while other parts are unfinished
 
 
 def convert(
@@ -73,6 +81,7 @@ def convert(
     block_size: tuple[int, int] | None = None,
     fp8_max: float = 448.0,
     pad_for_tp: int | None = None,
+    pad_roles: tuple[str, ...] | None = None,
     overwrite: bool = False,
     device: str = "cpu",
     allow_nonfinite: bool = False,
@@ -90,7 +99,9 @@ def convert(
     direct_io: large reads and all shard writes bypass the page cache where the filesystem allows it
     (see direct_io.py); False sends everything through the page cache."""
     started = time.monotonic()
-    options = ConvertOptions(to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp)
+    options = ConvertOptions(
+        to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp, pad_roles=pad_roles
+    )
     options.validate()
     backend = get_backend(device)
     ckpt = open_checkpoint(source, revision=revision)
@@ -111,7 +122,8 @@ def convert(
         others = {s.name for s in plan.shards} - set(mine)
         manifest.path = part_path(out, part).relative_to(out)
         manifest.record_stat = True
-    keep = _resumable_shards(out, plan, manifest) if resume else set()
+        check_part(out, part, manifest, overwrite=overwrite)
+    keep = _resumable_shards(out, plan, manifest, part) if resume else set()
     _check_output(ckpt, out, overwrite or resume or part is not None)
     if space_check:
         copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
@@ -119,16 +131,26 @@ def convert(
         mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
         check_free_space(out, mine_bytes + copied - kept)
     _prepare_output(out, keep, others)
+    if part is None or overwrite:  # records of another split (or of none: this run is whole) are stale
+        drop_other_splits(out, part[1] if part else 0)
     manifest.save(out)
     run = _Run(ckpt, plan, backend, progress, manifest, band_elements, direct_io)
     with ExitStack() as stack:
         run.execute(out, stack, skip=keep | others)
+    exact, total = run.exactness
+    if total:
+        unit = "rows" if options.to == "channel" else f"{_out_block_text(plan)} blocks"
+        plan.warnings.append(
+            f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
+            "(their amax / 448 scales put 4-bit values between FP8 steps)"
+        )
+    finalized = True
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
         if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-        finish(out, manifest, ckpt.root, plan.copy_files, index, config)
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files)
     else:  # record what finalize needs; the last part to finish finalizes
         manifest.extra = {
             "complete": True,
@@ -137,26 +159,32 @@ def convert(
                 "planned_shards": sorted(s.name for s in plan.shards),
                 "copy_from": str(ckpt.root.resolve()),
                 "copy_files": plan.copy_files,
+                "json_files": plan.json_files,
                 "index": index,
                 "config": config,
                 "claims_ue8m0": plan.claims_ue8m0,
             },
         }
         manifest.save(out)
-        finalize(out, require_all=False)
+        finalized = finalize(out, require_all=False) is not None
     verified = verify(ckpt.root, out, options=options) if verify_after and part is None else None
     return ConvertResult(
         output=out,
         target=plan.target,
-        shards=[s.name for s in plan.shards],
+        shards=[s.name for s in plan.shards if s.name not in others],
         tensors_converted=run.converted,
         tensors_copied=run.copied,
-        bytes_written=plan.output_bytes,
+        bytes_written=sum(s.nbytes for s in plan.shards if s.name not in others | keep),
         seconds=time.monotonic() - started,
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
+        packed_blocks_exact=run.exactness[0],
+        packed_blocks_total=run.exactness[1],
+        part=part,
+        shards_kept=sorted(keep),
+        finalized=finalized,
     )
 
 
@@ -176,6 +204,7 @@ class _Run:
         self.band_elements = band_elements
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
+        self.exactness = [0, 0]  # packed 4-bit weights quantized to FP8: exact blocks, all blocks
         self.direct_io = direct_io
         self.readers: dict[str, ShardReader] = {}
         self.readers_lock = threading.Lock()
@@ -258,6 +287,7 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
+        names += [job.fmt.global_scale] if job.fmt is not None and job.fmt.global_scale else []
         if self._streamed(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
@@ -303,7 +333,7 @@ class _Run:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1
             return lambda: None
-        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max)
+        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max, self.exactness)
         if len(tensors) > 1 and self.all_scales_pow2:
             self.all_scales_pow2 = all_powers_of_two(tensors[1])
         self.converted += job.action is not Action.COPY
@@ -314,6 +344,11 @@ class _Run:
                 writer.write_tensor(spec.name, tensor)
 
         return write
+
+
+def _out_block_text(plan: ConversionPlan) -> str:
+    block = next((j.out_block for s in plan.shards for j in s.jobs if j.out_block), None)
+    return f"{block[0]}x{block[1]}" if block else ""
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
@@ -371,15 +406,20 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     return band
 
 
-def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest) -> set[str]:
-    """Shards an interrupted run finished that still check out; refuses other options or input."""
-    if not (out / MANIFEST).is_file():
-        if out.is_dir() and any(out.iterdir()):
+def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None) -> set[str]:
+    """Shards an interrupted run finished that still check out; refuses other options or input. A part
+    resumes from its own record only: the other parts may not have started, or be running."""
+    if not (out / manifest.path).is_file():
+        if part is None and out.is_dir() and any(out.iterdir()):
+            fanout = any((out / MANIFEST.parent).glob("part-*-of-*.json"))
             raise OptionsError(
-                f"{out} has no {MANIFEST} to resume from", fix="convert into an empty directory, or use --overwrite"
+                f"{out} has no {MANIFEST} to resume from",
+                fix="it holds parts of a fan-out: resume each with --part I/N --resume, or run fp8conv finalize"
+                if fanout
+                else "convert into an empty directory, or use --overwrite",
             )
         return set()
-    old = load_manifest(out)
+    old = load_manifest(out, manifest.path)
     mismatch = resume_mismatch(old, manifest)
     if mismatch:
         raise OptionsError(f"cannot resume {out}: {mismatch}", fix="convert again with --overwrite")

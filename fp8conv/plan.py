@@ -6,26 +6,31 @@ No tensor bytes are read here, so every refusal happens in seconds, before the l
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .config import rewrite_for_block, rewrite_for_channel, rewrite_for_dequantized
+from .config import (
+    MISTRAL_PARAMS_NAME,
+    load_config,
+    rewrite_for_block,
+    rewrite_for_channel,
+    rewrite_for_dequantized,
+    rewrite_mistral_params,
+)
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3
 from .errors import CheckpointError, OptionsError
-from .formats import CONVERTIBLE, Classification, Kind, WeightFormat, module_of
-from .model_layout import (
-    MlpPadding,
-    fused_group,
-    is_quantizable_linear,
-    plan_mlp_padding,
-    updated_widths_config,
-)
+from .families import ROLE_GROUPS, Family, family_of, fused_group, width_disagreements
+from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
+from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
+from .packed_formats import packed_output_shape
 from .quant_config import module_matches
 from .source import Checkpoint
 from .writer import TensorSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
+DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
 TARGETS = ("bf16", "channel", "block")
 FP8_MAX_STANDARD = 448.0
 FP8_MAX_GAUDI2 = 240.0
@@ -46,6 +51,7 @@ class ConvertOptions:
     block_size: tuple[int, int] | None = None  # asserts the input's block size; the output's for --to block
     fp8_max: float = FP8_MAX_STANDARD  # 240: the Gaudi2 range (--to channel)
     pad_for_tp: int | None = None  # --to block: pad MLP widths so each of N ranks holds whole blocks
+    pad_roles: tuple[str, ...] | None = None  # with pad_for_tp: the MLP roles padded (None: all)
 
     def validate(self) -> None:
         if self.to not in TARGETS:
@@ -61,6 +67,12 @@ class ConvertOptions:
             )
         if self.pad_for_tp is not None and (self.to != "block" or self.pad_for_tp < 1):
             raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block only")
+        if self.pad_roles is not None:
+            if self.pad_for_tp is None:
+                raise OptionsError("--pad-roles applies with --pad-for-tp only")
+            unknown = [r for r in self.pad_roles if r not in ROLE_GROUPS] or ([] if self.pad_roles else ["(none)"])
+            if unknown:
+                raise OptionsError(f"--pad-roles {','.join(unknown)} is not a list of {', '.join(ROLE_GROUPS)}")
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class Job:
     outputs: tuple[TensorSpec, ...]
     fmt: WeightFormat | None = None  # how the source is quantized; None for a float tensor
     out_block: tuple[int, int] | None = None  # QUANTIZE: output block; None means one scale per row
+    pad_parts: int = 1  # padded: the padded axis holds this many widths (fused gate_up), each padded
 
     @property
     def spec(self) -> TensorSpec:
@@ -115,6 +128,7 @@ class ConversionPlan:
     copy_files: list[str]
     skipped_files: list[tuple[str, str]]
     claims_ue8m0: bool = False  # --to block: write scale_fmt ue8m0 if every output scale is a power of two
+    json_files: dict[str, dict[str, Any]] = field(default_factory=dict)  # other JSON files, rewritten
     problems: list[CheckpointError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -135,7 +149,7 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
     """Every output tensor and file. Refused inputs are planned as copies; the caller checks problems."""
     options.validate()
     planner = _Planner(ckpt, cls, options)
-    shards = [ShardPlan(shard.name, planner.jobs_for(shard.name)) for shard in ckpt.index.shards]
+    shards = _without_empty([ShardPlan(shard.name, planner.jobs_for(shard.name)) for shard in ckpt.index.shards])
     plan = ConversionPlan(
         options=options,
         shards=shards,
@@ -144,12 +158,36 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
         copy_files=list(ckpt.other_files),
         skipped_files=list(ckpt.skipped_files),
         claims_ue8m0=options.to == "block" and cls.settings.scale_fmt == "ue8m0",
-        problems=list(cls.problems) + planner.problems + _fused_mismatches(shards, ckpt),
+        problems=list(cls.problems) + planner.problems + _fused_mismatches(shards, ckpt, planner.family),
         warnings=list(cls.warnings) + planner.warnings,
     )
+    plan.problems += _width_problems(ckpt, plan)
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
+    _plan_mistral_params(ckpt, plan)
     return plan
+
+
+def _plan_mistral_params(ckpt: Checkpoint, plan: ConversionPlan) -> None:
+    """A copied params.json would still declare the input's FP8 to vLLM --config-format mistral."""
+    if MISTRAL_PARAMS_NAME not in plan.copy_files:
+        return
+    try:
+        params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
+    except CheckpointError as exc:
+        plan.problems.append(exc)
+        return
+    plan.copy_files.remove(MISTRAL_PARAMS_NAME)
+    rewritten = rewrite_mistral_params(params, plan.config, plan.target)
+    if rewritten is None:
+        plan.skipped_files.append(
+            (
+                MISTRAL_PARAMS_NAME,
+                "Mistral-format config with no spelling for block FP8; config.json describes the output",
+            )
+        )
+    else:
+        plan.json_files[MISTRAL_PARAMS_NAME] = rewritten
 
 
 class _Planner:
@@ -160,10 +198,23 @@ class _Planner:
         self.unquantized_linears: list[str] = []
         self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
         # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
-        self.quantize_floats = options.to != "bf16" and not any(w.kind in CONVERTIBLE for w in cls.weights.values())
+        self.quantize_floats = options.to != "bf16" and not any(
+            w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
+        )
+        self.family = family_of(ckpt.config)
         self.padding: MlpPadding | None = None
         if options.pad_for_tp:
-            self.padding = plan_mlp_padding(ckpt.config, options.pad_for_tp, self.out_block)
+            if cls.settings.expert_dtype is not None or any(w.kind in PACKED for w in cls.weights.values()):
+                # its MLP names (ffn.experts.E.w1, *_blocks, weight_packed) are not the ones padding knows:
+                # config.json would claim padded widths the tensors do not have
+                raise OptionsError(
+                    "--pad-for-tp does not know the MLP layout of DeepSeek-V4 or packed 4-bit checkpoints",
+                    fix="convert without --pad-for-tp",
+                )
+            self.padding = plan_mlp_padding(
+                ckpt.config, options.pad_for_tp, self.out_block, ckpt.index.locations, options.pad_roles
+            )
+            self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
 
     def jobs_for(self, shard_name: str) -> list[Job]:
@@ -171,45 +222,93 @@ class _Planner:
         jobs = []
         for name, entry in shard.header.tensors.items():
             fmt = self.cls.weights.get(name)
+            if fmt is None and name not in self.plain:
+                continue  # a scale or companion, written with its weight
             try:
-                shape = self._padded(name, entry.shape, shard_name)
+                pad = self._padded(name, entry.shape, shard_name)
             except CheckpointError as exc:
                 self.problems.append(exc)
-                shape = entry.shape
-            if fmt is not None and fmt.kind in CONVERTIBLE:
-                jobs.append(self._quantized_job(name, fmt, entry.shape, shape))
-            elif name in self.plain or fmt is not None:
-                jobs.append(self._plain_job(name, entry.dtype, entry.shape, shape))
+                pad = Pad(entry.shape)
+            if fmt is not None and fmt.kind in PACKED:
+                jobs.append(self._packed_job(fmt, shard_name))
+            elif fmt is not None and fmt.kind in CONVERTIBLE:
+                jobs.append(self._quantized_job(name, fmt, entry.shape, pad))
+            else:
+                jobs.append(self._plain_job(name, entry.dtype, entry.shape, pad))
         return jobs
 
-    def _padded(self, name: str, shape: tuple[int, ...], shard: str) -> tuple[int, ...]:
+    def _padded(self, name: str, shape: tuple[int, ...], shard: str) -> Pad:
         if self.padding is None:
-            return shape
-        return self.padding.padded_shape(name, shape, shard) or shape
+            return Pad(shape)
+        return self.padding.padded_shape(name, shape, shard) or Pad(shape)
 
-    def _quantized_job(self, name: str, fmt: WeightFormat, shape: tuple[int, ...], out_shape) -> Job:
-        to = self.options.to
+    def _quantized_job(self, name: str, fmt: WeightFormat, shape: tuple[int, ...], pad: Pad) -> Job:
+        to, out_shape = self.options.to, pad.shape
         if to == "bf16":
             out_dtype = DEQUANT_TARGETS[self.options.dtype][0]
             return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt)
         base = module_of(name)
         if to == "channel":
-            return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), fmt, None)
+            if not name.endswith(".weight"):
+                self.problems.append(
+                    CheckpointError(
+                        "is a fused expert parameter as transformers 5 saves it; no engine reads channel FP8 "
+                        "(compressed-tensors) in that layout",
+                        tensor=name,
+                        shard=self.ckpt.index.shard_of(name).name,
+                        fix="convert with --to bf16, or --to block (transformers' fused FP8 layout)",
+                    )
+                )
+            return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape, name), fmt, None, pad.parts)
         keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
+        # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
+        # moves rows of one input block into two output blocks, so it is quantized afresh
+        keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
         action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
-        return Job(name, action, _block_outputs(base, out_shape, self.out_block), fmt, self.out_block)
+        return Job(
+            name,
+            action,
+            _block_outputs(base, out_shape, self.out_block, name, _block_scale_name(fmt, base)),
+            fmt,
+            self.out_block,
+            pad.parts,
+        )
 
-    def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], out_shape) -> Job:
-        is_linear = is_quantizable_linear(name, dtype, len(shape))
+    def _packed_job(self, fmt: WeightFormat, shard_name: str) -> Job:
+        """A packed 4-bit weight: dequantized in float32, then rounded once or quantized to FP8."""
+        assert fmt.out_name is not None
+        shape = packed_output_shape(fmt)
+        if self.options.to == "bf16":
+            out_dtype = DEQUANTIZE_NAME[self.options.dtype]
+            return Job(fmt.weight, Action.DEQUANTIZE, (TensorSpec(fmt.out_name, out_dtype, shape),), fmt)
+        if fmt.kind is Kind.MXFP4_GPT_OSS:
+            self.problems.append(
+                CheckpointError(
+                    f"gpt-oss MXFP4 experts have no FP8 layout that transformers or vLLM load (--to {self.options.to})",
+                    tensor=fmt.weight,
+                    shard=shard_name,
+                    fix="convert gpt-oss with --to bf16",
+                )
+            )
+        base = module_of(fmt.out_name)  # never padded: --pad-for-tp refuses packed checkpoints
+        if self.options.to == "channel":
+            return Job(fmt.weight, Action.QUANTIZE, _channel_outputs(base, shape), fmt, None)
+        outputs = _block_outputs(base, shape, self.out_block, fmt.out_name, _block_scale_name(fmt, base))
+        return Job(fmt.weight, Action.QUANTIZE, outputs, fmt, self.out_block)
+
+    def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
+        out_shape = pad.shape
+        is_linear = is_quantizable_linear(name, dtype, len(shape), self.family)
         listed = module_matches(module_of(name), self.cls.settings.not_converted)
         if self.quantize_floats and is_linear and not listed:
             base = module_of(name)
             if self.options.to == "channel":
-                return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None)
-            return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, self.out_block), None, self.out_block)
+                return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None, pad.parts)
+            block = self.out_block
+            return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, block), None, block, pad.parts)
         if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and "embed" not in name:
             self.unquantized_linears.append(module_of(name))
-        return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),))
+        return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),), pad_parts=pad.parts)
 
     def output_config(self) -> dict[str, Any] | None:
         config = self.ckpt.config
@@ -217,12 +316,14 @@ class _Planner:
             return None
         to = self.options.to
         if to == "bf16":
-            return rewrite_for_dequantized(config, self.options.dtype)
+            return _with_expert_dtype(rewrite_for_dequantized(config, self.options.dtype), None)
         ignore = sorted(set(self.unquantized_linears))
+        # DeepSeek-V4: every expert is FP8 now (block FP8 with float32 scales, as V4's Base model ships)
+        expert_dtype = "fp8" if self.cls.settings.expert_dtype is not None else None
         if to == "channel":
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
-            return rewrite_for_channel(config, ignore, flavor)
-        out = rewrite_for_block(config, self.out_block, ignore)
+            return _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
+        out = _with_expert_dtype(rewrite_for_block(config, self.out_block, ignore), expert_dtype)
         if self.padding is not None:
             updated_widths_config(out, self.padding)
         if self.cls.settings.activation_scheme == "static":
@@ -230,27 +331,104 @@ class _Planner:
         return out
 
 
-def _channel_outputs(base: str, shape: tuple[int, ...]) -> tuple[TensorSpec, ...]:
+def _channel_outputs(base: str, shape: tuple[int, ...], weight: str | None = None) -> tuple[TensorSpec, ...]:
+    # X.weight -> X.weight_scale; a bare fused parameter X (transformers 5) -> X_scale
+    weight = weight or base + ".weight"
     return (
-        TensorSpec(base + ".weight", FP8_E4M3, shape),
-        TensorSpec(base + ".weight_scale", "F32", (*shape[:-1], 1)),
+        TensorSpec(weight, FP8_E4M3, shape),
+        TensorSpec(weight + "_scale", "F32", (*shape[:-1], 1)),
     )
 
 
-def _block_outputs(base: str, shape: tuple[int, ...], block: tuple[int, int]) -> tuple[TensorSpec, ...]:
+def _block_outputs(
+    base: str,
+    shape: tuple[int, ...],
+    block: tuple[int, int],
+    weight: str | None = None,
+    scale_name: str | None = None,
+) -> tuple[TensorSpec, ...]:
+    weight = weight or base + ".weight"
     grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
     return (
-        TensorSpec(base + ".weight", FP8_E4M3, shape),
-        TensorSpec(base + ".weight_scale_inv", "F32", grid),
+        TensorSpec(weight, FP8_E4M3, shape),
+        TensorSpec(scale_name or weight + "_scale_inv", "F32", grid),
     )
 
 
-def _fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint) -> list[CheckpointError]:
+def _block_scale_name(fmt: WeightFormat, base: str) -> str | None:
+    """DeepSeek-V4 names block scales `<module>.scale`; its output keeps that name (None: the default)."""
+    return base + V4_SCALE_SUFFIX if fmt.scale is not None and fmt.scale.endswith(V4_SCALE_SUFFIX) else None
+
+
+def _with_expert_dtype(config: dict[str, Any], value: str | None) -> dict[str, Any]:
+    """DeepSeek-V4's expert_dtype (top level, text_config, or inside quantization_config) set or dropped."""
+    sections = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    for section in sections:
+        if "expert_dtype" in section or (value is not None and section is config):
+            if value is None:
+                section.pop("expert_dtype", None)
+            else:
+                section["expert_dtype"] = value
+        qc = section.get("quantization_config")
+        if isinstance(qc, dict) and "expert_dtype" in qc:
+            qc["expert_dtype"] = value
+            if value is None:
+                qc.pop("expert_dtype")
+    return config
+
+
+def _parts_whole_blocks(shape: tuple[int, ...], out_shape: tuple[int, ...], parts: int, block: tuple[int, int]) -> bool:
+    if parts == 1 or shape == out_shape:
+        return True
+    axis = next(i for i in range(len(shape)) if shape[i] != out_shape[i]) - len(shape)
+    return (shape[axis] // parts) % block[axis] == 0
+
+
+_SHARD_NAME = re.compile(r"^(.*-)(\d+)-of-(\d+)(\.safetensors)$")
+
+
+def _without_empty(shards: list[ShardPlan]) -> list[ShardPlan]:
+    """No output shard for an input shard whose every tensor is dropped (one holding only scales, with
+    --to bf16). The rest are renumbered when the input is numbered PREFIX-i-of-N (what save_pretrained
+    and huggingface_hub write): the output then reads 1..M of M, as its own files are, instead of
+    'of-N' with gaps. Other names are kept as they are."""
+    kept = [s for s in shards if s.jobs]
+    if len(kept) == len(shards) or not kept:
+        return shards
+    matches = [_SHARD_NAME.match(s.name) for s in shards]
+    numbered = all(m and int(m.group(2)) == i + 1 and int(m.group(3)) == len(shards) for i, m in enumerate(matches))
+    if not numbered or len({(m.group(1), m.group(4), len(m.group(2))) for m in matches if m}) != 1:
+        return kept
+    first = matches[0]
+    assert first is not None
+    digits = len(first.group(2))
+    return [
+        ShardPlan(f"{first.group(1)}{i + 1:0{digits}d}-of-{len(kept):0{digits}d}{first.group(4)}", s.jobs)
+        for i, s in enumerate(kept)
+    ]
+
+
+def _width_problems(ckpt: Checkpoint, plan: ConversionPlan) -> list[CheckpointError]:
+    """config.json and the tensors must agree on every MLP width, in the input and in the output."""
+    index = ckpt.index
+    inputs = ((n, e.shape, s.name) for n, (s, e) in index.locations.items())
+    problems = width_disagreements(
+        ckpt.config, inputs, "config.json and the tensors disagree: correct config.json (or the tensors)"
+    )
+    if problems or plan.config is None:
+        return problems
+    outputs = ((o.name, o.shape, s.name) for s in plan.shards for j in s.jobs for o in j.outputs)
+    return width_disagreements(
+        plan.config, outputs, "the output's config.json would disagree with its tensors (a bug: please report it)"
+    )
+
+
+def _fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint, family: Family | None) -> list[CheckpointError]:
     """Modules an engine fuses must all be quantized or all not, or vLLM refuses to load them."""
     schemes: dict[str, dict[str, bool]] = {}
     for shard in shards:
         for job in shard.jobs:
-            group = fused_group(job.source)
+            group = fused_group(job.source, family)
             if group is not None:
                 quantized = job.spec.dtype == FP8_E4M3
                 schemes.setdefault(group, {})[job.source] = quantized

@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import Fp8ConvError
+from .families import ROLE_GROUPS, family_of, model_type_of, role_of, width_disagreements
 from .formats import Classification, classify, has_partial_blocks
 from .model_layout import tp_report
 from .plan import DEFAULT_BLOCK, TARGETS, ConvertOptions, plan_conversion
@@ -42,6 +44,9 @@ class InspectReport:
     num_hidden_layers: int | None
     mtp_layers: list[int]
     tp_indivisible: dict[str, list[str]]  # TP size -> MLP widths that would not give each rank whole blocks
+    # TP size -> --pad-roles choice ("dense,shared,routed", "dense,shared", ...) -> --to block bytes
+    padded_output_bytes: dict[str, dict[str, int]]
+    family: str | None  # the family table's entry for the model_type, None if it has none
     problems: list[str]
     warnings: list[str] = field(default_factory=list)
 
@@ -63,6 +68,17 @@ def inspect(
             grid = [math.ceil(shape[-2] / fmt.block[0]), math.ceil(shape[-1] / fmt.block[1])]
             partial.append(PartialBlockTensor(fmt.weight, list(shape), list(fmt.block), grid))
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
+    block = cls.block_size or DEFAULT_BLOCK
+    tp_bad = tp_report(ckpt.config, block)
+    family = family_of(ckpt.config)
+    shapes = ((n, e.shape, s.name) for n, (s, e) in ckpt.index.locations.items())
+    widths = width_disagreements(ckpt.config, shapes, "config.json and the tensors disagree: correct config.json")
+    warnings = list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files]
+    if family is None and ckpt.config is not None:
+        warnings.append(
+            f"model_type {model_type_of(ckpt.config)!r} is not in the family table: MLP widths are not checked "
+            "against the tensors and --pad-for-tp refuses it"
+        )
     return InspectReport(
         source=str(source),
         format=cls.checkpoint_format,
@@ -78,10 +94,44 @@ def inspect(
         partial_block_tensors=partial,
         num_hidden_layers=layers,
         mtp_layers=_mtp_layers(ckpt, layers),
-        tp_indivisible=tp_report(ckpt.config, cls.block_size or DEFAULT_BLOCK),
-        problems=[p.one_line() for p in cls.problems],
-        warnings=list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files],
+        tp_indivisible=tp_bad,
+        padded_output_bytes={}
+        if widths
+        else padded_output_bytes(ckpt, cls, [int(tp) for tp, bad in tp_bad.items() if bad]),
+        family=family.name if family else None,
+        problems=[p.one_line() for p in cls.problems + widths],
+        warnings=warnings,
     )
+
+
+def pad_role_choices(ckpt: Checkpoint) -> list[tuple[str, ...]]:
+    """Every MLP role the checkpoint has; and, when it has routed experts, the roles left once they are not
+    padded (expert-parallel experts are not split across ranks), minus any role sharing their width key."""
+    family = family_of(ckpt.config)
+    if family is None:
+        return []
+    roles = {found[0] for name in ckpt.index.locations for found in [role_of(family, name)] if found}
+    everything = tuple(g for g in ROLE_GROUPS if any(r.group == g for r in roles))
+    routed_keys = {r.width.key for r in roles if r.group == "routed"}
+    rest = tuple(
+        g for g in everything if g != "routed" and all(r.width.key not in routed_keys for r in roles if r.group == g)
+    )
+    return [everything] + ([rest] if rest and routed_keys else [])
+
+
+def padded_output_bytes(ckpt: Checkpoint, cls: Classification, tps: list[int]) -> dict[str, dict[str, int]]:
+    """--to block --pad-for-tp N bytes for each TP size and role choice, from the plans convert would run."""
+    sizes: dict[str, dict[str, int]] = {}
+    for tp in tps:
+        for roles in pad_role_choices(ckpt):
+            options = ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles)
+            try:
+                plan = plan_conversion(ckpt, cls, options)
+            except Fp8ConvError:
+                continue
+            if not plan.problems:
+                sizes.setdefault(str(tp), {})[",".join(roles)] = plan.output_bytes
+    return sizes
 
 
 def estimate_output_bytes(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:

@@ -131,7 +131,10 @@ def _list_other_files(ckpt: Checkpoint, boundary: Path) -> None:
             if _outside(Path(dirpath) / fname, boundary):
                 ckpt.skipped_files.append((rel, "a symlink out of the checkpoint, not followed"))
                 continue
-            if fname.endswith(".safetensors") or fname.endswith(".safetensors.index.json"):
+            if rel.startswith("consolidated") and fname.endswith(".safetensors"):
+                why = "Mistral-native copy of the weights, not converted: the output is the HF-format checkpoint"
+                ckpt.skipped_files.append((rel, why))
+            elif fname.endswith(".safetensors") or fname.endswith(".safetensors.index.json"):
                 ckpt.skipped_files.append((rel, "safetensors weights that are not part of this checkpoint"))
             elif fname.endswith(OTHER_WEIGHT_SUFFIXES) and _looks_like_weights(fname):
                 ckpt.skipped_files.append((rel, "weights in a pickle format fp8conv does not read"))

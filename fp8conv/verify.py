@@ -19,13 +19,16 @@ from pathlib import Path
 import torch
 
 from .backends.torch_device import TorchDeviceBackend
-from .config import CONFIG_NAME
-from .formats import classify
+from .config import CONFIG_NAME, MISTRAL_PARAMS_NAME
+from .families import width_disagreements
+from .formats import PACKED, classify
 from .index import INDEX_NAME
 from .manifest import MANIFEST, load_manifest
 from .plan import Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .rewrite.dequant import dequantize
 from .rewrite.jobs import run_job
+from .rewrite.pad import pad_to
+from .rewrite.unpack import unpack_to_float32
 from .safetensors_file import ShardHeader, read_header, read_tensor
 from .source import open_checkpoint
 
@@ -80,6 +83,10 @@ def verify(
         for name in sorted(set(expected) | set(got)):
             if expected.get(name) != got.get(name):
                 fail(f"{shard.name}: {name}: expected {expected.get(name)}, found {got.get(name)}")
+    _check_widths(out, fail)
+    planned = {s.name for s in plan.shards}
+    for stray in sorted(p.name for p in out.glob("*.safetensors") if p.name not in planned):
+        fail(f"{stray}: a shard the plan does not write (the index does not list it)")
     checked = sampled = 0
     reference = TorchDeviceBackend("cpu")
     index = ckpt.index
@@ -135,6 +142,31 @@ def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
             config = {**config, "quantization_config": quant}
         if config != plan.config:
             fail(f"{CONFIG_NAME}: differs from what the plan writes")
+    for rel, doc in plan.json_files.items():  # params.json: its quantization entry must match the output
+        try:
+            if json.loads((out / rel).read_text()) != doc:
+                fail(f"{rel}: differs from what the plan writes")
+        except (OSError, ValueError) as exc:
+            fail(f"{rel}: unreadable ({exc})")
+    for rel, _ in plan.skipped_files:
+        if rel == MISTRAL_PARAMS_NAME and (out / rel).exists():
+            fail(f"{rel}: present, but it cannot describe this output")
+
+
+def _check_widths(out: Path, fail) -> None:
+    """Independently of the plan: the output's config.json and its tensors agree on every MLP width, as
+    transformers and vLLM need to build the model."""
+    try:
+        config = json.loads((out / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return  # reported by _check_documents when the plan has a config
+    tensors = [
+        (name, entry.shape, path.name)
+        for path in sorted(out.glob("*.safetensors"))
+        for name, entry in read_header(path).tensors.items()
+    ]
+    for problem in width_disagreements(config, tensors, "config.json and the tensors disagree"):
+        fail(problem.one_line())
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -158,7 +190,9 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
     if not all(_same_bits(g, e) for g, e in zip(got, expected, strict=True)):
         problems.append(f"{name}: differs from the reference backend's output")
     # independent of any backend: the FP8 rounding bound against the dequantized input
-    if job.fmt is not None:
+    if job.fmt is not None and job.fmt.kind in PACKED:
+        truth = unpack_to_float32(read_in, job.fmt, reference)
+    elif job.fmt is not None:
         truth = dequantize(read_in(job.source), read_in(job.fmt.scale), job.fmt, torch.float32, reference)
     else:
         truth = read_in(job.source).to(torch.float32)
@@ -166,11 +200,7 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
     n, k = q.shape[-2], q.shape[-1]
     bn, bk = job.out_block or (1, k)
     full_scale = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    truth = (
-        torch.nn.functional.pad(truth, (0, k - truth.shape[-1], 0, n - truth.shape[-2]))
-        if truth.shape != q.shape
-        else truth
-    )
+    truth = pad_to(truth, tuple(q.shape), 0.0, job.pad_parts)
     amax = full_scale * fp8_max
     if not bool(((q * full_scale - truth).abs() <= truth.abs() * 2**-4 + amax * 2**-9).all()):
         problems.append(f"{name}: outside the FP8 rounding bound of the input")

@@ -197,5 +197,22 @@ def test_pad_for_tp_from_the_cli(runner, tiny, tmp_path):
     assert runner.invoke(main, args).exit_code == 0
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 1024
     shown = runner.invoke(main, ["inspect", str(tiny.path)]).stdout
-    assert "TP=4   not divisible: intermediate_size 448 -> 112/rank" in shown
+    assert "TP=4   not divisible: dense intermediate_size 448 -> 112/rank" in shown
     assert "TP=8   ok" in runner.invoke(main, ["inspect", str(out)]).stdout
+
+
+def test_pad_roles_from_the_cli(runner, tiny, tmp_path):
+    out = tmp_path / "padded"
+    args = ["convert", str(tiny.path), "--to", "block", "--pad-for-tp", "4", "-o", str(out), "-q"]
+    assert runner.invoke(main, [*args, "--pad-roles", "dense"]).exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["intermediate_size"] == 512 and config["moe_intermediate_size"] == 192  # routed left alone
+    unknown = runner.invoke(main, [*args, "--pad-roles", "dense,experts", "--overwrite"])
+    assert unknown.exit_code == 2 and "--pad-roles experts is not a list of dense, shared, routed" in unknown.stderr
+    alone = runner.invoke(main, ["convert", str(tiny.path), "--to", "block", "--pad-roles", "dense", "-o", "x"])
+    assert alone.exit_code == 2 and "--pad-roles applies with --pad-for-tp only" in alone.stderr
+    coupled = runner.invoke(main, [*args, "--pad-roles", "shared", "--overwrite"])
+    assert coupled.exit_code == 1 and "add routed to --pad-roles" in coupled.stderr
+    shown = runner.invoke(main, ["inspect", str(tiny.path)]).stdout
+    assert "--pad-for-tp 4 --pad-roles dense,shared,routed: --to block ~" in shown
+    assert "--pad-for-tp 4 --pad-roles dense: --to block ~" in shown

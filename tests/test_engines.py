@@ -101,8 +101,13 @@ def test_padded_block_output_computes_the_same_function(tiny, tmp_path):
 
     for name in ("block", "padded"):
         fp8conv.convert(tmp_path / name, tmp_path / f"{name}-bf16", to="bf16")
-    for dtype in (torch.bfloat16, torch.float32):
-        assert same_bits(_logits(tmp_path / "padded-bf16", dtype), _logits(tmp_path / "block-bf16", dtype))
+    assert same_bits(_logits(tmp_path / "padded-bf16"), _logits(tmp_path / "block-bf16"))
+    # float32: the matmuls reduce over 512 instead of 448 columns, in another order (about 1e-6 apart)
+    padded32, plain32 = (
+        _logits(tmp_path / "padded-bf16", torch.float32),
+        _logits(tmp_path / "block-bf16", torch.float32),
+    )
+    torch.testing.assert_close(padded32, plain32, rtol=1e-5, atol=1e-5)
 
 
 def test_padded_mlp_is_the_same_function_in_plain_torch(tiny, tmp_path):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -140,3 +143,154 @@ def test_finalize_rereads_only_shards_touched_since_their_part_wrote_them(tiny, 
     fp8conv.finalize(out)
     assert sorted(hashed) == [shards[0].name, shards[1].name]
     assert json.loads((out / ".fp8conv" / "manifest.json").read_text()) == final
+
+
+def _without_part_records(path) -> dict[str, bytes]:
+    return {k: v for k, v in dir_snapshot(path).items() if not k.startswith(".fp8conv/part-")}
+
+
+def test_parts_resume_in_every_order_and_after_finalize(make_tiny, tmp_path):
+    """--part I/N --resume is what a retried task runs: it must work whatever the other parts have done."""
+    ckpt = make_tiny(num_shards=4)
+    fp8conv.convert(ckpt.path, tmp_path / "single", to="channel")
+    single = dir_snapshot(tmp_path / "single")
+    for order in itertools.permutations((1, 2, 3)):
+        out = tmp_path / "-".join(map(str, order))
+        results = [fp8conv.convert(ckpt.path, out, to="channel", part=(i, 3), resume=True) for i in order]
+        assert [r.finalized for r in results] == [False, False, True]
+        assert not any(r.shards_kept for r in results)
+        again = fp8conv.convert(ckpt.path, out, to="channel", part=(order[0], 3), resume=True)  # after finalize
+        assert again.finalized and again.shards_kept == again.shards and again.tensors_converted == 0
+        assert _without_part_records(out) == single, order
+    # a retry between the others: the first part again, before the last has run
+    out = tmp_path / "retry-between"
+    fp8conv.convert(ckpt.path, out, to="channel", part=(2, 3), resume=True)
+    retry = fp8conv.convert(ckpt.path, out, to="channel", part=(2, 3), resume=True)
+    assert retry.shards_kept == retry.shards and not retry.finalized
+    for i in (3, 1):
+        fp8conv.convert(ckpt.path, out, to="channel", part=(i, 3), resume=True)
+    assert _without_part_records(out) == single
+
+
+SLOW_PART = """
+import sys, time
+import fp8conv.pipeline as pipeline
+real = pipeline.run_job
+def slow(*args, **kwargs):
+    time.sleep(0.05)  # slow enough to be killed mid-shard
+    return real(*args, **kwargs)
+pipeline.run_job = slow
+from fp8conv.cli import main
+sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", "channel", "-o", sys.argv[2], "--part", "2/2", "--resume"]
+main()
+"""
+
+
+def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_path):
+    ckpt = make_tiny(num_shards=4)
+    fp8conv.convert(ckpt.path, tmp_path / "single", to="channel")
+    out = tmp_path / "out"
+    record = out / ".fp8conv" / "part-2-of-2.json"
+
+    def finished() -> list[str]:
+        try:
+            return list(json.loads(record.read_text())["shards"])
+        except (OSError, ValueError):
+            return []
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PART, str(ckpt.path), str(out)])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if finished() and any(out.glob(".*.fp8conv-partial")):  # one shard done, the next one half-written
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = finished()
+    assert len(done) == 1 and any(out.glob(".*.fp8conv-partial")), "the test must kill part 2 mid-shard"
+    kept_inode = (out / done[0]).stat().st_ino
+    other = fp8conv.convert(ckpt.path, out, to="channel", part=(1, 2), resume=True)
+    assert not other.finalized and not (out / "config.json").exists()  # part 2 is not complete
+    cmd = [sys.executable, "-m", "fp8conv", "convert", str(ckpt.path), "--to", "channel", "-o", str(out)]
+    retry = subprocess.run([*cmd, "--part", "2/2", "--resume"], capture_output=True, text=True, timeout=300)
+    assert retry.returncode == 0, retry.stderr
+    assert "wrote part 2/2 of" in retry.stdout and "2 shard(s) (1 kept from an earlier run)" in retry.stdout
+    assert "all parts done, finalized" in retry.stdout
+    assert (out / done[0]).stat().st_ino == kept_inode  # the finished shard was kept, not redone
+    assert not list(out.glob(".*.fp8conv-partial"))
+    assert _without_part_records(out) == dir_snapshot(tmp_path / "single")
+
+
+def test_part_summary_describes_the_part(make_tiny, tmp_path):
+    ckpt = make_tiny(num_shards=4)
+    out = tmp_path / "out"
+    first = CliRunner().invoke(main, ["convert", str(ckpt.path), "--to", "bf16", "-o", str(out), "--part", "1/4"])
+    assert first.exit_code == 0, first.output
+    shards = list(out.glob("*.safetensors"))
+    assert len(shards) == 1  # this part's one shard, nothing else yet
+    mib = sum(p.stat().st_size for p in shards) / 2**20
+    assert f"wrote part 1/4 of {out}: 1 shard(s), " in first.stdout
+    assert f" {mib:.2f} MiB written in " in first.stdout and "the last to finish finalizes" in first.stdout
+
+
+def test_parts_refuse_another_split_other_options_or_a_foreign_directory(make_tiny, tmp_path):
+    ckpt = make_tiny(num_shards=4)
+    out = tmp_path / "out"
+    fp8conv.convert(ckpt.path, out, to="bf16", part=(1, 3))
+    with pytest.raises(OptionsError, match=r"holds part 1/3 of a split into 3 parts; this is --part 2/4"):
+        fp8conv.convert(ckpt.path, out, to="bf16", part=(2, 4), resume=True)
+    with pytest.raises(OptionsError, match=r"part 1/3 there differs: option dtype was 'bfloat16', now 'float16'"):
+        fp8conv.convert(ckpt.path, out, to="bf16", dtype="float16", part=(2, 3), resume=True)
+    with pytest.raises(OptionsError, match=r"cannot resume .*option to was 'bf16', now 'channel'"):
+        fp8conv.convert(ckpt.path, out, to="channel", part=(1, 3), resume=True)  # its own record
+    assert sorted(p.name for p in (out / ".fp8conv").iterdir()) == ["part-1-of-3.json"]  # nothing written
+    with pytest.raises(OptionsError, match=r"holds parts of a fan-out: resume each with --part I/N --resume"):
+        fp8conv.convert(ckpt.path, out, to="bf16", resume=True)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("x")
+    with pytest.raises(OptionsError, match=r"not empty and holds no fp8conv output"):
+        fp8conv.convert(ckpt.path, foreign, to="bf16", part=(1, 2), resume=True)
+    # --overwrite starts a new split: the records of the old one go, the result is a single run's
+    for i in (1, 2):
+        fp8conv.convert(ckpt.path, out, to="bf16", part=(i, 2), overwrite=True)
+    fp8conv.convert(ckpt.path, tmp_path / "single", to="bf16")
+    assert _without_part_records(out) == dir_snapshot(tmp_path / "single")
+    assert sorted(p.name for p in (out / ".fp8conv").glob("part-*")) == ["part-1-of-2.json", "part-2-of-2.json"]
+
+
+def test_fanout_examples_keep_n_explicit_and_install_a_pinned_cpu_torch():
+    """The examples must survive a rerun of one task: N written out (never Slurm's task count), parts
+    1..N, a finalize and verify step after them, and fp8conv installed from a wheel with the CPU torch."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    folder = Path(__file__).parent.parent / "examples" / "fanout"
+    sbatch = (folder / "slurm_array.sbatch").read_text()
+    assert "SLURM_ARRAY_TASK_COUNT" not in sbatch
+    n = int(re.search(r"^N=\$\{N:-(\d+)\}", sbatch, re.M).group(1))
+    assert f"#SBATCH --array=1-{n}\n" in sbatch and "--array=1-$N" in sbatch and '--part "$I/$N" --resume' in sbatch
+    assert "--dependency=afterok:$JOBID --kill-on-invalid-dep=yes slurm_finalize.sbatch" in sbatch
+    assert "--dependency=afterok:$RERUN --kill-on-invalid-dep=yes slurm_finalize.sbatch" in sbatch
+    finalize = (folder / "slurm_finalize.sbatch").read_text()
+    assert '"$FP8CONV" finalize "$OUT"' in finalize and '"$FP8CONV" verify "$SRC" "$OUT"' in finalize
+    job = yaml.safe_load((folder / "k8s_indexed_job.yaml").read_text())
+    count = job["spec"]["completions"]
+    assert (
+        f"--part $((JOB_COMPLETION_INDEX + 1))/{count} --resume"
+        in job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    )
+    fin = yaml.safe_load((folder / "k8s_finalize_job.yaml").read_text())
+    fin_args = fin["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "fp8conv finalize /models/DeepSeek-V3-bf16" in fin_args and "fp8conv verify /models/DeepSeek-V3 " in fin_args
+    workflow = yaml.safe_load((folder / "github_actions_matrix.yml").read_text())
+    assert workflow["jobs"]["convert"]["strategy"]["matrix"]["part"] == list(range(1, workflow["env"]["N"] + 1))
+    for path in folder.iterdir():
+        text = path.read_text()
+        assert not re.search(r"pip install (--quiet )?fp8conv\b", text), path  # not published: installs nothing
+        for line in re.findall(r"^[^#\n]*pip\"? install.*torch.*", text, re.M):
+            assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in line, (path, line)
+        if "install" in text:
+            assert f"fp8conv-{fp8conv.__version__}-py3-none-any.whl" in text, path  # the wheel pip wheel builds

@@ -8,17 +8,35 @@ import torch
 
 from ..backends import Backend
 from ..dtypes import torch_dtype
+from ..formats import PACKED
 from ..plan import Action, Job
 from .dequant import dequantize, scale_grid
 from .pad import pad_to
 from .quant import quantize, requantize
+from .unpack import block_exactness, dequantized_output, unpack_to_float32
 
 Reader = Callable[[str], torch.Tensor]
 
 
-def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[torch.Tensor]:
+def run_job(
+    job: Job, read: Reader, backend: Backend, fp8_max: float, exactness: list[int] | None = None
+) -> list[torch.Tensor]:
+    """exactness: [exact, total] output blocks, added to for packed 4-bit weights quantized to FP8."""
     if job.action is Action.COPY:
-        return [pad_to(read(job.source), job.spec.shape)]
+        return [pad_to(read(job.source), job.spec.shape, parts=job.pad_parts)]
+    if job.fmt is not None and job.fmt.kind in PACKED:
+        if job.action is Action.DEQUANTIZE:
+            return [dequantized_output(read, job.fmt, backend, torch_dtype(job.spec.dtype))]
+        w32 = unpack_to_float32(read, job.fmt, backend)
+        q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
+        if exactness is not None:
+            block = job.out_block or (1, job.spec.shape[-1])
+            n, k = w32.shape[-2:]  # --pad-for-tp added zeros (exact) after the blocks that hold values
+            grid = (-(-n // block[0]), -(-k // block[1]))
+            exact, total = block_exactness(w32, q[..., :n, :k], scale[..., : grid[0], : grid[1]], block, backend)
+            exactness[0] += exact
+            exactness[1] += total
+        return [q, scale]
     if job.action is Action.DEQUANTIZE:
         assert job.fmt is not None and job.fmt.scale is not None
         out_dtype = torch_dtype(job.spec.dtype)
@@ -28,7 +46,11 @@ def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[to
         weight = read(job.source)
         grid = scale_grid(read(job.fmt.scale), job.fmt, tuple(weight.shape))
         grid = grid.reshape(*weight.shape[:-2], *grid.shape[-2:])
-        return [pad_to(weight, job.outputs[0].shape), pad_to(grid.contiguous(), job.outputs[1].shape, 1.0)]
+        parts = job.pad_parts  # the plan keeps blocks of a fused [gate; up] only when each half is whole blocks
+        return [
+            pad_to(weight, job.outputs[0].shape, 0.0, parts),
+            pad_to(grid.contiguous(), job.outputs[1].shape, 1.0, parts),
+        ]
     # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
     if job.fmt is not None:
         assert job.fmt.scale is not None
@@ -38,5 +60,5 @@ def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[to
         w32 = dequantize(weight, read(job.fmt.scale), job.fmt, torch.float32, backend)
     else:
         w32 = read(job.source).to(torch.float32)
-    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
+    q, scale = quantize(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_block, fp8_max, backend)
     return [q, scale]
