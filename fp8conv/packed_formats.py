@@ -9,9 +9,9 @@ times for int32), and the scale grid must be exactly K / group along K, or the t
 from __future__ import annotations
 
 from .dtypes import FP8_E4M3
-from .formats import Kind, WeightFormat
 from .index import CheckpointIndex
 from .quant_config import QuantSettings
+from .weight_format import Kind, WeightFormat
 
 E8M0_DTYPES = ("F8_E8M0", "U8")  # UE8M0 exponents: float8_e8m0fnu, or uint8 as gpt-oss stores them
 INT4_SCALE_DTYPES = ("BF16", "F16", "F32")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, get_backend
+from .backends.scales import all_powers_of_two
 from .config import CONFIG_NAME
 from .direct_io import aligned_empty
 from .errors import OptionsError, PlanRefused
@@ -30,7 +31,6 @@ from .preflight import check_free_space, check_scales
 from .provenance import model_card_note, source_record
 from .rewrite.dequant import scale_grid
 from .rewrite.jobs import run_job
-from .rewrite.scales import all_powers_of_two
 from .safetensors_file import TensorEntry
 from .shard_reader import ShardReader, read_capacity
 from .shard_source import ShardSource

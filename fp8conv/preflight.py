@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from .backends.scales import scale_to_float32
 from .errors import CheckpointError, OutputError
 from .formats import CONVERTIBLE, PACKED, Classification, WeightFormat
-from .rewrite.scales import scale_to_float32
 from .safetensors_file import read_tensor
 from .source import Checkpoint
 

@@ -202,7 +202,7 @@ def test_trap_one_byte_tensors_are_not_fp8(tmp_path):
 def test_trap_e8m0_is_read_by_its_bits(tmp_path):
     """Byte 120 is 2^-7 (not 120.0, as copying the bytes into float32 gives) and byte 124 is 2^-3 (not 0,
     as a numeric cast of the e8m0 value into uint8 gives)."""
-    from fp8conv.rewrite.scales import scale_to_float32
+    from fp8conv.backends.scales import scale_to_float32
 
     b = torch.tensor([120, 124, 127, 130], dtype=torch.uint8)
     expected = torch.tensor([2.0**-7, 2.0**-3, 1.0, 8.0])
@@ -418,7 +418,7 @@ def test_cpu_table_decode_matches_reference_bit_for_bit(dtype, scales):
 
     codes = torch.arange(256, dtype=torch.uint8).repeat(3, 2).reshape(3, 8, 64)  # every byte, three experts
     gen = torch.Generator().manual_seed(3)
-    from fp8conv.rewrite.scales import scale_to_float32
+    from fp8conv.backends.scales import scale_to_float32
 
     every_byte = torch.arange(255, dtype=torch.uint8)[torch.randperm(255, generator=gen)][:96].reshape(3, 8, 4)
     every_byte[0, 0, :2] = torch.tensor([0, 254])  # 2^-127 (a float32 subnormal) and 2^127 (6 x 2^127 is inf)

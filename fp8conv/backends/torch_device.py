@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rewrite.scales import scale_to_float32
+from .scales import scale_to_float32
 
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
 
