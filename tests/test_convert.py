@@ -278,25 +278,31 @@ def test_non_empty_output_needs_overwrite(tiny, tmp_path):
     assert (out / "config.json").exists()
 
 
-def test_interrupted_run_does_not_look_complete(tiny, tmp_path, monkeypatch):
-    import fp8conv.pipeline as pipeline
+def _data_bytes(shard) -> int:
+    """A safetensors file's tensor bytes: its size less the 8-byte length and the header."""
+    raw = shard.read_bytes()
+    return len(raw) - 8 - int.from_bytes(raw[:8], "little")
 
-    calls = {"n": 0}
-    real = pipeline.run_job
 
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 15:  # shard 1 holds 8 FP8 weights, shard 2 the next 20
+def test_interrupted_run_does_not_look_complete(tiny, tmp_path):
+    # Where shard 2 starts and ends, in output bytes, from an uninterrupted run's files
+    fp8conv.convert(tiny.path, tmp_path / "whole", to="bf16")
+    first, second = (_data_bytes(tmp_path / "whole" / name) for name in tiny.shards[:2])
+    seen: list[int] = []
+
+    def interrupt_inside_shard_two(done: int, total: int) -> None:
+        seen.append(done)
+        if done > first:  # the progress callback runs after each tensor: one of shard 2's is done
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "run_job", failing)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        fp8conv.convert(tiny.path, out, to="bf16")
+        fp8conv.convert(tiny.path, out, to="bf16", progress=interrupt_inside_shard_two)
+    assert first in seen and first < seen[-1] < first + second, "the interrupt must land inside shard 2"
     assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
     assert not list(out.glob(f".*{TEMP_SUFFIX}"))  # the partial shard is removed
-    assert (out / tiny.shards[0]).exists() and not (out / tiny.shards[1]).exists()
+    assert (out / tiny.shards[0]).read_bytes() == (tmp_path / "whole" / tiny.shards[0]).read_bytes()
+    assert not (out / tiny.shards[1]).exists()
 
 
 def test_pickles_are_never_read(tmp_path):
