@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,6 +196,63 @@ def test_inspect_reads_headers_only_and_reports(tiny, tmp_path):
     for shard in tiny.path.glob("*.safetensors"):  # and zeros, the other value a reader of scales checks
         _fill_tensor_bytes(shard, 0x00)
     assert fp8conv.inspect(tiny.path).to_dict() == r.to_dict()
+
+
+STRACED = re.compile(r"^(\w+)\((.*)\) += (-?\w+)(?:<([^<>]*)>)?")
+
+
+def _tensor_reads(trace: list[str], data_start: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+    """From an strace -y log: every system call that read a shard's tensor bytes, and how many bytes of each
+    shard plain read() returned. A header is read through a buffer, which may run one block past it."""
+    problems, opened, read = [], dict.fromkeys(data_start, 0), dict.fromkeys(data_start, 0)
+    for line in trace:
+        m = STRACED.match(line)
+        fd_path = m and re.search(r"\b\d+<([^<>]*)>", m.group(2))  # the first file descriptor (mmap's is 5th)
+        path = m and (m.group(4) if m.group(1) == "openat" else fd_path and fd_path.group(1))
+        if not m or path not in data_start or m.group(3).startswith("-"):
+            continue
+        call, args, returned = m.group(1), m.group(2), int(m.group(3), 0)
+        start = data_start[path]
+        if call == "openat":
+            opened[path] += 1
+        elif call in ("read", "readv"):
+            read[path] += returned
+        elif (
+            (call == "pread64" and int(args.rsplit(",", 1)[1]) + returned > start)
+            or (call.startswith("preadv") and int(args.rsplit("]", 1)[1].split(",")[2]) + returned > start)
+            or (call == "lseek" and args.endswith("SEEK_SET") and int(args.split(",")[1]) >= start)
+            or call == "mmap"
+        ):
+            problems.append(line)
+    for path, n in read.items():
+        if n > opened[path] * (data_start[path] + max(io.DEFAULT_BUFFER_SIZE, os.stat(path).st_blksize)):
+            problems.append(f"{n} bytes of {path} read() in {opened[path]} open(s)")
+    return problems, read
+
+
+def test_inspect_reads_no_tensor_bytes_at_the_system_call_level(tiny, tmp_path):
+    """What the process asks the kernel for, whichever Python name or module does the reading."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    shards = {str(p): 8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tiny.path.glob("*.safetensors")}
+    calls = "openat,read,readv,pread64,preadv,preadv2,lseek,mmap"
+    paths = [arg for p in shards for arg in ("-P", p)]
+    log = tmp_path / "trace"
+    code = f"import fp8conv; fp8conv.inspect({str(tiny.path)!r})"
+    strace = ["strace", "-ff", "-qq", "-y", "-s", "0", "-e", f"trace={calls}", *paths, "-o", str(log)]
+    done = subprocess.run(
+        [*strace, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0 and "ptrace" in done.stderr.lower():
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    trace = [line for f in tmp_path.glob("trace.*") for line in f.read_text().splitlines()]
+    problems, read = _tensor_reads(trace, shards)
+    assert all(read[p] >= start for p, start in shards.items()), read  # the trace saw every header read
+    assert problems == []
 
 
 def test_inspect_estimate_matches_the_real_bf16_output(tiny, tmp_path):
