@@ -175,15 +175,10 @@ def test_parts_resume_in_every_order_and_after_finalize(make_tiny, tmp_path):
 
 SLOW_PART = """
 import sys, time
-import fp8conv.pipeline as pipeline
-real = pipeline.run_job
-def slow(*args, **kwargs):
-    time.sleep(0.05)  # slow enough to be killed mid-shard
-    return real(*args, **kwargs)
-pipeline.run_job = slow
-from fp8conv.cli import main
-sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", "channel", "-o", sys.argv[2], "--part", "2/2", "--resume"]
-main()
+import fp8conv
+def slow(done, total):
+    time.sleep(0.05)  # after each tensor: slow enough to be killed mid-shard
+fp8conv.convert(sys.argv[1], sys.argv[2], to="channel", part=(2, 2), resume=True, progress=slow)
 """
 
 
@@ -209,7 +204,8 @@ def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_pat
     proc.wait()
     done = finished()
     assert len(done) == 1 and any(out.glob(".*.fp8conv-partial")), "the test must kill part 2 mid-shard"
-    kept_inode = (out / done[0]).stat().st_ino
+    kept = (out / done[0]).stat()
+    kept_file = (kept.st_ino, kept.st_mtime_ns)  # an inode alone may be reused by a rewrite
     other = fp8conv.convert(ckpt.path, out, to="channel", part=(1, 2), resume=True)
     assert not other.finalized and not (out / "config.json").exists()  # part 2 is not complete
     cmd = [sys.executable, "-m", "fp8conv", "convert", str(ckpt.path), "--to", "channel", "-o", str(out)]
@@ -217,7 +213,8 @@ def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_pat
     assert retry.returncode == 0, retry.stderr
     assert "wrote part 2/2 of" in retry.stdout and "2 shard(s) (1 kept from an earlier run)" in retry.stdout
     assert "all parts done, finalized" in retry.stdout
-    assert (out / done[0]).stat().st_ino == kept_inode  # the finished shard was kept, not redone
+    now = (out / done[0]).stat()
+    assert (now.st_ino, now.st_mtime_ns) == kept_file  # the finished shard was kept, not redone
     assert not list(out.glob(".*.fp8conv-partial"))
     assert _without_part_records(out) == dir_snapshot(tmp_path / "single")
 
