@@ -16,6 +16,7 @@ from .errors import OptionsError, OutputError
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, resume_mismatch
 from .plan import ShardPlan
+from .provenance import MODEL_CARD, write_model_card
 from .version import __version__
 from .writer import copy_file_atomic, fsync_dir, write_file_atomic
 
@@ -173,14 +174,18 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
             raise OutputError("is missing or does not match its part's hash", shard=name, fix="run its part again")
     all_pow2 = all(doc.get("all_scales_pow2", True) for doc in docs.values())
     with_scale_fmt(fin["config"], fin["claims_ue8m0"], all_pow2)
+    final = merged.without_stat()
+    if "source" in first:  # provenance, as a single run records it
+        final.extra = {"source": first["source"]}
     finish(
         out,
-        merged.without_stat(),
+        final,
         Path(fin["copy_from"]),
         fin["copy_files"],
         fin["index"],
         fin["config"],
         fin.get("json_files"),
+        fin.get("model_card_note"),
     )
     return FinalizeResult(out, n, len(shards))
 
@@ -203,10 +208,15 @@ def finish(
     index: dict[str, Any] | None,
     config: dict[str, Any] | None,
     json_files: dict[str, dict[str, Any]] | None = None,
+    model_card_note: str | None = None,
 ) -> None:
-    """The end of every run: the other files, the manifest, then the index and config, last."""
+    """The end of every run: the other files (the model card with `model_card_note` appended), the
+    manifest, then the index and config, last."""
     for rel in copy_files:
-        copy_file_atomic(copy_from / rel, out / rel)
+        if rel == MODEL_CARD and model_card_note is not None:
+            write_model_card(copy_from / rel, out / rel, model_card_note)
+        else:
+            copy_file_atomic(copy_from / rel, out / rel)
     for rel, doc in (json_files or {}).items():
         write_file_atomic(out / rel, dump_json(doc))
     manifest.save(out)

@@ -114,11 +114,13 @@ def test_other_files_copied_unchanged(tiny, tmp_path):
         "modeling_deepseek.py",
         "chat_template.jinja",
         "generation_config.json",
-        "README.md",
         "LICENSE",
         "figures/note.txt",
     ]:
         assert out_files[rel] == src_files[rel], rel
+    # the model card keeps every byte and gains a note saying what the copy is (--keep-model-card: none)
+    card = out_files["README.md"].decode()
+    assert card.startswith(src_files["README.md"].decode().rstrip("\n") + "\n\n## Converted with fp8conv\n")
     assert not [p for p in out.rglob(f"*{TEMP_SUFFIX}")]
 
 
