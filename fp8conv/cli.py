@@ -24,6 +24,7 @@ from .parts import finalize, parse_part
 from .pipeline import ConvertResult, convert
 from .plan import FP8_MAX_STANDARD, TARGETS, ConvertOptions
 from .report import InspectReport, inspect
+from .streaming import DEFAULT_AHEAD
 from .verify import VerifyResult, verify
 
 DEBUG_ENV = "FP8CONV_DEBUG"
@@ -234,6 +235,29 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="Read and write through the page cache instead of direct I/O (O_DIRECT, the default where the "
     "filesystem has it: the page cache costs more CPU than the arithmetic).",
 )
+@click.option(
+    "--stream",
+    is_flag=True,
+    help="Hub ID: fetch shards one by one (hf_hub_download) while earlier ones convert; plan from remote headers.",
+)
+@click.option(
+    "--evict-input",
+    is_flag=True,
+    help="--stream: remove each input shard from the Hugging Face cache once every output reading it is written.",
+)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(min=0),
+    default=DEFAULT_AHEAD,
+    show_default=True,
+    metavar="N",
+    help="--stream: fetch the shards of up to N output shards ahead of the one being converted.",
+)
+@click.option(
+    "--keep-model-card",
+    is_flag=True,
+    help="Copy README.md unchanged instead of appending a 'Converted with fp8conv' section.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def convert_command(
     checkpoint: str,
@@ -257,6 +281,10 @@ def convert_command(
     max_memory: str | None,
     jobs: int,
     buffered_io: bool,
+    stream: bool,
+    evict_input: bool,
+    prefetch: int,
+    keep_model_card: bool,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
@@ -275,6 +303,10 @@ def convert_command(
         ConvertOptions(target, dtype, block_size, range_max, pad_for_tp, roles).validate()
     except OptionsError as exc:
         raise click.UsageError(exc.one_line()) from None
+    if evict_input and not stream:
+        raise click.UsageError("--evict-input needs --stream")
+    if stream and (jobs > 1 or part is not None):
+        raise click.UsageError("--stream converts in one process: do not combine it with -j or --part")
     if jobs > 1:
         if part is not None:
             raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
@@ -283,6 +315,7 @@ def convert_command(
         flags += [("--revision", revision), ("--overwrite", overwrite), ("--resume", resume)]
         flags += [("--allow-nonfinite", allow_nonfinite), ("--no-space-check", no_space_check)]
         flags += [("--max-memory", max_memory), ("--buffered-io", buffered_io)]
+        flags += [("--keep-model-card", keep_model_card)]
         base = ["convert", checkpoint, "--to", target, "-o", output, "--dtype", dtype, "--fp8-max", f"{range_max:g}"]
         base += ["--device", device, "--threads", str(threads or 1), "-q"]
         for flag, value in flags:
@@ -317,6 +350,10 @@ def convert_command(
             max_memory=memory_cap,
             direct_io=not buffered_io,
             progress=progress,
+            stream=stream,
+            evict_input=evict_input,
+            prefetch=prefetch,
+            keep_model_card=keep_model_card,
         )
     except Fp8ConvError as exc:
         close()
@@ -329,6 +366,11 @@ def convert_command(
         click.echo(f"warning: {path} was not copied: {why}", err=True)
     if not quiet:
         click.echo(_summary(result))
+    if result.streamed is not None and not quiet:
+        click.echo(
+            f"streamed: {len(result.streamed['fetched'])} shard(s) fetched, {len(result.streamed['evicted'])} "
+            f"evicted, {result.streamed['waited_s']:.1f} s spent waiting for shards"
+        )
     if result.verified is not None:
         _report_verify(result.verified)
 

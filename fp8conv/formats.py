@@ -9,59 +9,21 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
+from .packed_formats import classify_packed
 from .quant_config import QuantSettings, module_matches, read_quant_settings
 from .safetensors_file import TensorEntry
+from .weight_format import CONVERTIBLE, PACKED, Kind, WeightFormat
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
 BARE_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a fused 3-D expert parameter without `.weight`
 PACKED_SUFFIXES = (".weight_packed", "_blocks")  # compressed-tensors packed FP4/INT4, gpt-oss MXFP4
-
-
-class Kind(str, Enum):
-    BLOCK = "block-fp8"
-    PER_TENSOR = "per-tensor-fp8"
-    CHANNEL = "channel-fp8"
-    UNQUANTIZED = "unquantized"
-    UNVERIFIED = "unverified"
-    UNSUPPORTED = "unsupported"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-CONVERTIBLE = frozenset({Kind.BLOCK, Kind.PER_TENSOR, Kind.CHANNEL})
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """One quantized weight and the companions that travel with it."""
-
-    weight: str
-    kind: Kind
-    scale: str | None = None
-    companions: tuple[str, ...] = ()  # activation scales etc., consumed with the weight
-    block: tuple[int, int] | None = None  # the confirmed block size, for block-fp8
-    reason: str | None = None  # why unverified / unsupported
-    fix: str | None = None
-
-    def math_block(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """The block that makes every convertible kind one computation: channel and tensor are (1, K)."""
-        k = shape[-1]
-        if self.kind is Kind.BLOCK and self.block:
-            return self.block
-        # channel and per-tensor: one scale per row (per-tensor scales are broadcast to every row)
-        return (1, max(k, 1))
-
-    @property
-    def consumed(self) -> tuple[str, ...]:
-        return ((self.scale,) if self.scale else ()) + self.companions
+V4_SCALE_SUFFIX = ".scale"  # DeepSeek-V4 names a weight's scale `<module>.scale`
 
 
 @dataclass
@@ -102,6 +64,7 @@ class _Context:
     block: tuple[int, int] | None
     block_where: str | None
     problems: list[CheckpointError] = field(default_factory=list)
+    settings: QuantSettings | None = None
 
     def shard(self, name: str) -> str:
         return self.index.shard_of(name).name
@@ -126,7 +89,7 @@ def classify(
     block, block_source = (block_size, "--block-size") if block_size else (settings.block, where)
     if block is None:
         block_source = None
-    ctx = _Context(index, block, block_source, problems)
+    ctx = _Context(index, block, block_source, problems, settings)
 
     names = set(index.locations)
     weights: dict[str, WeightFormat] = {}
@@ -160,8 +123,9 @@ def classify(
                     fix=fmt.fix,
                 )
             )
-        elif fmt.kind in CONVERTIBLE and module_matches(module_of(fmt.weight), settings.not_converted):
-            warnings.append(f"{fmt.weight} is FP8 although {where} lists its module as not converted")
+        elif fmt.kind in CONVERTIBLE | PACKED and module_matches(module_of(fmt.weight), settings.not_converted):
+            what = "FP8" if fmt.kind in CONVERTIBLE else str(fmt.kind)
+            warnings.append(f"{fmt.weight} is {what} although {where} lists its module as not converted")
     if settings.method is not None and not weights:
         warnings.append(f"{where} declares quant_method {settings.method!r} but no tensor is FP8")
     return Classification(
@@ -190,17 +154,17 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
     """A WeightFormat for a weight that is quantized (or looks it), None for everything else."""
     entry = ctx.index.entry(name)
     if name.endswith(PACKED_SUFFIXES):
-        return WeightFormat(
-            name,
-            Kind.UNSUPPORTED,
-            companions=_packed_companions(name, names),
-            reason=f"packed {entry.dtype} weights (FP4/INT4, e.g. NVFP4 or MXFP4) are not FP8",
-            fix="fp8conv converts FP8 checkpoints only",
-        )
+        return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, names))
     if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
         return None
+    if name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
+        return None  # DeepSeek-V4's companion; consumed by its weight (or left plain if that is float)
     base = name[: -len(".weight")] if name.endswith(".weight") else None
     scales = [base + s for s in SCALE_SUFFIXES if base and base + s in names]
+    if base and base + V4_SCALE_SUFFIX in names and entry.dtype in (FP8_E4M3, "I8", "U8"):
+        scales.append(base + V4_SCALE_SUFFIX)
+    if scales and entry.dtype in ("I8", "U8"):  # never by element size: by the scale and config.json
+        return classify_packed(ctx.index, ctx.settings, name, names, _companions(base, names) if base else ())
     if entry.dtype != FP8_E4M3:
         if entry.dtype.startswith("F8_"):
             return WeightFormat(
@@ -210,15 +174,6 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
                 companions=_companions(base, names) if base else (),
                 reason=f"{entry.dtype} weights are not float8_e4m3fn",
                 fix="fp8conv reads e4m3fn FP8 only",
-            )
-        if scales and entry.dtype in ("I8", "U8"):
-            return WeightFormat(
-                name,
-                Kind.UNSUPPORTED,
-                scale=scales[0],
-                companions=_companions(base, names) if base else (),
-                reason=f"{entry.dtype} weights with a scale are int8 or packed FP4, not FP8",
-                fix="fp8conv converts FP8 checkpoints only",
             )
         if scales:
             ctx.problems.append(

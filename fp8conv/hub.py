@@ -23,6 +23,8 @@ ALLOW_PATTERNS = [
     "LICENSE*",
 ]
 HEADER_ONLY_PATTERNS = ["*.json"]
+# --stream: everything but the shards, which are fetched one by one
+SMALL_FILE_PATTERNS = [p for p in ALLOW_PATTERNS if p != "*.safetensors"]
 
 
 def looks_like_repo_id(location: str) -> bool:
@@ -36,8 +38,16 @@ def _hub_error(repo_id: str, exc: Exception) -> CheckpointError:
     )
 
 
-def snapshot(repo_id: str, revision: str | None, *, headers_only: bool = False, cached_only: bool = False) -> Path:
-    """The local snapshot folder of `repo_id` (downloaded into the huggingface_hub cache if needed)."""
+def snapshot(
+    repo_id: str,
+    revision: str | None,
+    *,
+    headers_only: bool = False,
+    cached_only: bool = False,
+    weights: bool = True,
+) -> Path:
+    """The local snapshot folder of `repo_id` (downloaded into the huggingface_hub cache if needed);
+    weights=False leaves the shards out (--stream fetches them one by one)."""
     from huggingface_hub import snapshot_download
 
     try:
@@ -45,7 +55,9 @@ def snapshot(repo_id: str, revision: str | None, *, headers_only: bool = False, 
             snapshot_download(
                 repo_id,
                 revision=revision,
-                allow_patterns=HEADER_ONLY_PATTERNS if headers_only else ALLOW_PATTERNS,
+                allow_patterns=HEADER_ONLY_PATTERNS
+                if headers_only
+                else (ALLOW_PATTERNS if weights else SMALL_FILE_PATTERNS),
                 local_files_only=cached_only,
             )
         )

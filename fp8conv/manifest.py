@@ -133,6 +133,9 @@ def resume_mismatch(old: Manifest, new: Manifest) -> str | None:
     for key in sorted(set(old.options) | set(new.options)):
         if old.options.get(key) != new.options.get(key):
             return f"option {key} was {old.options.get(key)!r}, now {new.options.get(key)!r}"
+    if ("commit" in old.input) != ("commit" in new.input):  # a --stream run pins its input by commit
+        how = "streamed" if "commit" in old.input else "did not stream"
+        return f"the interrupted run {how} its input from the Hub (--stream); resume it the same way"
     if old.input != new.input:
         changed = [s["name"] for s in new.input["shards"] if s not in old.input.get("shards", [])] or ["config.json"]
         return f"the input changed since the interrupted run ({', '.join(changed[:3])})"

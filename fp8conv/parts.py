@@ -16,6 +16,8 @@ from .errors import OptionsError, OutputError
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, resume_mismatch
 from .plan import ShardPlan
+from .provenance import MODEL_CARD, write_model_card
+from .version import __version__
 from .writer import copy_file_atomic, fsync_dir, write_file_atomic
 
 PART_FILE = re.compile(r"^part-(\d+)-of-(\d+)\.json$")
@@ -43,17 +45,47 @@ def part_path(out: Path, part: tuple[int, int]) -> Path:
     return out / MANIFEST.parent / f"part-{part[0]}-of-{part[1]}.json"
 
 
-def part_docs(out: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """Every part manifest in OUT, by (I, N)."""
-    docs = {}
+def part_files(out: Path) -> dict[tuple[int, int], Path]:
+    """Every part manifest file in OUT, by (I, N), unread."""
+    files = {}
     for path in sorted((out / MANIFEST.parent).glob("part-*-of-*.json")):
         m = PART_FILE.match(path.name)
         if m:
-            try:
-                docs[(int(m.group(1)), int(m.group(2)))] = json.loads(path.read_text())
-            except FileNotFoundError:  # dropped by a part started with --overwrite since the glob
-                continue
+            files[(int(m.group(1)), int(m.group(2)))] = path
+    return files
+
+
+def part_docs(out: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    """Every part manifest in OUT, by (I, N)."""
+    docs = {}
+    for part, path in part_files(out).items():
+        try:
+            docs[part] = _read_part(path, part)
+        except FileNotFoundError:  # dropped by a part started with --overwrite since the glob
+            continue
     return docs
+
+
+_PART_KEYS = ("fp8conv_version", "options", "input", "shards")
+_FINALIZE_KEYS = ("planned_shards", "config", "claims_ue8m0", "copy_from", "copy_files", "index")
+
+
+def _read_part(path: Path, part: tuple[int, int]) -> dict[str, Any]:
+    """One part manifest; a damaged one (a crash mid-copy, a full disk, a hand edit) is named with the way out."""
+    fix = f"run part {part[0]}/{part[1]} again with --overwrite"
+    try:
+        doc = json.loads(path.read_bytes())
+    except ValueError as exc:  # not JSON, truncated, not UTF-8
+        raise OutputError(f"part manifest {path} is not valid JSON ({exc})", fix=fix) from exc
+    if not isinstance(doc, dict):
+        raise OutputError(f"part manifest {path} is not a JSON object", fix=fix)
+    missing = [k for k in _PART_KEYS if k not in doc]
+    if not missing and doc.get("complete"):
+        fin = doc.get("finalize")
+        missing = [f"finalize.{k}" for k in _FINALIZE_KEYS if not isinstance(fin, dict) or k not in fin]
+    if missing:
+        raise OutputError(f"part manifest {path} lacks {', '.join(missing)}", fix=fix)
+    return doc
 
 
 def check_part(out: Path, part: tuple[int, int], manifest: Manifest, *, overwrite: bool) -> None:
@@ -92,7 +124,7 @@ def _doc_mismatch(doc: dict[str, Any], manifest: Manifest) -> str | None:
 
 def drop_other_splits(out: Path, count: int) -> None:
     """--overwrite: the manifests of a split into another N would keep finalize from ever finishing."""
-    for i, m in part_docs(out):
+    for i, m in part_files(out):  # by name only: a damaged manifest of another split goes too
         if m != count:
             part_path(out, (i, m)).unlink(missing_ok=True)
 
@@ -127,6 +159,11 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
         for (i, _), doc in docs.items():
             if doc[key] != first[key]:
                 raise OptionsError(f"part {i}/{n} was run with a different {key}", fix="convert all parts again")
+    if first["fp8conv_version"] != __version__:  # its finalize payload is that version's to interpret
+        raise OptionsError(
+            f"the parts in {out} were converted by fp8conv {first['fp8conv_version']}; this is {__version__}",
+            fix=f"finalize with fp8conv {first['fp8conv_version']}, or convert every part again with --overwrite",
+        )
     shards: dict[str, Any] = {}
     for doc in docs.values():
         shards.update(doc["shards"])
@@ -137,14 +174,18 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
             raise OutputError("is missing or does not match its part's hash", shard=name, fix="run its part again")
     all_pow2 = all(doc.get("all_scales_pow2", True) for doc in docs.values())
     with_scale_fmt(fin["config"], fin["claims_ue8m0"], all_pow2)
+    final = merged.without_stat()
+    if "source" in first:  # provenance, as a single run records it
+        final.extra = {"source": first["source"]}
     finish(
         out,
-        merged.without_stat(),
+        final,
         Path(fin["copy_from"]),
         fin["copy_files"],
         fin["index"],
         fin["config"],
         fin.get("json_files"),
+        fin.get("model_card_note"),
     )
     return FinalizeResult(out, n, len(shards))
 
@@ -167,10 +208,15 @@ def finish(
     index: dict[str, Any] | None,
     config: dict[str, Any] | None,
     json_files: dict[str, dict[str, Any]] | None = None,
+    model_card_note: str | None = None,
 ) -> None:
-    """The end of every run: the other files, the manifest, then the index and config, last."""
+    """The end of every run: the other files (the model card with `model_card_note` appended), the
+    manifest, then the index and config, last."""
     for rel in copy_files:
-        copy_file_atomic(copy_from / rel, out / rel)
+        if rel == MODEL_CARD and model_card_note is not None:
+            write_model_card(copy_from / rel, out / rel, model_card_note)
+        else:
+            copy_file_atomic(copy_from / rel, out / rel)
     for rel, doc in (json_files or {}).items():
         write_file_atomic(out / rel, dump_json(doc))
     manifest.save(out)

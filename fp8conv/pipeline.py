@@ -12,24 +12,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .backends import Backend, get_backend
+from .backends.scales import all_powers_of_two
 from .config import CONFIG_NAME
 from .direct_io import aligned_empty
 from .errors import OptionsError, PlanRefused
 from .formats import classify
+from .hub import looks_like_repo_id
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from .parts import assign_parts, check_part, drop_other_splits, finalize, finish, part_path, with_scale_fmt
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
+from .provenance import model_card_note, source_record
 from .rewrite.dequant import scale_grid
 from .rewrite.jobs import run_job
-from .rewrite.scales import all_powers_of_two
 from .safetensors_file import TensorEntry
 from .shard_reader import ShardReader, read_capacity
+from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
 from .stream import (
     BAND_WORKERS,
@@ -40,7 +44,19 @@ from .stream import (
     streamable,
     whole_tensor_bytes,
 )
-from .verify import VerifyResult, verify
+from .streaming import (
+    DEFAULT_AHEAD,
+    HEADERS_FILE,
+    Schedule,
+    StreamFeed,
+    adopt_local_header,
+    check_stream_space,
+    make_schedule,
+    open_stream,
+    save_input_headers,
+    stream_identity,
+)
+from .verify import OutputCheck, VerifyResult, verify
 from .version import __version__
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, temp_target
 
@@ -62,10 +78,15 @@ class ConvertResult:
     files_skipped: list[tuple[str, str]]
     warnings: list[str] = field(default_factory=list)
     verified: VerifyResult | None = None  # with verify_after
+    # packed 4-bit weights quantized to FP8: output blocks (rows for --to channel) that give back every
+    # 4-bit value exactly, of all such blocks; the rest lost bits
+    packed_blocks_exact: int = 0
+    packed_blocks_total: int = 0
     # --part I/N: shards, tensors and bytes are this part's; bytes_written leaves out shards_kept
     part: tuple[int, int] | None = None
     shards_kept: list[str] = field(default_factory=list)  # finished by an earlier run, checked, not redone
     finalized: bool = True  # False for a part while other parts are unfinished
+    streamed: dict[str, Any] | None = None  # --stream: shards fetched and evicted, seconds waited for them
 
 
 def convert(
@@ -89,29 +110,56 @@ def convert(
     max_memory: int | None = None,
     direct_io: bool = True,
     progress: ProgressCallback | None = None,
+    stream: bool | ShardSource = False,
+    evict_input: bool = False,
+    prefetch: int = DEFAULT_AHEAD,
+    keep_model_card: bool = False,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input.
 
     direct_io: large reads and all shard writes bypass the page cache where the filesystem allows it
-    (see direct_io.py); False sends everything through the page cache."""
+    (see direct_io.py); False sends everything through the page cache.
+    stream: a Hub ID's shards are fetched `prefetch` ahead of the conversion (see streaming.py), or
+    a ShardSource's; evict_input removes each from the cache once every output reading it is written.
+    keep_model_card: copy README.md unchanged (by default a "Converted with fp8conv" note is appended)."""
     started = time.monotonic()
     options = ConvertOptions(
         to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp, pad_roles=pad_roles
     )
     options.validate()
+    if evict_input and stream is False:
+        raise OptionsError("--evict-input needs --stream", fix="add --stream, or drop --evict-input")
+    if stream is not False and part is not None:
+        raise OptionsError("--stream does not combine with --part / -j", fix="stream with one process")
+    if prefetch < 0:
+        raise OptionsError(f"--prefetch {prefetch} is negative", fix="give 0 or more shards")
     backend = get_backend(device)
-    ckpt = open_checkpoint(source, revision=revision)
+    feed_source: ShardSource | None = None
+    if stream is not False:
+        ckpt, feed_source = open_stream(source, revision, stream, Path(output) if resume else None)
+    else:
+        ckpt = open_checkpoint(source, revision=revision)
     cls = classify(ckpt.index, ckpt.config, block_size)
     if cls.problems:
         raise PlanRefused(cls.problems)
     plan = plan_conversion(ckpt, cls, options)
-    scale_problems, scale_warnings = check_scales(ckpt, cls, allow_nonfinite)
+    # --stream: an output shard's scales are checked once its inputs are there (the data is not here yet)
+    scale_problems, scale_warnings = check_scales(ckpt, cls, allow_nonfinite) if feed_source is None else ([], [])
     if plan.problems or scale_problems:
         raise PlanRefused(plan.problems + scale_problems)
     plan.warnings += scale_warnings
     band_elements = _check_memory_cap(ckpt, plan, max_memory)
+    streamed: dict[str, Any] | None = None
     out = Path(output)
-    manifest = Manifest(__version__, Manifest.options_dict(options), input_identity(ckpt))
+    identity = input_identity(ckpt) if feed_source is None else stream_identity(ckpt, feed_source)
+    manifest = Manifest(__version__, Manifest.options_dict(options), identity)
+    is_hub_id = isinstance(source, str) and looks_like_repo_id(source)
+    record = feed_source.provenance() if feed_source is not None else {}
+    record = record or source_record(source, ckpt.root, revision, is_hub_id)
+    if feed_source is not None:
+        record["stream"] = {"prefetch": prefetch, "evict_input": evict_input}
+    manifest.extra["source"] = record
+    card_note = None if keep_model_card else model_card_note(record, plan)
     others: set[str] = set()  # shards other parts of a fan-out convert
     if part is not None:
         mine = assign_parts(plan.shards, part[1])[part[0] - 1]
@@ -121,25 +169,50 @@ def convert(
         check_part(out, part, manifest, overwrite=overwrite)
     keep = _resumable_shards(out, plan, manifest, part) if resume else set()
     _check_output(ckpt, out, overwrite or resume or part is not None)
+    schedule = make_schedule(ckpt.index, plan, keep) if feed_source is not None else None
     if space_check:
         copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
         kept = sum((out / name).stat().st_size for name in keep)
         mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
-        check_free_space(out, mine_bytes + copied - kept)
+        if feed_source is None or schedule is None:
+            check_free_space(out, mine_bytes + copied - kept)
+        else:
+            sizes = {s.name: s.header.file_size for s in ckpt.index.shards}
+            present = {name for name in sizes if feed_source.present(name)}
+            held, count = schedule.peak_input(sizes, prefetch, evict_input, present)
+            check_stream_space(out, mine_bytes + copied - kept, feed_source.root, held, count, prefetch, evict_input)
     _prepare_output(out, keep, others)
     if part is None or overwrite:  # records of another split (or of none: this run is whole) are stale
         drop_other_splits(out, part[1] if part else 0)
     manifest.save(out)
+    if feed_source is not None:
+        save_input_headers(out, ckpt, feed_source)
     run = _Run(ckpt, plan, backend, progress, manifest, band_elements, direct_io)
+    stream_check = OutputCheck(ckpt.index, plan, out, 1.0, 20) if verify_after and schedule is not None else None
     with ExitStack() as stack:
+        if feed_source is not None and schedule is not None:
+            run.feed = _stream_feed(run, feed_source, schedule, prefetch, evict_input, allow_nonfinite, stream_check)
+            stack.callback(run.feed.close)
+            run.feed.start()
         run.execute(out, stack, skip=keep | others)
+        if run.feed is not None:
+            run.feed.finish()
+            streamed = {"fetched": run.feed.fetched, "evicted": run.feed.evicted, "waited_s": run.feed.waited_s}
+    exact, total = run.exactness
+    if total:
+        unit = "rows" if options.to == "channel" else f"{_out_block_text(plan)} blocks"
+        plan.warnings.append(
+            f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
+            "(their amax / 448 scales put 4-bit values between FP8 steps)"
+        )
     finalized = True
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
         if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files)
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, card_note)
+        (out / HEADERS_FILE).unlink(missing_ok=True)  # --stream: only a resume needed them
     else:  # record what finalize needs; the last part to finish finalizes
         manifest.extra = {
             "complete": True,
@@ -152,11 +225,26 @@ def convert(
                 "index": index,
                 "config": config,
                 "claims_ue8m0": plan.claims_ue8m0,
+                "model_card_note": card_note,
             },
+            "source": record,
         }
         manifest.save(out)
         finalized = finalize(out, require_all=False) is not None
-    verified = verify(ckpt.root, out, options=options) if verify_after and part is None else None
+    verified = None
+    if stream_check is not None:  # each shard was checked as it was committed, before its inputs went
+        stream_check.documents()
+        verified = stream_check.result(stream_check.seconds)
+    elif verify_after and part is None:
+        verified = verify(ckpt.root, out, options=options)
+    if verified is not None:  # provenance: the output says it was checked, and how that went
+        manifest.extra["verify"] = {
+            "ok": verified.ok,
+            "tensors_checked": verified.tensors_checked,
+            "tensors_sampled": verified.tensors_sampled,
+            "failures": verified.failures,
+        }
+        manifest.save(out)
     return ConvertResult(
         output=out,
         target=plan.target,
@@ -169,9 +257,12 @@ def convert(
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
+        packed_blocks_exact=run.exactness[0],
+        packed_blocks_total=run.exactness[1],
         part=part,
         shards_kept=sorted(keep),
         finalized=finalized,
+        streamed=streamed,
     )
 
 
@@ -191,11 +282,13 @@ class _Run:
         self.band_elements = band_elements
         self.converted = self.copied = self.done = 0
         self.all_scales_pow2 = True
+        self.exactness = [0, 0]  # packed 4-bit weights quantized to FP8: exact blocks, all blocks
         self.direct_io = direct_io
         self.readers: dict[str, ShardReader] = {}
         self.readers_lock = threading.Lock()
         self.copy_buffer = aligned_empty(read_capacity(COPY_CHUNK_BYTES))
         self.streamer: BandStreamer | None = None
+        self.feed: StreamFeed | None = None  # --stream: input shards arrive while the run goes on
 
     def reader_of(self, tensor: str, stack: ExitStack) -> ShardReader:
         """The reader of the input shard holding `tensor`, opened once."""
@@ -205,6 +298,13 @@ class _Run:
                 self.readers[shard_name] = ShardReader(self.ckpt.index.root / shard_name, self.direct_io)
                 stack.callback(self.readers[shard_name].close)
             return self.readers[shard_name]
+
+    def close_reader(self, shard_name: str) -> None:
+        """Before an input shard is evicted: an open descriptor would keep its blocks allocated."""
+        with self.readers_lock:
+            reader = self.readers.pop(shard_name, None)
+        if reader is not None:
+            reader.close()
 
     def execute(self, out: Path, stack: ExitStack, skip: set[str]) -> None:
         """Three stages overlap: a reader thread fetches the next job's tensors, this thread computes,
@@ -221,6 +321,8 @@ class _Run:
             if shard.name in skip:  # finished by an interrupted run, size and hash checked
                 self.done += shard.nbytes
                 continue
+            if self.feed is not None:
+                self.feed.wait_for(shard.name)  # its input shards, companions' included, are on disk
             writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA, self.direct_io)
             pending: deque[Future[None]] = deque()
             try:
@@ -265,6 +367,8 @@ class _Run:
     def _commit(self, writer: ShardWriter, out: Path, name: str) -> None:
         writer.commit()
         self.manifest.record_shard(out, name, writer.sha256)
+        if self.feed is not None:
+            self.feed.committed(name)
 
     def _is_raw_copy(self, job: Job) -> bool:
         return job.action is Action.COPY and _copied_file_to_file(job, self.ckpt.index.entry(job.source))
@@ -273,6 +377,7 @@ class _Run:
         if self._is_raw_copy(job):
             return {}  # copied file to file by the writer, never held whole
         names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
+        names += [job.fmt.global_scale] if job.fmt is not None and job.fmt.global_scale else []
         if self._streamed(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
             names = names[1:]  # the weight itself is streamed band by band, or copied file to file
         index = self.ckpt.index
@@ -318,7 +423,7 @@ class _Run:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1
             return lambda: None
-        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max)
+        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max, self.exactness)
         if len(tensors) > 1 and self.all_scales_pow2:
             self.all_scales_pow2 = all_powers_of_two(tensors[1])
         self.converted += job.action is not Action.COPY
@@ -329,6 +434,52 @@ class _Run:
                 writer.write_tensor(spec.name, tensor)
 
         return write
+
+
+def _stream_feed(
+    run: _Run,
+    source: ShardSource,
+    schedule: Schedule,
+    prefetch: int,
+    evict: bool,
+    allow_nonfinite: bool,
+    check: OutputCheck | None,
+) -> StreamFeed:
+    """The hooks --stream adds to a run: a shard's arrival (its own header checked and adopted), an
+    output shard's scales checked once its inputs are there (before it is converted), the per-shard
+    verify after a commit, and closing a shard's reader before it is evicted."""
+    by_name = {s.name: s for s in run.plan.shards}
+    cls = classify(run.ckpt.index, run.ckpt.config, run.plan.options.block_size)
+
+    def arrived(name: str, path: Path) -> None:
+        adopt_local_header(run.ckpt.index, name, path)
+
+    def ready(output: str) -> None:
+        weights = {job.source for job in by_name[output].jobs}
+        problems, warnings = check_scales(run.ckpt, cls, allow_nonfinite, only_weights=weights)
+        if problems:
+            raise PlanRefused(problems)
+        run.plan.warnings.extend(warnings)
+
+    def after_commit(name: str) -> None:
+        if check is not None:
+            check.shard(by_name[name], None)
+
+    return StreamFeed(
+        source,
+        schedule,
+        ahead=prefetch,
+        evict=evict,
+        arrived=arrived,
+        before_evict=run.close_reader,
+        after_commit=after_commit,
+        ready=ready,
+    )
+
+
+def _out_block_text(plan: ConversionPlan) -> str:
+    block = next((j.out_block for s in plan.shards for j in s.jobs if j.out_block), None)
+    return f"{block[0]}x{block[1]}" if block else ""
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:

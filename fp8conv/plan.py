@@ -22,13 +22,15 @@ from .config import (
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3
 from .errors import CheckpointError, OptionsError
 from .families import FUSED_EXPERTS, ROLE_GROUPS, Family, family_of, fused_group, width_disagreements
-from .formats import CONVERTIBLE, Classification, Kind, WeightFormat, module_of
+from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
+from .packed_formats import packed_output_shape
 from .quant_config import module_matches
 from .source import Checkpoint
 from .writer import TensorSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
+DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
 TARGETS = ("bf16", "channel", "block")
 FP8_MAX_STANDARD = 448.0
 FP8_MAX_GAUDI2 = 240.0
@@ -196,10 +198,19 @@ class _Planner:
         self.unquantized_linears: list[str] = []
         self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
         # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
-        self.quantize_floats = options.to != "bf16" and not any(w.kind in CONVERTIBLE for w in cls.weights.values())
+        self.quantize_floats = options.to != "bf16" and not any(
+            w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
+        )
         self.family = family_of(ckpt.config)
         self.padding: MlpPadding | None = None
         if options.pad_for_tp:
+            if cls.settings.expert_dtype is not None or any(w.kind in PACKED for w in cls.weights.values()):
+                # its MLP names (ffn.experts.E.w1, *_blocks, weight_packed) are not the ones padding knows:
+                # config.json would claim padded widths the tensors do not have
+                raise OptionsError(
+                    "--pad-for-tp does not know the MLP layout of DeepSeek-V4 or packed 4-bit checkpoints",
+                    fix="convert without --pad-for-tp",
+                )
             self.padding = plan_mlp_padding(
                 ckpt.config, options.pad_for_tp, self.out_block, ckpt.index.locations, options.pad_roles
             )
@@ -218,7 +229,9 @@ class _Planner:
             except CheckpointError as exc:
                 self.problems.append(exc)
                 pad = Pad(entry.shape)
-            if fmt is not None and fmt.kind in CONVERTIBLE:
+            if fmt is not None and fmt.kind in PACKED:
+                jobs.append(self._packed_job(fmt, shard_name))
+            elif fmt is not None and fmt.kind in CONVERTIBLE:
                 jobs.append(self._quantized_job(name, fmt, entry.shape, pad))
             else:
                 jobs.append(self._plain_job(name, entry.dtype, entry.shape, pad))
@@ -252,7 +265,36 @@ class _Planner:
         # moves rows of one input block into two output blocks, so it is quantized afresh
         keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
         action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
-        return Job(name, action, _block_outputs(base, out_shape, self.out_block, name), fmt, self.out_block, pad.parts)
+        return Job(
+            name,
+            action,
+            _block_outputs(base, out_shape, self.out_block, name, _block_scale_name(fmt, base)),
+            fmt,
+            self.out_block,
+            pad.parts,
+        )
+
+    def _packed_job(self, fmt: WeightFormat, shard_name: str) -> Job:
+        """A packed 4-bit weight: dequantized in float32, then rounded once or quantized to FP8."""
+        assert fmt.out_name is not None
+        shape = packed_output_shape(fmt)
+        if self.options.to == "bf16":
+            out_dtype = DEQUANTIZE_NAME[self.options.dtype]
+            return Job(fmt.weight, Action.DEQUANTIZE, (TensorSpec(fmt.out_name, out_dtype, shape),), fmt)
+        if fmt.kind is Kind.MXFP4_GPT_OSS:
+            self.problems.append(
+                CheckpointError(
+                    f"gpt-oss MXFP4 experts have no FP8 layout that transformers or vLLM load (--to {self.options.to})",
+                    tensor=fmt.weight,
+                    shard=shard_name,
+                    fix="convert gpt-oss with --to bf16",
+                )
+            )
+        base = module_of(fmt.out_name)  # never padded: --pad-for-tp refuses packed checkpoints
+        if self.options.to == "channel":
+            return Job(fmt.weight, Action.QUANTIZE, _channel_outputs(base, shape), fmt, None)
+        outputs = _block_outputs(base, shape, self.out_block, fmt.out_name, _block_scale_name(fmt, base))
+        return Job(fmt.weight, Action.QUANTIZE, outputs, fmt, self.out_block)
 
     def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
         out_shape = pad.shape
@@ -293,12 +335,14 @@ class _Planner:
             return None
         to = self.options.to
         if to == "bf16":
-            return rewrite_for_dequantized(config, self.options.dtype)
+            return _with_expert_dtype(rewrite_for_dequantized(config, self.options.dtype), None)
         ignore = sorted(set(self.unquantized_linears))
+        # DeepSeek-V4: every expert is FP8 now (block FP8 with float32 scales, as V4's Base model ships)
+        expert_dtype = "fp8" if self.cls.settings.expert_dtype is not None else None
         if to == "channel":
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
-            return rewrite_for_channel(config, ignore, flavor)
-        out = rewrite_for_block(config, self.out_block, ignore)
+            return _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
+        out = _with_expert_dtype(rewrite_for_block(config, self.out_block, ignore), expert_dtype)
         if self.padding is not None:
             updated_widths_config(out, self.padding)
         if self.cls.settings.activation_scheme == "static":
@@ -316,14 +360,40 @@ def _channel_outputs(base: str, shape: tuple[int, ...], weight: str | None = Non
 
 
 def _block_outputs(
-    base: str, shape: tuple[int, ...], block: tuple[int, int], weight: str | None = None
+    base: str,
+    shape: tuple[int, ...],
+    block: tuple[int, int],
+    weight: str | None = None,
+    scale_name: str | None = None,
 ) -> tuple[TensorSpec, ...]:
     weight = weight or base + ".weight"
     grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
     return (
         TensorSpec(weight, FP8_E4M3, shape),
-        TensorSpec(weight + "_scale_inv", "F32", grid),
+        TensorSpec(scale_name or weight + "_scale_inv", "F32", grid),
     )
+
+
+def _block_scale_name(fmt: WeightFormat, base: str) -> str | None:
+    """DeepSeek-V4 names block scales `<module>.scale`; its output keeps that name (None: the default)."""
+    return base + V4_SCALE_SUFFIX if fmt.scale is not None and fmt.scale.endswith(V4_SCALE_SUFFIX) else None
+
+
+def _with_expert_dtype(config: dict[str, Any], value: str | None) -> dict[str, Any]:
+    """DeepSeek-V4's expert_dtype (top level, text_config, or inside quantization_config) set or dropped."""
+    sections = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    for section in sections:
+        if "expert_dtype" in section or (value is not None and section is config):
+            if value is None:
+                section.pop("expert_dtype", None)
+            else:
+                section["expert_dtype"] = value
+        qc = section.get("quantization_config")
+        if isinstance(qc, dict) and "expert_dtype" in qc:
+            qc["expert_dtype"] = value
+            if value is None:
+                qc.pop("expert_dtype")
+    return config
 
 
 def _parts_whole_blocks(shape: tuple[int, ...], out_shape: tuple[int, ...], parts: int, block: tuple[int, int]) -> bool:

@@ -12,29 +12,40 @@ from pathlib import Path
 
 import torch
 
+from .backends.scales import scale_to_float32
 from .errors import CheckpointError, OutputError
-from .formats import CONVERTIBLE, Classification
-from .rewrite.scales import scale_to_float32
+from .formats import CONVERTIBLE, PACKED, Classification, WeightFormat
 from .safetensors_file import read_tensor
 from .source import Checkpoint
 
 
 def check_scales(
-    ckpt: Checkpoint, cls: Classification, allow_nonfinite: bool
+    ckpt: Checkpoint, cls: Classification, allow_nonfinite: bool, only_weights: set[str] | None = None
 ) -> tuple[list[CheckpointError], list[str]]:
     """(problems, warnings): NaN/Inf scales are refused (listed as warnings with allow_nonfinite);
-    zero and negative scales are always refused."""
+    zero and negative scales are always refused. `only_weights`: those weights' scales only (--stream
+    checks an output shard's as soon as the input shards holding them are there, before converting it)."""
     problems: list[CheckpointError] = []
     warnings: list[str] = []
     fds: dict[str, int] = {}
     try:
         for fmt in cls.weights.values():
-            if fmt.kind not in CONVERTIBLE or fmt.scale is None:
+            if fmt.kind not in CONVERTIBLE | PACKED or fmt.scale is None:
                 continue
+            if only_weights is not None and fmt.weight not in only_weights:
+                continue
+
+            def read(name: str) -> torch.Tensor:
+                shard = ckpt.index.shard_of(name)
+                if shard.name not in fds:
+                    fds[shard.name] = os.open(ckpt.index.root / shard.name, os.O_RDONLY)
+                return read_tensor(fds[shard.name], ckpt.index.entry(name), shard.name)
+
             shard = ckpt.index.shard_of(fmt.scale)
-            if shard.name not in fds:
-                fds[shard.name] = os.open(ckpt.index.root / shard.name, os.O_RDONLY)
-            scale = scale_to_float32(read_tensor(fds[shard.name], ckpt.index.entry(fmt.scale), shard.name))
+            if fmt.kind in PACKED:
+                problems += _packed_companion_problems(fmt, read, ckpt)
+            # E8M0 by its bits: byte 255 is NaN, refused below by the scale's name
+            scale = scale_to_float32(read(fmt.scale))
             nonfinite = int((~torch.isfinite(scale)).sum())
             if nonfinite:
                 what = f"has {nonfinite} NaN/Inf value(s) of {scale.numel()}"
@@ -49,7 +60,9 @@ def check_scales(
                             fix="the checkpoint is damaged: re-download it, or convert anyway with --allow-nonfinite",
                         )
                     )
-            bad = int((scale[torch.isfinite(scale)] <= 0).sum())
+            finite = scale[torch.isfinite(scale)]
+            # a 4-bit group of zeros legitimately has scale 0 (NVFP4 writes amax / 6 = 0)
+            bad = int((finite < 0).sum() if fmt.kind in PACKED else (finite <= 0).sum())
             if bad:
                 problems.append(
                     CheckpointError(
@@ -63,6 +76,35 @@ def check_scales(
         for fd in fds.values():
             os.close(fd)
     return problems, warnings
+
+
+def _packed_companion_problems(fmt: WeightFormat, read, ckpt: Checkpoint) -> list[CheckpointError]:
+    """NVFP4's global scale finite and positive; compressed-tensors' weight_shape equal to the unpacked shape."""
+    problems = []
+    if fmt.global_scale is not None:
+        g = read(fmt.global_scale).to(torch.float32).reshape(-1)
+        if not bool(torch.isfinite(g).all()) or not bool((g > 0).all()):
+            problems.append(
+                CheckpointError(
+                    f"is {g.tolist()}; a global scale must be finite and positive",
+                    tensor=fmt.global_scale,
+                    shard=ckpt.index.shard_of(fmt.global_scale).name,
+                    fix="the checkpoint is damaged; re-download it",
+                )
+            )
+    if fmt.shape_tensor is not None:
+        stored = tuple(int(v) for v in read(fmt.shape_tensor).tolist())
+        if stored != fmt.shape:
+            problems.append(
+                CheckpointError(
+                    f"says the unpacked weight is {list(stored)} but {fmt.weight} unpacks to {list(fmt.shape or ())} "
+                    "(K must be a multiple of 8, with no padding codes)",
+                    tensor=fmt.shape_tensor,
+                    shard=ckpt.index.shard_of(fmt.shape_tensor).name,
+                    fix="fp8conv refuses packed weights whose K is not a whole number of int32 words",
+                )
+            )
+    return problems
 
 
 def check_free_space(out: Path, needed_bytes: int) -> None:

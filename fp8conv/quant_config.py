@@ -17,6 +17,9 @@ E4M3_SPELLINGS = frozenset({"e4m3", "e4m3fn", "float8_e4m3fn", "float8_e4m3", "f
 FP8_ALIASES = ("fbgemm_fp8",)
 # Packed 4-bit methods named in the refusal, so the user knows it is not an FP8 dialect fp8conv misses.
 FOUR_BIT_METHODS = {"mxfp4": "MXFP4 (gpt-oss)", "nvfp4": "NVFP4", "modelopt_fp4": "NVFP4 (ModelOpt)"}
+# Packed 4-bit formats a config can declare -> elements per scale along K (see formats.Kind)
+MXFP4_GROUP = 32
+NVFP4_GROUP = 16
 
 
 @dataclass
@@ -28,6 +31,10 @@ class QuantSettings:
     scale_fmt: str | None = None  # "ue8m0" when the config claims it
     not_converted: list[str] = field(default_factory=list)  # modules_to_not_convert / ignored_layers / ignore
     problems: list[CheckpointError] = field(default_factory=list)
+    # packed 4-bit formats the config declares (a Kind value -> elements per scale along K); the
+    # classifier accepts a packed tensor only when its format is declared here
+    packed: dict[str, int] = field(default_factory=dict)
+    expert_dtype: str | None = None  # DeepSeek-V4: "fp4" (MXFP4 routed experts) or "fp8"
 
 
 def parse_block_size(value: Any, where: str) -> tuple[int, int]:
@@ -52,8 +59,13 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
     settings = QuantSettings(method=str(method) if method is not None else None, where=where)
     if method == "fp8" or method in FP8_ALIASES:
         _read_fp8(qconfig, settings)
+        _read_expert_dtype(config or {}, qconfig, settings)
     elif method == "compressed-tensors":
         _read_compressed_tensors(qconfig, settings)
+    elif method == "mxfp4":
+        _read_gpt_oss_mxfp4(qconfig, settings)
+    elif method == "modelopt":
+        _read_modelopt(qconfig, settings)
     elif isinstance(method, str) and method.lower() in FOUR_BIT_METHODS:
         settings.problems.append(
             CheckpointError(
@@ -119,6 +131,10 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
         fmt = (group.get("format") if isinstance(group, dict) else None) or top_format
         if not isinstance(weights, dict):
             continue
+        packed = _packed_group(fmt, weights, gname, s)
+        if packed is not None:
+            s.packed[packed[0]] = packed[1]
+            continue
         if weights.get("type") != "float" or weights.get("num_bits") != 8 or fmt not in FLOAT_QUANTIZED_FORMATS:
             s.problems.append(
                 CheckpointError(
@@ -149,6 +165,89 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
         s.block = blocks.pop()
     if isinstance(q.get("ignore"), list):
         s.not_converted += [str(m) for m in q["ignore"]]
+
+
+def _read_expert_dtype(config: dict[str, Any], q: dict[str, Any], s: QuantSettings) -> None:
+    """DeepSeek-V4: expert_dtype at the top level (V4) or, reportedly, inside quantization_config."""
+    sections = [q, config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    value = next((sec["expert_dtype"] for sec in sections if sec.get("expert_dtype") is not None), None)
+    if value is None:
+        return
+    s.expert_dtype = str(value)
+    if value == "fp4":
+        s.packed["mxfp4"] = MXFP4_GROUP
+    elif value != "fp8":
+        s.problems.append(
+            CheckpointError(
+                f"expert_dtype {value!r} is neither 'fp4' nor 'fp8'",
+                shard=s.where,
+                fix="fp8conv reads DeepSeek-V4 experts in MXFP4 (fp4) or block FP8 (fp8)",
+            )
+        )
+
+
+def _read_gpt_oss_mxfp4(q: dict[str, Any], s: QuantSettings) -> None:
+    """gpt-oss: MXFP4 experts as *_blocks / *_scales; modules_to_not_convert stay bf16."""
+    s.packed["mxfp4-gpt-oss"] = MXFP4_GROUP
+    if isinstance(q.get("modules_to_not_convert"), list):
+        s.not_converted += [str(m) for m in q["modules_to_not_convert"]]
+
+
+def _read_modelopt(q: dict[str, Any], s: QuantSettings) -> None:
+    algo = q.get("quant_algo")
+    group = q.get("group_size", NVFP4_GROUP)
+    if algo != "NVFP4" or group != NVFP4_GROUP:
+        s.problems.append(
+            CheckpointError(
+                f"ModelOpt quant_algo {algo!r} with group_size {group!r} is not supported",
+                shard=s.where,
+                fix="fp8conv reads ModelOpt NVFP4 (group_size 16) only",
+            )
+        )
+        return
+    s.packed["nvfp4-modelopt"] = NVFP4_GROUP
+    for key in ("exclude_modules", "ignore"):
+        if isinstance(q.get(key), list):
+            s.not_converted += [str(m) for m in q[key]]
+
+
+def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> tuple[str, int] | None:
+    """A compressed-tensors group of packed 4-bit weights: (format, group size), or None if not packed."""
+    if fmt == "pack-quantized" and w.get("num_bits") == 4 and w.get("type") == "int":
+        kind, ok = "int4-pack-quantized", w.get("strategy") == "group" and w.get("symmetric") is True
+    elif fmt == "nvfp4-pack-quantized":
+        kind = "nvfp4"
+        ok = w.get("num_bits") == 4 and w.get("type") == "float" and w.get("strategy") == "tensor_group"
+    else:
+        return None
+    group = w.get("group_size")
+    if not ok or not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 2:
+        s.problems.append(
+            CheckpointError(
+                f"compressed-tensors group {gname!r} is {fmt} with strategy {w.get('strategy')!r}, "
+                f"symmetric {w.get('symmetric')!r}, group_size {group!r}",
+                shard=s.where,
+                fix="fp8conv reads symmetric group-wise INT4 and NVFP4 (tensor_group) packed weights only",
+            )
+        )
+        return None
+    if kind == "nvfp4" and group != NVFP4_GROUP:
+        s.problems.append(
+            CheckpointError(
+                f"NVFP4 group {gname!r} has group_size {group}, not 16", shard=s.where, fix="fix config.json"
+            )
+        )
+        return None
+    if s.packed.get(kind, group) != group:
+        s.problems.append(
+            CheckpointError(
+                f"config groups use different {kind} group sizes ({s.packed[kind]} and {group})",
+                shard=s.where,
+                fix="fp8conv needs one group size per packed format",
+            )
+        )
+        return None
+    return kind, group
 
 
 def module_matches(module: str, patterns: list[str]) -> bool:

@@ -11,6 +11,7 @@ from . import hub
 from .config import CONFIG_NAME, load_config
 from .errors import CheckpointError
 from .index import INDEX_NAME, CheckpointIndex, load_index
+from .safetensors_file import ShardHeader
 
 # Files that hold the same weights in another format: copying them would ship unconverted weights.
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
@@ -58,6 +59,18 @@ def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
     config_path = root / CONFIG_NAME
     config = load_config(config_path) if config_path.is_file() else None
     return Checkpoint(root=root, index=index, config=config, single_file=False)
+
+
+def open_with_headers(root: Path, headers: dict[str, ShardHeader]) -> Checkpoint:
+    """A folder whose shards are not all there yet (--stream): the index from `headers`, the config and
+    the other files from the folder."""
+    index_file = root / INDEX_NAME
+    index = load_index(root, [], index_file if index_file.is_file() else None, headers=headers)
+    config_path = root / CONFIG_NAME
+    config = load_config(config_path) if config_path.is_file() else None
+    ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
+    _list_other_files(ckpt, containment_root(root))
+    return ckpt
 
 
 def containment_root(root: Path) -> Path:

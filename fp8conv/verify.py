@@ -21,14 +21,15 @@ import torch
 from .backends.torch_device import TorchDeviceBackend
 from .config import CONFIG_NAME, MISTRAL_PARAMS_NAME
 from .families import width_disagreements
-from .formats import classify
-from .index import INDEX_NAME
-from .manifest import MANIFEST, load_manifest
-from .plan import Action, ConversionPlan, ConvertOptions, Job, plan_conversion
+from .formats import PACKED, classify
+from .index import INDEX_NAME, CheckpointIndex
+from .manifest import MANIFEST, Manifest, load_manifest
+from .plan import Action, ConversionPlan, ConvertOptions, Job, ShardPlan, plan_conversion
 from .rewrite.dequant import dequantize
 from .rewrite.jobs import run_job
 from .rewrite.pad import pad_to
-from .safetensors_file import ShardHeader, read_header, read_tensor
+from .rewrite.unpack import unpack_to_float32
+from .safetensors_file import read_header, read_tensor
 from .source import open_checkpoint
 
 
@@ -59,62 +60,85 @@ def verify(
     options = options or manifest.convert_options()
     ckpt = open_checkpoint(source)
     plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, options.block_size), options)
-    failures: list[str] = []
-
-    def fail(message: str) -> None:
-        if len(failures) < max_failures:
-            failures.append(message)
-
-    _check_documents(out, plan, fail)
-    if manifest is not None:
-        for name in manifest.shards:
-            if (out / name).is_file() and not manifest.shard_intact(out, name):
-                fail(f"{name}: size or sha256 differs from the manifest")
-    headers: dict[str, ShardHeader] = {}
+    check = OutputCheck(ckpt.index, plan, out, sample, max_failures)
+    check.documents()
     for shard in plan.shards:
+        check.shard(shard, manifest)
+    return check.result(time.monotonic() - started)
+
+
+class OutputCheck:
+    """verify, one output shard at a time: `convert --stream --verify` checks each shard as soon as it is
+    committed, while the input shards it was made from are still on disk."""
+
+    def __init__(self, index: CheckpointIndex, plan: ConversionPlan, out: Path, sample: float, max_failures: int):
+        self.index, self.plan, self.out, self.sample = index, plan, out, sample
+        self.max_failures = max_failures
+        self.failures: list[str] = []
+        self.checked = self.sampled = 0
+        self.reference = TorchDeviceBackend("cpu")
+        self.seconds = 0.0  # spent checking shards
+
+    def fail(self, message: str) -> None:
+        if len(self.failures) < self.max_failures:
+            self.failures.append(message)
+
+    def documents(self) -> None:
+        """What only the whole output can show: index, config, widths, stray shards."""
+        _check_documents(self.out, self.plan, self.fail)
+        _check_widths(self.out, self.fail)
+        planned = {s.name for s in self.plan.shards}
+        for stray in sorted(p.name for p in self.out.glob("*.safetensors") if p.name not in planned):
+            self.fail(f"{stray}: a shard the plan does not write (the index does not list it)")
+
+    def result(self, seconds: float) -> VerifyResult:
+        return VerifyResult(not self.failures, self.checked, self.sampled, list(self.failures), seconds)
+
+    def shard(self, shard: ShardPlan, manifest: Manifest | None) -> None:
+        """Its hash against the manifest, its structure against the plan, and its numbers."""
+        started = time.monotonic()
+        try:
+            self._shard(shard, manifest)
+        finally:
+            self.seconds += time.monotonic() - started
+
+    def _shard(self, shard: ShardPlan, manifest: Manifest | None) -> None:
+        out = self.out
         path = out / shard.name
+        recorded = manifest is not None and shard.name in manifest.shards and path.is_file()
+        if recorded and manifest is not None and not manifest.shard_intact(out, shard.name):
+            self.fail(f"{shard.name}: size or sha256 differs from the manifest")
         if not path.is_file():
-            fail(f"{shard.name}: missing")
-            continue
-        headers[shard.name] = header = read_header(path)
+            self.fail(f"{shard.name}: missing")
+            return
+        header = read_header(path)
         expected = {s.name: (s.dtype, s.shape) for s in shard.specs}
         got = {n: (e.dtype, e.shape) for n, e in header.tensors.items()}
         for name in sorted(set(expected) | set(got)):
             if expected.get(name) != got.get(name):
-                fail(f"{shard.name}: {name}: expected {expected.get(name)}, found {got.get(name)}")
-    _check_widths(out, fail)
-    planned = {s.name for s in plan.shards}
-    for stray in sorted(p.name for p in out.glob("*.safetensors") if p.name not in planned):
-        fail(f"{stray}: a shard the plan does not write (the index does not list it)")
-    checked = sampled = 0
-    reference = TorchDeviceBackend("cpu")
-    index = ckpt.index
-    for shard in plan.shards:
-        header = headers.get(shard.name)
-        if header is None:
-            continue
-        fd_out = os.open(out / shard.name, os.O_RDONLY)
+                self.fail(f"{shard.name}: {name}: expected {expected.get(name)}, found {got.get(name)}")
+        index = self.index
+
+        def read_in(name: str) -> torch.Tensor:
+            src = index.shard_of(name)
+            fd = os.open(index.root / src.name, os.O_RDONLY)
+            try:
+                return read_tensor(fd, index.entry(name), src.name)
+            finally:
+                os.close(fd)
+
+        fd_out = os.open(path, os.O_RDONLY)
         try:
             for job in shard.jobs:
-                checked += 1
-                if not _sampled(job.source, sample) or any(o.name not in header.tensors for o in job.outputs):
+                self.checked += 1
+                if not _sampled(job.source, self.sample) or any(o.name not in header.tensors for o in job.outputs):
                     continue
-                sampled += 1
-
-                def read_in(name: str) -> torch.Tensor:
-                    src = index.shard_of(name)
-                    fd = os.open(index.root / src.name, os.O_RDONLY)
-                    try:
-                        return read_tensor(fd, index.entry(name), src.name)
-                    finally:
-                        os.close(fd)
-
-                got = [read_tensor(fd_out, header.tensors[o.name], shard.name) for o in job.outputs]
-                for message in _check_job(job, got, read_in, reference, plan.options.fp8_max):
-                    fail(f"{shard.name}: {message}")
+                self.sampled += 1
+                got_tensors = [read_tensor(fd_out, header.tensors[o.name], shard.name) for o in job.outputs]
+                for message in _check_job(job, got_tensors, read_in, self.reference, self.plan.options.fp8_max):
+                    self.fail(f"{shard.name}: {message}")
         finally:
             os.close(fd_out)
-    return VerifyResult(not failures, checked, sampled, failures, time.monotonic() - started)
 
 
 def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
@@ -189,7 +213,9 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
     if not all(_same_bits(g, e) for g, e in zip(got, expected, strict=True)):
         problems.append(f"{name}: differs from the reference backend's output")
     # independent of any backend: the FP8 rounding bound against the dequantized input
-    if job.fmt is not None:
+    if job.fmt is not None and job.fmt.kind in PACKED:
+        truth = unpack_to_float32(read_in, job.fmt, reference)
+    elif job.fmt is not None:
         truth = dequantize(read_in(job.source), read_in(job.fmt.scale), job.fmt, torch.float32, reference)
     else:
         truth = read_in(job.source).to(torch.float32)

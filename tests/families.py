@@ -662,7 +662,9 @@ SPECS: dict[str, Spec] = {
         post=_mxfp4,
         hf_loadable=False,
         why_not_loadable="refused",
-        refusal="MXFP4 (gpt-oss) packed 4-bit weights, not FP8",
+        # --to bf16 converts (test_families checks it against transformers' own MXFP4 decoder, and
+        # tests/test_packed.py loads the result as transformers' gpt-oss); FP8 targets are refused
+        refusal="gpt-oss MXFP4 experts have no FP8 layout",
     ),
 }
 # DeepSeek-V3.2's indexer: wq_b and wk are FP8, weights_proj and k_norm stay bf16.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -67,3 +68,46 @@ def quantize_reference(
 def within_fp8_bound(deq: torch.Tensor, ref: torch.Tensor, amax: torch.Tensor) -> bool:
     """|dequant(out) - ref| <= 2^-4 |ref| + amax * 2^-9 (amax broadcast per row or per element)."""
     return bool(((deq - ref).abs() <= ref.abs() * 2**-4 + amax * 2**-9).all())
+
+
+MLP_PROJ = re.compile(r"\.mlp\.(?:experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj\.weight$")
+
+
+def pad_axis(t: torch.Tensor, axis: int, size: int, value: float) -> torch.Tensor:
+    """`t` grown along `axis` to `size`, the new entries `value`."""
+    shape = list(t.shape)
+    shape[axis] = size - t.shape[axis]
+    return torch.cat([t, torch.full(shape, value, dtype=t.dtype)], dim=axis)
+
+
+def expected_output(
+    src: dict[str, torch.Tensor],
+    fp8_weights: list[str],
+    to: str,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8_max: float = 448.0,
+    pad_for_tp: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor a conversion of a block-FP8 (128x128, `_scale_inv`) checkpoint must write, from the
+    definitions: bf16 is one rounding of float32(q) * float32(scale); channel is a fresh per-row
+    quantization of that product; block keeps the FP8 bytes and float32 scales, and with pad_for_tp the
+    MLP widths grow to whole 128-blocks per rank (zero weights, scale 1). Everything else is copied."""
+    out = {n: t for n, t in src.items() if not n.endswith("_scale_inv")}
+    for name in fp8_weights:
+        q, scale = src[name], src[name + "_scale_inv"]
+        if to == "bf16":
+            out[name] = dequant_block_reference(q, scale, (128, 128), dtype)
+        elif to == "channel":
+            out[name], out[name + "_scale"] = quantize_reference(
+                dequant_block_reference(q, scale, (128, 128), torch.float32), None, fp8_max
+            )
+        else:
+            out[name], out[name + "_scale_inv"] = q, scale.to(torch.float32)
+            m = MLP_PROJ.search(name)
+            if pad_for_tp and m:
+                axis = 1 if m.group(1) == "down" else 0
+                width = math.ceil(q.shape[axis] / (128 * pad_for_tp)) * 128 * pad_for_tp
+                q8 = q.view(torch.uint8)  # FP8 has no cat on every torch; its zero is the byte 0
+                out[name] = pad_axis(q8, axis, width, 0).view(torch.float8_e4m3fn)
+                out[name + "_scale_inv"] = pad_axis(out[name + "_scale_inv"], axis, width // 128, 1.0)
+    return out

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,11 +114,13 @@ def test_other_files_copied_unchanged(tiny, tmp_path):
         "modeling_deepseek.py",
         "chat_template.jinja",
         "generation_config.json",
-        "README.md",
         "LICENSE",
         "figures/note.txt",
     ]:
         assert out_files[rel] == src_files[rel], rel
+    # the model card keeps every byte and gains a note saying what the copy is (--keep-model-card: none)
+    card = out_files["README.md"].decode()
+    assert card.startswith(src_files["README.md"].decode().rstrip("\n") + "\n\n## Converted with fp8conv\n")
     assert not [p for p in out.rglob(f"*{TEMP_SUFFIX}")]
 
 
@@ -159,13 +166,18 @@ def test_input_is_never_modified(tiny, tmp_path):
     assert dir_snapshot(tiny.path) == before
 
 
-def test_inspect_reads_headers_only_and_reports(tiny, monkeypatch):
-    import fp8conv.safetensors_file as sf
+def _fill_tensor_bytes(shard, byte: int) -> int:
+    """Overwrite every tensor byte of a safetensors file, headers kept; returns where the data starts."""
+    with open(shard, "r+b") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(data_start)
+        f.write(bytes([byte]) * (size - data_start))
+    return data_start
 
-    def no_tensor_reads(*args, **kwargs):
-        raise AssertionError("inspect must not read tensor data")
 
-    monkeypatch.setattr(sf, "read_tensor", no_tensor_reads)
+def test_inspect_reads_headers_only_and_reports(tiny, tmp_path):
     r = fp8conv.inspect(tiny.path)
     assert r.format == "block-fp8" and r.block_size == [128, 128] and r.block_size_from == "config.json"
     assert r.formats == {"block-fp8": 48, "unquantized": 25}
@@ -175,9 +187,74 @@ def test_inspect_reads_headers_only_and_reports(tiny, monkeypatch):
     partial = {t.name: t.grid for t in r.partial_block_tensors}
     assert partial["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == [5, 3]
     assert partial["model.layers.0.mlp.gate_proj.weight"] == [4, 3]
-    assert r.total_bytes == sum(p.stat().st_size for p in tiny.path.glob("*.safetensors")) - sum(
-        sf.read_header(p).data_start for p in tiny.path.glob("*.safetensors")
+    data_starts = []
+    for shard in tiny.path.glob("*.safetensors"):
+        # every tensor byte becomes 0xFF, a NaN in every float dtype (FP8 weights, scales, bf16 alike):
+        # a report that used any tensor's values would change or list problems
+        data_starts.append(_fill_tensor_bytes(shard, 0xFF))
+    assert r.total_bytes == sum(p.stat().st_size for p in tiny.path.glob("*.safetensors")) - sum(data_starts)
+    garbage = fp8conv.inspect(tiny.path)
+    assert garbage.problems == [] and garbage.to_dict() == r.to_dict()
+    for shard in tiny.path.glob("*.safetensors"):  # and zeros, the other value a reader of scales checks
+        _fill_tensor_bytes(shard, 0x00)
+    assert fp8conv.inspect(tiny.path).to_dict() == r.to_dict()
+
+
+STRACED = re.compile(r"^(\w+)\((.*)\) += (-?\w+)(?:<([^<>]*)>)?")
+
+
+def _tensor_reads(trace: list[str], data_start: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+    """From an strace -y log: every system call that read a shard's tensor bytes, and how many bytes of each
+    shard plain read() returned. A header is read through a buffer, which may run one block past it."""
+    problems, opened, read = [], dict.fromkeys(data_start, 0), dict.fromkeys(data_start, 0)
+    for line in trace:
+        m = STRACED.match(line)
+        fd_path = m and re.search(r"\b\d+<([^<>]*)>", m.group(2))  # the first file descriptor (mmap's is 5th)
+        path = m and (m.group(4) if m.group(1) == "openat" else fd_path and fd_path.group(1))
+        if not m or path not in data_start or m.group(3).startswith("-"):
+            continue
+        call, args, returned = m.group(1), m.group(2), int(m.group(3), 0)
+        start = data_start[path]
+        if call == "openat":
+            opened[path] += 1
+        elif call in ("read", "readv"):
+            read[path] += returned
+        elif (
+            (call == "pread64" and int(args.rsplit(",", 1)[1]) + returned > start)
+            or (call.startswith("preadv") and int(args.rsplit("]", 1)[1].split(",")[2]) + returned > start)
+            or (call == "lseek" and args.endswith("SEEK_SET") and int(args.split(",")[1]) >= start)
+            or call == "mmap"
+        ):
+            problems.append(line)
+    for path, n in read.items():
+        if n > opened[path] * (data_start[path] + max(io.DEFAULT_BUFFER_SIZE, os.stat(path).st_blksize)):
+            problems.append(f"{n} bytes of {path} read() in {opened[path]} open(s)")
+    return problems, read
+
+
+def test_inspect_reads_no_tensor_bytes_at_the_system_call_level(tiny, tmp_path):
+    """What the process asks the kernel for, whichever Python name or module does the reading."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    shards = {str(p): 8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tiny.path.glob("*.safetensors")}
+    calls = "openat,read,readv,pread64,preadv,preadv2,lseek,mmap"
+    paths = [arg for p in shards for arg in ("-P", p)]
+    log = tmp_path / "trace"
+    code = f"import fp8conv; fp8conv.inspect({str(tiny.path)!r})"
+    strace = ["strace", "-ff", "-qq", "-y", "-s", "0", "-e", f"trace={calls}", *paths, "-o", str(log)]
+    done = subprocess.run(
+        [*strace, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    if done.returncode != 0 and "ptrace" in done.stderr.lower():
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    trace = [line for f in tmp_path.glob("trace.*") for line in f.read_text().splitlines()]
+    problems, read = _tensor_reads(trace, shards)
+    assert all(read[p] >= start for p, start in shards.items()), read  # the trace saw every header read
+    assert problems == []
 
 
 def test_inspect_estimate_matches_the_real_bf16_output(tiny, tmp_path):
@@ -278,25 +355,31 @@ def test_non_empty_output_needs_overwrite(tiny, tmp_path):
     assert (out / "config.json").exists()
 
 
-def test_interrupted_run_does_not_look_complete(tiny, tmp_path, monkeypatch):
-    import fp8conv.pipeline as pipeline
+def _data_bytes(shard) -> int:
+    """A safetensors file's tensor bytes: its size less the 8-byte length and the header."""
+    raw = shard.read_bytes()
+    return len(raw) - 8 - int.from_bytes(raw[:8], "little")
 
-    calls = {"n": 0}
-    real = pipeline.run_job
 
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 15:  # shard 1 holds 8 FP8 weights, shard 2 the next 20
+def test_interrupted_run_does_not_look_complete(tiny, tmp_path):
+    # Where shard 2 starts and ends, in output bytes, from an uninterrupted run's files
+    fp8conv.convert(tiny.path, tmp_path / "whole", to="bf16")
+    first, second = (_data_bytes(tmp_path / "whole" / name) for name in tiny.shards[:2])
+    seen: list[int] = []
+
+    def interrupt_inside_shard_two(done: int, total: int) -> None:
+        seen.append(done)
+        if done > first:  # the progress callback runs after each tensor: one of shard 2's is done
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "run_job", failing)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        fp8conv.convert(tiny.path, out, to="bf16")
+        fp8conv.convert(tiny.path, out, to="bf16", progress=interrupt_inside_shard_two)
+    assert first in seen and first < seen[-1] < first + second, "the interrupt must land inside shard 2"
     assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
     assert not list(out.glob(f".*{TEMP_SUFFIX}"))  # the partial shard is removed
-    assert (out / tiny.shards[0]).exists() and not (out / tiny.shards[1]).exists()
+    assert (out / tiny.shards[0]).read_bytes() == (tmp_path / "whole" / tiny.shards[0]).read_bytes()
+    assert not (out / tiny.shards[1]).exists()
 
 
 def test_pickles_are_never_read(tmp_path):

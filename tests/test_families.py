@@ -56,6 +56,20 @@ def _assert_refused(fx: FamilyFixture, tmp_path: Path, to: str, message: str) ->
     assert not (out / "config.json").exists()  # nothing that looks complete
 
 
+def _assert_mxfp4_to_bf16(fx: FamilyFixture, tmp_path: Path) -> None:
+    """gpt-oss: every *_blocks / *_scales pair becomes the bf16 tensor transformers' own decoder gives."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    got = load_dir(_convert(fx, tmp_path, "bf16"))
+    src = load_dir(fx.path)
+    blocks = [n for n in src if n.endswith("_blocks")]
+    assert blocks
+    for name in blocks:
+        base = name.removesuffix("_blocks")
+        assert same_bits(got[base], convert_moe_packed_tensors(src[name], src[base + "_scales"])), base
+    assert set(got) == {n.removesuffix("_blocks") for n in src if not n.endswith("_scales")}
+
+
 def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The plain float32 product of a block-FP8 output, per expert for fused [E, N, K] tensors."""
     if q.dim() == 3:
@@ -98,6 +112,9 @@ def test_inspect(families, name):
     fx = families(name)
     result = _cli("inspect", fx.path, "--json")
     report = json.loads(result.output)
+    if fx.layout == "mxfp4":  # packed 4-bit, converted to bf16 only
+        assert result.exit_code == 0 and report["format"] == "mxfp4-gpt-oss", result.output
+        return
     if fx.refusal:
         assert result.exit_code != 0 or report["problems"], result.output
         assert fx.refusal in result.output, result.output
@@ -111,6 +128,8 @@ def test_inspect(families, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_to_bf16(families, tmp_path, name):
     fx = families(name)
+    if fx.layout == "mxfp4":
+        return _assert_mxfp4_to_bf16(fx, tmp_path)
     if fx.refusal:
         return _assert_refused(fx, tmp_path, "bf16", fx.refusal)
     out = _convert(fx, tmp_path, "bf16")

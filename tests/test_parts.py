@@ -19,6 +19,7 @@ from fp8conv.cli import main
 from fp8conv.errors import OptionsError
 from fp8conv.parts import assign_parts, parse_part
 from fp8conv.plan import ShardPlan
+from fp8conv.writer import TEMP_SUFFIX
 
 from .helpers import dir_snapshot
 
@@ -174,15 +175,10 @@ def test_parts_resume_in_every_order_and_after_finalize(make_tiny, tmp_path):
 
 SLOW_PART = """
 import sys, time
-import fp8conv.pipeline as pipeline
-real = pipeline.run_job
-def slow(*args, **kwargs):
-    time.sleep(0.05)  # slow enough to be killed mid-shard
-    return real(*args, **kwargs)
-pipeline.run_job = slow
-from fp8conv.cli import main
-sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", "channel", "-o", sys.argv[2], "--part", "2/2", "--resume"]
-main()
+import fp8conv
+def slow(done, total):
+    time.sleep(0.05)  # after each tensor: slow enough to be killed mid-shard
+fp8conv.convert(sys.argv[1], sys.argv[2], to="channel", part=(2, 2), resume=True, progress=slow)
 """
 
 
@@ -208,7 +204,8 @@ def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_pat
     proc.wait()
     done = finished()
     assert len(done) == 1 and any(out.glob(".*.fp8conv-partial")), "the test must kill part 2 mid-shard"
-    kept_inode = (out / done[0]).stat().st_ino
+    kept = (out / done[0]).stat()
+    kept_file = (kept.st_ino, kept.st_mtime_ns)  # an inode alone may be reused by a rewrite
     other = fp8conv.convert(ckpt.path, out, to="channel", part=(1, 2), resume=True)
     assert not other.finalized and not (out / "config.json").exists()  # part 2 is not complete
     cmd = [sys.executable, "-m", "fp8conv", "convert", str(ckpt.path), "--to", "channel", "-o", str(out)]
@@ -216,7 +213,8 @@ def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_pat
     assert retry.returncode == 0, retry.stderr
     assert "wrote part 2/2 of" in retry.stdout and "2 shard(s) (1 kept from an earlier run)" in retry.stdout
     assert "all parts done, finalized" in retry.stdout
-    assert (out / done[0]).stat().st_ino == kept_inode  # the finished shard was kept, not redone
+    now = (out / done[0]).stat()
+    assert (now.st_ino, now.st_mtime_ns) == kept_file  # the finished shard was kept, not redone
     assert not list(out.glob(".*.fp8conv-partial"))
     assert _without_part_records(out) == dir_snapshot(tmp_path / "single")
 
@@ -294,3 +292,86 @@ def test_fanout_examples_keep_n_explicit_and_install_a_pinned_cpu_torch():
             assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in line, (path, line)
         if "install" in text:
             assert f"fp8conv-{fp8conv.__version__}-py3-none-any.whl" in text, path  # the wheel pip wheel builds
+
+
+def _finalize_cli(out) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["finalize", str(out)])
+    return result.exit_code, result.stderr
+
+
+def _fanned_out(tiny, tmp_path):
+    """A single run and a finished 2-part fan-out of the same checkpoint."""
+    fp8conv.convert(tiny.path, tmp_path / "single", to="bf16")
+    out = tmp_path / "out"
+    for i in (1, 2):
+        fp8conv.convert(tiny.path, out, to="bf16", part=(i, 2))
+    return out
+
+
+def test_finalize_names_a_damaged_part_manifest_and_its_fix_works(tiny, tmp_path):
+    out = _fanned_out(tiny, tmp_path)
+    part2 = out / ".fp8conv" / "part-2-of-2.json"
+    good = part2.read_bytes()
+    doc = json.loads(good)
+    no_shards = {k: v for k, v in doc.items() if k != "shards"}
+    no_planned = {**doc, "finalize": {k: v for k, v in doc["finalize"].items() if k != "planned_shards"}}
+    damaged = [
+        (b"{not json", "is not valid JSON (Expecting property name"),
+        (good[: len(good) // 2], "is not valid JSON"),  # truncated
+        (b"", "is not valid JSON (Expecting value"),
+        (b"[]", "is not a JSON object"),
+        (json.dumps(no_shards).encode(), "lacks shards"),
+        (json.dumps(no_planned).encode(), "lacks finalize.planned_shards"),
+    ]
+    (out / "config.json").unlink()
+    for raw, problem in damaged:
+        part2.write_bytes(raw)
+        code, err = _finalize_cli(out)
+        line = err.splitlines()[0]  # the file, what is wrong with it and the fix, on one line
+        assert code == 1 and f"part manifest {part2} {problem}" in line, err
+        assert "run part 2/2 again with --overwrite" in line and "Traceback" not in err
+        assert not (out / "config.json").exists()
+    fp8conv.convert(tiny.path, out, to="bf16", part=(2, 2), overwrite=True)  # the fix the message gives
+    assert (out / "config.json").exists()  # the last part to finish finalized
+    fanned = {k: v for k, v in dir_snapshot(out).items() if not k.startswith(".fp8conv/part-")}
+    assert fanned == dir_snapshot(tmp_path / "single")
+
+
+def test_finalize_refuses_parts_of_another_fp8conv_version(tiny, tmp_path):
+    out = _fanned_out(tiny, tmp_path)
+    (out / "config.json").unlink()
+    for part in out.glob(".fp8conv/part-*.json"):
+        doc = json.loads(part.read_text())
+        part.write_text(json.dumps({**doc, "fp8conv_version": "0.0.1"}))
+    code, err = _finalize_cli(out)
+    assert code == 1 and f"the parts in {out} were converted by fp8conv 0.0.1; this is {fp8conv.__version__}" in err
+    assert "finalize with fp8conv 0.0.1, or convert every part again with --overwrite" in err
+    assert not (out / "config.json").exists()
+    part1 = out / ".fp8conv" / "part-1-of-2.json"  # one part of another version: the parts disagree
+    part1.write_text(json.dumps({**json.loads(part1.read_text()), "fp8conv_version": fp8conv.__version__}))
+    code, err = _finalize_cli(out)
+    assert code == 1 and "part 2/2 was run with a different fp8conv_version" in err, err
+
+
+def test_an_interrupted_finalize_is_finished_by_running_it_again(tiny, tmp_path):
+    out = _fanned_out(tiny, tmp_path)
+    single = dir_snapshot(tmp_path / "single")
+    # What finalize leaves when killed at each of its writes (other files, manifest, index, config last):
+    # the files written so far, and the temporary file of the one being written, part-way through
+    order = [name for name in single if not name.startswith("model-") and name != "config.json"]
+    order = [n for n in order if n not in (".fp8conv/manifest.json", "model.safetensors.index.json")]
+    order += [".fp8conv/manifest.json", "model.safetensors.index.json", "config.json"]
+    assert all(name in single for name in order)
+    for killed_at in range(len(order)):
+        for name in order[killed_at:]:
+            (out / name).unlink()
+        target = out / order[killed_at]
+        partial = target.with_name(f".{target.name}.99999{TEMP_SUFFIX}")
+        partial.write_bytes(single[order[killed_at]][:5])
+        assert not (out / "config.json").exists()
+        code, err = _finalize_cli(out)
+        assert code == 0, err
+        # finalize leaves a temporary file: on a shared filesystem it cannot tell a dead writer's from a live one's
+        partial.unlink()
+        fanned = {k: v for k, v in dir_snapshot(out).items() if not k.startswith(".fp8conv/part-")}
+        assert fanned == single, order[killed_at]

@@ -18,15 +18,10 @@ from .helpers import dir_snapshot
 
 SLOW_CONVERT = """
 import sys, time
-import fp8conv.pipeline as pipeline
-real = pipeline.run_job
-def slow(*args, **kwargs):
-    time.sleep(0.05)  # slow enough to be killed mid-run
-    return real(*args, **kwargs)
-pipeline.run_job = slow
-from fp8conv.cli import main
-sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", "channel", "-o", sys.argv[2]]
-main()
+import fp8conv
+def slow(done, total):
+    time.sleep(0.05)  # after each tensor: slow enough to be killed mid-run
+fp8conv.convert(sys.argv[1], sys.argv[2], to="channel", progress=slow)
 """
 
 
@@ -49,11 +44,13 @@ def test_sigkill_then_resume_is_byte_identical(tiny, tmp_path):
     finished = _finished(out)
     assert finished == [tiny.shards[0]], "the test must kill the run after its first shard"
     assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
-    kept_inode = (out / tiny.shards[0]).stat().st_ino
+    kept = (out / tiny.shards[0]).stat()
+    kept_file = (kept.st_ino, kept.st_mtime_ns)  # an inode alone may be reused by a rewrite
     with pytest.raises(OptionsError, match="not empty"):
         fp8conv.convert(tiny.path, out, to="channel")  # neither --resume nor --overwrite
-    fp8conv.convert(tiny.path, out, to="channel", resume=True)
-    assert (out / tiny.shards[0]).stat().st_ino == kept_inode  # the finished shard was kept, not redone
+    assert fp8conv.convert(tiny.path, out, to="channel", resume=True).shards_kept == [tiny.shards[0]]
+    now = (out / tiny.shards[0]).stat()
+    assert (now.st_ino, now.st_mtime_ns) == kept_file  # the finished shard was kept, not redone
     assert dir_snapshot(out) == dir_snapshot(tmp_path / "reference")
 
 

@@ -4,6 +4,7 @@ remote headers for inspect, and symlinks (followed inside an HF cache, never out
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -53,7 +54,17 @@ def test_hub_id_through_an_offline_cache(tiny, tmp_path):
     done = _cli(["convert", "acme/tiny-fp8", "--revision", COMMIT, "--to", "bf16", "-o", str(tmp_path / "hub")], cache)
     assert done.returncode == 0, done.stderr
     fp8conv.convert(tiny.path, tmp_path / "local", to="bf16")
-    assert dir_snapshot(tmp_path / "hub") == dir_snapshot(tmp_path / "local")  # tokenizer etc. followed into blobs
+    hub, local = dir_snapshot(tmp_path / "hub"), dir_snapshot(tmp_path / "local")
+    # provenance differs (the model card note and the manifest's source); everything else is the same bytes
+    provenance = {"README.md", ".fp8conv/manifest.json"}
+    assert {k: v for k, v in hub.items() if k not in provenance} == {
+        k: v for k, v in local.items() if k not in provenance
+    }  # tokenizer etc. followed into blobs
+    assert f"converted [`acme/tiny-fp8`](https://huggingface.co/acme/tiny-fp8) at revision `{COMMIT}`" in (
+        hub["README.md"].decode()
+    )
+    source = json.loads(hub[".fp8conv/manifest.json"])["source"]
+    assert source == {"repo_id": "acme/tiny-fp8", "revision": COMMIT, "commit": COMMIT}
     missing = _cli(["convert", "acme/other", "--to", "bf16", "-o", str(tmp_path / "x")], cache)
     assert missing.returncode == 1 and missing.stderr.startswith("error: acme/other cannot be fetched")
     assert len(missing.stderr.splitlines()) == 2  # the error line and the FP8CONV_DEBUG hint

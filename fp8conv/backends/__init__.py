@@ -59,6 +59,19 @@ class Backend(Protocol):
         """
         ...
 
+    def decode_4bit(
+        self, codes: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor
+    ) -> None:
+        """out[m, r, c] = round_to(out.dtype)(values[nibble c of codes[m, r]] * scale[m, r, c // group]).
+
+        codes: [M, N, K/2] uint8, two 4-bit codes per byte, the low nibble first; values: the 16 float32
+        values of the codes (E2M1, or INT4 as nibble - 8); scale: [M, N, K/group] float32, or uint8 E8M0
+        exponents b meaning 2^(b-127) (MXFP4: the bytes as stored, never cast); out: [M, N, K]
+        float32 or bf16. The float32 product is exact for E2M1 and INT4 times power-of-two, e4m3 or bf16
+        scales; then one rounding.
+        """
+        ...
+
 
 def available_devices() -> list[str]:
     found = ["cpu", "reference"]

@@ -39,6 +39,7 @@ class CpuBackend(TorchDeviceBackend):
     def __init__(self) -> None:
         super().__init__("cpu", name="cpu")
         self._local = threading.local()  # scratch buffers per thread: bands may be computed side by side
+        self._tables: dict[tuple[tuple[float, ...], torch.dtype], torch.Tensor] = {}  # _decode_pow2's
 
     def _buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         scratch: dict[tuple[str, torch.dtype], torch.Tensor] = self._local.__dict__.setdefault("scratch", {})
@@ -175,3 +176,79 @@ class CpuBackend(TorchDeviceBackend):
                 torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max)
                 q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
                 scale_out[m, g0 : g0 + gn] = s
+
+    def decode_4bit(
+        self, codes: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor
+    ) -> None:
+        """Table-driven: a 256-entry table maps each byte to its two values at once (one int64 of two
+        float32, or one int32 of two bf16), so a chunk is one gather over the bytes and one in-place
+        multiply by the group scales. Into bf16 directly when the scales are bf16 values: the products
+        (at most 3 + 8 significant bits) are then exact in float32, and torch's bf16 multiply rounds that
+        float32 product once, as the reference does."""
+        if out.dtype not in (torch.float32, torch.bfloat16) or group % 2:
+            super().decode_4bit(codes, values, scale, group, out)
+            return
+        if scale.dtype == torch.uint8:  # E8M0 exponents (MXFP4): no multiply at all
+            self._decode_pow2(codes, values, scale, group, out)
+            return
+        if out.dtype == torch.bfloat16 and not bool((scale.to(torch.bfloat16).to(torch.float32) == scale).all()):
+            super().decode_4bit(codes, values, scale, group, out)
+            return
+        pairs = _byte_pair_table(values, out.dtype)
+        scale = scale.to(out.dtype)
+        m_count, n, half = codes.shape
+        step = max(1, CHUNK_ELEMENTS // max(2 * half, 1))
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                rows = min(step, n - r0)
+                index = self._buffer("codes", rows * half, torch.int32)
+                index.copy_(codes[m, r0 : r0 + rows].reshape(-1))
+                dst = out[m, r0 : r0 + rows]
+                if dst.is_contiguous():
+                    torch.index_select(pairs, 0, index, out=dst.view(-1).view(pairs.dtype))
+                else:
+                    dst.copy_(torch.index_select(pairs, 0, index).view(out.dtype).view(rows, 2 * half))
+                dst.view(rows, -1, group).mul_(scale[m, r0 : r0 + rows, :, None])
+
+    def _decode_pow2(
+        self, codes: torch.Tensor, values: torch.Tensor, exponents: torch.Tensor, group: int, out: torch.Tensor
+    ) -> None:
+        """Scales 2^(b-127) given as their E8M0 bytes b (uint8): a 65536-entry table indexed by (b, byte)
+        holds both codes' values already
+        scaled, each the float32 product rounded once to out's dtype (what the reference computes), so a
+        chunk is an add (byte + 256 b) and one gather."""
+        key = (tuple(values.tolist()), out.dtype)
+        table = self._tables.get(key)
+        if table is None:
+            scales = (torch.arange(256, dtype=torch.int32) << 23).view(torch.float32)
+            scales[0] = 2.0**-127
+            scales[255] = float("nan")
+            b = torch.arange(256)
+            pairs = torch.stack((values[b & 0xF], values[b >> 4]), dim=1).to(torch.float32)
+            products = (scales[:, None, None] * pairs[None]).to(out.dtype).contiguous()  # [scale, byte, 2]
+            table = products.view(torch.int64 if out.dtype == torch.float32 else torch.int32).reshape(-1)
+            self._tables[key] = table
+        m_count, n, half = codes.shape
+        step = max(1, CHUNK_ELEMENTS // max(2 * half, 1))
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                rows = min(step, n - r0)
+                index = self._buffer("codes", rows * half, torch.int32)
+                index.copy_(codes[m, r0 : r0 + rows].reshape(-1))
+                shifted = self._buffer("exponents", exponents[m, r0 : r0 + rows].numel(), torch.int32)
+                shifted.copy_(exponents[m, r0 : r0 + rows].reshape(-1)).bitwise_left_shift_(8)
+                index.view(rows, -1, group // 2).add_(shifted.view(rows, -1, 1))
+                dst = out[m, r0 : r0 + rows]
+                if dst.is_contiguous():
+                    torch.index_select(table, 0, index, out=dst.view(-1).view(table.dtype))
+                else:
+                    dst.copy_(torch.index_select(table, 0, index).view(out.dtype).view(rows, 2 * half))
+
+
+def _byte_pair_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[256] entries of two `dtype` values: byte b holds values[b & 15] first and values[b >> 4] second in
+    memory, so a gathered row is the low code's value, then the high code's. The values (E2M1, INT4) are
+    exact in bf16."""
+    b = torch.arange(256)
+    pairs = torch.stack((values[b & 0xF], values[b >> 4]), dim=1).to(dtype).contiguous()
+    return pairs.view(torch.int64 if dtype == torch.float32 else torch.int32).reshape(256)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .scales import scale_to_float32
+
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
 
 
@@ -79,3 +81,19 @@ class TorchDeviceBackend:
                 q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
                 q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k].cpu()
                 scale_out[m, g0:g1] = scale.cpu()
+
+    def decode_4bit(
+        self, codes: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor
+    ) -> None:
+        # the plain definition: each nibble indexes the 16 values, low nibble first, then the group scale
+        m_count, n, half = codes.shape
+        step = max(1, (ROWS_PER_CHUNK * 64) // max(half, 1))
+        values = values.to(self.device)
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                c = codes[m, r0:r1].to(self.device).to(torch.int64)
+                w = torch.stack((values[c & 0xF], values[c >> 4]), dim=-1).reshape(r1 - r0, 2 * half)
+                s = scale_to_float32(scale[m, r0:r1]).to(self.device)
+                w.view(r1 - r0, -1, group).mul_(s[:, :, None])
+                out[m, r0:r1].copy_(w)  # one rounding to out's dtype

@@ -7,8 +7,8 @@ import math
 import torch
 
 from ..backends import Backend
+from ..backends.scales import scale_to_float32
 from ..formats import WeightFormat
-from .scales import scale_to_float32
 
 
 def scale_grid(scale: torch.Tensor, fmt: WeightFormat, shape: tuple[int, ...]) -> torch.Tensor:

@@ -8,17 +8,35 @@ import torch
 
 from ..backends import Backend
 from ..dtypes import torch_dtype
+from ..formats import PACKED
 from ..plan import Action, Job
 from .dequant import dequantize, scale_grid
 from .pad import pad_to
 from .quant import quantize, requantize
+from .unpack import block_exactness, dequantized_output, unpack_to_float32
 
 Reader = Callable[[str], torch.Tensor]
 
 
-def run_job(job: Job, read: Reader, backend: Backend, fp8_max: float) -> list[torch.Tensor]:
+def run_job(
+    job: Job, read: Reader, backend: Backend, fp8_max: float, exactness: list[int] | None = None
+) -> list[torch.Tensor]:
+    """exactness: [exact, total] output blocks, added to for packed 4-bit weights quantized to FP8."""
     if job.action is Action.COPY:
         return [pad_to(read(job.source), job.spec.shape, parts=job.pad_parts)]
+    if job.fmt is not None and job.fmt.kind in PACKED:
+        if job.action is Action.DEQUANTIZE:
+            return [dequantized_output(read, job.fmt, backend, torch_dtype(job.spec.dtype))]
+        w32 = unpack_to_float32(read, job.fmt, backend)
+        q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
+        if exactness is not None:
+            block = job.out_block or (1, job.spec.shape[-1])
+            n, k = w32.shape[-2:]  # --pad-for-tp added zeros (exact) after the blocks that hold values
+            grid = (-(-n // block[0]), -(-k // block[1]))
+            exact, total = block_exactness(w32, q[..., :n, :k], scale[..., : grid[0], : grid[1]], block, backend)
+            exactness[0] += exact
+            exactness[1] += total
+        return [q, scale]
     if job.action is Action.DEQUANTIZE:
         assert job.fmt is not None and job.fmt.scale is not None
         out_dtype = torch_dtype(job.spec.dtype)

@@ -1,0 +1,165 @@
+"""Packed 4-bit weights: which format, confirmed by dtypes, companion shapes and config.json together.
+
+A byte holds two 4-bit codes, the low nibble first (element 2i in bits 0-3, 2i+1 in bits 4-7); an
+int32 of compressed-tensors INT4 holds eight, element 8g+j in bits [4j, 4j+4), which on a
+little-endian file is the same nibble stream. K is never guessed: it is twice the packed width (eight
+times for int32), and the scale grid must be exactly K / group along K, or the tensor is refused.
+"""
+
+from __future__ import annotations
+
+from .dtypes import FP8_E4M3
+from .index import CheckpointIndex
+from .quant_config import QuantSettings
+from .weight_format import Kind, WeightFormat
+
+E8M0_DTYPES = ("F8_E8M0", "U8")  # UE8M0 exponents: float8_e8m0fnu, or uint8 as gpt-oss stores them
+INT4_SCALE_DTYPES = ("BF16", "F16", "F32")
+CODES_PER_ELEMENT = {"U8": 2, "I8": 2, "I32": 8}
+CONFIG_DECLARES = {
+    Kind.MXFP4: "expert_dtype 'fp4' (DeepSeek-V4)",
+    Kind.MXFP4_GPT_OSS: "quant_method 'mxfp4' (gpt-oss)",
+    Kind.NVFP4: "a compressed-tensors nvfp4-pack-quantized group",
+    Kind.NVFP4_MODELOPT: "quant_method 'modelopt' with quant_algo 'NVFP4'",
+    Kind.INT4: "a compressed-tensors pack-quantized group of 4-bit int weights",
+}
+
+
+def classify_packed(
+    index: CheckpointIndex,
+    settings: QuantSettings | None,
+    name: str,
+    names: set[str],
+    companions: tuple[str, ...],
+) -> WeightFormat:
+    """`name` is a packed weight (X.weight_packed, X_blocks) or an int8/uint8 X.weight with a scale."""
+    declared = settings.packed if settings is not None else {}
+    where = settings.where if settings is not None else "config.json"
+    entry = index.entry(name)
+
+    def refuse(reason: str, fix: str, kind: Kind = Kind.UNSUPPORTED, scale: str | None = None) -> WeightFormat:
+        return WeightFormat(name, kind, scale=scale, companions=companions, reason=reason, fix=fix)
+
+    if name.endswith("_blocks"):
+        kind, base, out_name = Kind.MXFP4_GPT_OSS, name[: -len("_blocks")], name[: -len("_blocks")]
+        scale, global_scale, shape_tensor = base + "_scales", None, None
+        companions = tuple(c for c in companions if c != scale)
+    elif name.endswith(".weight_packed"):
+        base = name[: -len(".weight_packed")]
+        kind = Kind.INT4 if entry.dtype == "I32" else Kind.NVFP4
+        scale, out_name = base + ".weight_scale", base + ".weight"
+        global_scale = base + ".weight_global_scale" if kind is Kind.NVFP4 else None
+        shape_tensor = base + ".weight_shape" if kind is Kind.INT4 else None
+        if base + ".weight_zero_point" in names:
+            return refuse(
+                f"has {base}.weight_zero_point: asymmetric packed weights are not supported",
+                "fp8conv reads symmetric INT4 only",
+            )
+        companions = tuple(c for c in companions if c not in (scale, global_scale, shape_tensor))
+    else:  # X.weight, int8 / uint8, with a scale companion
+        base, out_name = name[: -len(".weight")], name
+        if base + ".scale" in names:
+            kind, scale, global_scale = Kind.MXFP4, base + ".scale", None
+        else:
+            kind, scale, global_scale = Kind.NVFP4_MODELOPT, base + ".weight_scale", base + ".weight_scale_2"
+        shape_tensor = None
+        if kind is Kind.NVFP4_MODELOPT and (scale not in names or index.entry(scale).dtype != FP8_E4M3):
+            found = [base + s for s in (".weight_scale", ".weight_scale_inv") if base + s in names]
+            return refuse(
+                f"{entry.dtype} weights with a {index.entry(found[0]).dtype} scale are int8, not FP8 or packed FP4",
+                "fp8conv converts FP8 and packed 4-bit (MXFP4, NVFP4, INT4) weights only",
+                scale=found[0],
+            )
+    if scale not in names:
+        return refuse(f"is packed 4-bit but has no scale {scale}", "re-download the shard that holds the scale")
+    if kind not in declared:
+        return refuse(
+            f"looks like packed 4-bit {kind} ({entry.dtype} with {index.entry(scale).dtype} {scale}) but "
+            f"{where} does not declare it: it needs {CONFIG_DECLARES[kind]}",
+            "fp8conv decides packed formats from the tensors and config.json together; fix config.json",
+            scale=scale,
+        )
+    group = declared[kind]
+    problem = _shape_problem(index, kind, name, scale, global_scale, shape_tensor, group, names)
+    if problem:
+        return refuse(problem, "the checkpoint is damaged or in a layout fp8conv does not know", scale=scale)
+    if kind is Kind.MXFP4_GPT_OSS:
+        *lead, n, g, _ = entry.shape
+        shape = (*lead, n, g * 32)
+    else:
+        shape = (*entry.shape[:-1], entry.shape[-1] * CODES_PER_ELEMENT[entry.dtype])
+    return WeightFormat(
+        name,
+        kind,
+        scale=scale,
+        companions=companions,
+        group=group,
+        global_scale=global_scale,
+        shape_tensor=shape_tensor,
+        shape=shape,
+        out_name=out_name,
+    )
+
+
+def _shape_problem(
+    index: CheckpointIndex,
+    kind: Kind,
+    name: str,
+    scale: str,
+    global_scale: str | None,
+    shape_tensor: str | None,
+    group: int,
+    names: set[str],
+) -> str | None:
+    """Why the tensors do not fit the format, or None."""
+    w, s = index.entry(name), index.entry(scale)
+    want_w = {
+        Kind.MXFP4: ("I8", "U8"),
+        Kind.MXFP4_GPT_OSS: ("U8",),
+        Kind.NVFP4: ("U8",),
+        Kind.NVFP4_MODELOPT: ("U8",),
+        Kind.INT4: ("I32",),
+    }[kind]
+    want_s = {Kind.MXFP4: E8M0_DTYPES, Kind.MXFP4_GPT_OSS: E8M0_DTYPES, Kind.INT4: INT4_SCALE_DTYPES}.get(
+        kind, (FP8_E4M3,)
+    )
+    if w.dtype not in want_w:
+        return f"{kind} weights are {'/'.join(want_w)}, not {w.dtype}"
+    if s.dtype not in want_s:
+        return f"{kind} scale {scale} is {s.dtype}, not {'/'.join(want_s)}"
+    if kind is Kind.MXFP4_GPT_OSS:
+        if len(w.shape) < 3 or w.shape[-1] != 16:
+            return f"gpt-oss blocks have shape {list(w.shape)}; [..., rows, K/32, 16] (16 bytes per 32) expected"
+        if s.shape != w.shape[:-1]:
+            return f"scale {scale} has shape {list(s.shape)} but the blocks {list(w.shape)} need {list(w.shape[:-1])}"
+        return None
+    if len(w.shape) < 2 or (kind in (Kind.NVFP4, Kind.NVFP4_MODELOPT) and len(w.shape) != 2):
+        return f"a packed weight of shape {list(w.shape)} is not a matrix"
+    k = w.shape[-1] * CODES_PER_ELEMENT[w.dtype]
+    if k % group:
+        return f"K = {k} (from {list(w.shape)}) is not a multiple of the group size {group}"
+    expected = (*w.shape[:-1], k // group)
+    if s.shape != expected:
+        return f"scale {scale} has shape {list(s.shape)} but K = {k} in groups of {group} needs {list(expected)}"
+    if global_scale is not None:
+        if global_scale not in names:
+            return f"has no global scale {global_scale}"
+        g = index.entry(global_scale)
+        if g.dtype != "F32" or g.numel != 1:
+            return f"global scale {global_scale} is {g.dtype} {list(g.shape)}, not one float32"
+    if shape_tensor is not None:
+        if shape_tensor not in names:
+            return f"has no {shape_tensor} (compressed-tensors writes the unpacked shape there)"
+        t = index.entry(shape_tensor)
+        if t.dtype not in ("I32", "I64") or t.shape != (len(w.shape),):
+            return f"{shape_tensor} is {t.dtype} {list(t.shape)}, not {len(w.shape)} integers"
+    return None
+
+
+def packed_output_shape(fmt: WeightFormat) -> tuple[int, ...]:
+    """The unpacked weight as written: [..., N, K], except gpt-oss's experts, [E, K, N] as transformers'
+    bf16 GptOssExperts holds them (convert_moe_packed_tensors transposes the same way)."""
+    assert fmt.shape is not None
+    if fmt.kind is Kind.MXFP4_GPT_OSS:
+        return (*fmt.shape[:-2], fmt.shape[-1], fmt.shape[-2])
+    return fmt.shape

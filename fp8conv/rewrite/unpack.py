@@ -1,0 +1,96 @@
+"""Packed 4-bit weights (MXFP4, NVFP4, INT4) -> their float32 values, on a backend.
+
+Each value is code value * group scale (exact: E2M1 has 2 significant bits, INT4 at most 3, the
+scales are powers of two, e4m3 or bf16), then for NVFP4 one float32 rounding by the global scale:
+compressed-tensors divides by weight_global_scale, ModelOpt multiplies by weight_scale_2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from ..backends import Backend
+from ..backends.scales import scale_to_float32
+from ..formats import Kind, WeightFormat
+
+# E2M1 code c: (-1)^(c >> 3) * [0, 0.5, 1, 1.5, 2, 3, 4, 6][c & 7]; INT4 (compressed-tensors): c - 8
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+INT4_VALUES = tuple(float(c - 8) for c in range(16))
+
+
+def code_values(kind: Kind) -> torch.Tensor:
+    return torch.tensor(INT4_VALUES if kind is Kind.INT4 else E2M1_VALUES, dtype=torch.float32)
+
+
+def unpack_to_float32(
+    read: Callable[[str], torch.Tensor], fmt: WeightFormat, backend: Backend, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The weight's float32 values rounded once to `dtype`, shaped fmt.shape ([..., N, K], before gpt-oss's
+    transpose). Without a global scale the backend writes `dtype` directly; with one, float32 first."""
+    assert fmt.shape is not None and fmt.scale is not None and fmt.group is not None
+    shape = fmt.shape
+    n, k = shape[-2], shape[-1]
+    m = math.prod(shape[:-2])
+    # int8 / uint8 / int32 containers: the bytes, viewed (little-endian: an int32's nibbles in order)
+    codes = read(fmt.weight).contiguous().view(torch.uint8).reshape(m, n, k // 2)
+    stored = read(fmt.scale)
+    if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):  # E8M0: its bytes, viewed (never a numeric cast)
+        scale = stored.contiguous().view(torch.uint8).reshape(m, n, k // fmt.group)
+    else:
+        scale = scale_to_float32(stored).reshape(m, n, k // fmt.group)
+    direct = fmt.global_scale is None
+    out = torch.empty((m, n, k), dtype=dtype if direct else torch.float32)
+    if out.numel():
+        backend.decode_4bit(codes, code_values(fmt.kind), scale, fmt.group, out)
+    if fmt.global_scale is not None:
+        g = read(fmt.global_scale).to(torch.float32).reshape(())
+        if fmt.kind is Kind.NVFP4:
+            out.div_(g)
+        else:
+            out.mul_(g)
+    return out.view(shape) if out.dtype == dtype else out.view(shape).to(dtype)
+
+
+def dequantized_output(
+    read: Callable[[str], torch.Tensor], fmt: WeightFormat, backend: Backend, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight as written by --to bf16 (or float16 / float32): one expert of a fused [E, N, K] tensor at
+    a time, so only one expert is ever held twice; gpt-oss's experts transposed to [E, K, N] as
+    transformers' GptOssExperts holds them."""
+    assert fmt.shape is not None
+    shape = fmt.shape
+    if len(shape) == 2:
+        return unpack_to_float32(read, fmt, backend, dtype)
+    weight, scale = read(fmt.weight), read(fmt.scale)  # read once, sliced per expert below
+    experts = weight.reshape(-1, *weight.shape[len(shape) - 2 :])
+    scales = scale.reshape(-1, *scale.shape[len(shape) - 2 :])
+    transpose = fmt.kind is Kind.MXFP4_GPT_OSS
+    out = torch.empty((*shape[:-2], shape[-1], shape[-2]) if transpose else shape, dtype=dtype)
+    flat = out.view(-1, *out.shape[-2:])
+    one = replace(fmt, shape=shape[-2:])
+    for e in range(experts.shape[0]):
+        tensors = {fmt.weight: experts[e], fmt.scale: scales[e]}
+        w = unpack_to_float32(lambda name, t=tensors: t[name] if name in t else read(name), one, backend, dtype)
+        flat[e].copy_(w.T if transpose else w)
+    return out
+
+
+def block_exactness(
+    w32: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], backend: Backend
+) -> tuple[int, int]:
+    """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value."""
+    n, k = w32.shape[-2], w32.shape[-1]
+    bn, bk = block
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    back = torch.empty((math.prod(w32.shape[:-2]), n, k), dtype=torch.float32)
+    backend.dequantize_blocks(q.reshape(back.shape), scale.reshape(-1, gn, gk), block, back)
+    differs = back.ne_(w32.reshape(back.shape))  # in place: 1.0 where a value did not come back
+    if n % bn or k % bk:  # zero-pad to whole blocks: padding never differs
+        differs = torch.nn.functional.pad(differs, (0, gk * bk - k, 0, gn * bn - n))
+    per_block = differs.view(-1, gn, bn, gk, bk).amax(dim=(2, 4))
+    total = per_block.numel()
+    return total - int(per_block.count_nonzero()), total

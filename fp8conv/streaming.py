@@ -1,0 +1,369 @@
+"""`convert --stream`: input shards fetched a bounded number ahead of the conversion, each output shard
+converted once the input shards it reads (its own, and those holding its companions) are present,
+and with --evict-input each input shard removed once every output that reads it is committed.
+
+The plan is made from headers before any shard is fetched (remote headers for a Hub repo), so every
+refusal the headers allow still comes first. Scales are data: an output shard's are checked once the
+input shards holding them are there, before it is written; a bad one stops the run with no index or config.json
+written, so the output never looks complete.
+
+The schedule is a pure function of the plan: the order shards are fetched in, when each may be
+fetched (`ahead` outputs ahead of the last committed one) and when each may go, so the peak disk the
+input takes is computed, and checked against the free space, before anything is fetched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import hub
+from .errors import CheckpointError, OptionsError, OutputError
+from .index import INDEX_NAME, CheckpointIndex, Shard
+from .manifest import input_identity
+from .plan import ConversionPlan
+from .safetensors_file import ShardHeader, TensorEntry, read_header
+from .shard_source import HubShardSource, ShardSource
+from .source import Checkpoint, open_checkpoint, open_with_headers
+from .writer import write_file_atomic
+
+DEFAULT_AHEAD = 1
+HEADERS_FILE = Path(".fp8conv") / "input-headers.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def open_stream(
+    location: str | os.PathLike[str], revision: str | None, stream: bool | ShardSource, resume_from: Path | None
+):
+    """(checkpoint planned from headers, the source its shards come from). A Hub ID downloads only
+    its small files (config, index, tokenizer, model card) here; shards not in the cache get their
+    headers from the interrupted run being resumed (`resume_from`, the output), else remotely.
+    A ShardSource given by the caller (tests, bench) serves `location`'s shards."""
+    if not isinstance(stream, bool):
+        ckpt = open_checkpoint(location)
+        ckpt.index.root = stream.root  # shards are read where the source delivers them
+        return ckpt, stream
+    if not (isinstance(location, str) and hub.looks_like_repo_id(location)):
+        raise OptionsError(
+            f"--stream fetches shards from the Hugging Face Hub; {location} is a local checkpoint",
+            fix="drop --stream (a local checkpoint is already on disk), or give a Hub repo ID",
+        )
+    root = hub.snapshot(location, revision, weights=False)
+    source = HubShardSource(location, revision, root)
+    saved = _saved_headers(resume_from, source) if resume_from is not None else {}
+    return open_with_headers(root, _hub_headers(location, root, source, saved)), source
+
+
+def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None:
+    """The headers the plan was made from, for --resume: an evicted shard is then never needed again,
+    not even its header (an offline resume plans without the network). Removed once the run is done."""
+    prov = source.provenance()
+    if "commit" not in prov:
+        return
+    shards = {}
+    for shard in ckpt.index.shards:
+        h = shard.header
+        tensors = {t: [e.dtype, list(e.shape), e.start - h.data_start, e.nbytes] for t, e in h.tensors.items()}
+        shards[shard.name] = {"tensors": tensors, "metadata": h.metadata}
+    doc = {"repo_id": prov["repo_id"], "commit": prov["commit"], "shards": shards}
+    write_file_atomic(out / HEADERS_FILE, json.dumps(doc).encode())
+
+
+def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
+    """Headers an interrupted run of the same repo and commit saved, in the remote form (offsets
+    relative to the data); every fetched shard is still checked against them."""
+    try:
+        doc = json.loads((out / HEADERS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if (doc.get("repo_id"), doc.get("commit")) != (source.repo_id, source.commit):
+        return {}
+    headers = {}
+    for name, shard in doc["shards"].items():
+        entries = {t: TensorEntry(t, d, tuple(shape), start, n) for t, (d, shape, start, n) in shard["tensors"].items()}
+        size = max((e.start + e.nbytes for e in entries.values()), default=0)
+        headers[name] = ShardHeader(Path(name), size, 0, entries, dict(shard["metadata"]))
+    return headers
+
+
+def _hub_headers(
+    repo_id: str, root: Path, source: HubShardSource, saved: dict[str, ShardHeader]
+) -> dict[str, ShardHeader]:
+    """Cached shards' headers read locally, then those an interrupted run saved; the others' remotely
+    (a few KB each), never the weights."""
+    index_file = root / INDEX_NAME
+    names: list[str] | None = None
+    if index_file.is_file():
+        names = sorted(set(json.loads(index_file.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+    elif source.present(SINGLE_FILE):  # no index: one model.safetensors, cached
+        names = [SINGLE_FILE]
+    elif saved:
+        names = sorted(saved)
+    missing = [n for n in names or [] if not source.present(n) and n not in saved]
+    try:
+        remote = hub.remote_headers(repo_id, source.commit) if names is None or missing else {}
+    except CheckpointError as exc:
+        if not missing:
+            raise
+        raise CheckpointError(
+            f"{len(missing)} shard(s) are not in the cache ({', '.join(missing[:3])}) and their headers cannot be "
+            f"read remotely: {exc.problem}",
+            fix="connect to the Hub (HF_HUB_OFFLINE unset): the plan reads a few KB of header per shard",
+        ) from exc
+    headers = {}
+    for name in names if names is not None else sorted(remote):
+        if source.present(name):
+            headers[name] = read_header(root / name, display_name=name)
+        else:
+            headers[name] = saved.get(name) or remote.get(name)
+        if headers[name] is None:
+            raise CheckpointError(f"names shard {name!r}, which the repository does not hold", shard=INDEX_NAME)
+    return headers
+
+
+def stream_identity(ckpt: Checkpoint, source: ShardSource) -> dict[str, Any]:
+    """A Hub input is pinned by its commit (git content addressing); the shards' names and config.json's
+    hash are kept so a mismatch can be named. A local source has headers on disk: the usual identity."""
+    prov = source.provenance()
+    if "commit" not in prov:
+        return input_identity(ckpt)
+    config = ckpt.root / "config.json"
+    return {
+        "repo_id": prov["repo_id"],
+        "commit": prov["commit"],
+        "shards": [{"name": s.name} for s in ckpt.index.shards],
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if ckpt.config is not None else None,
+    }
+
+
+@dataclass
+class Schedule:
+    order: list[str]  # output shards still to write, in plan order
+    needs: dict[str, list[str]]  # output shard -> the input shards its jobs read
+    fetches: list[tuple[str, int]]  # input shard, position in `order` of the first output that reads it
+    last_use: dict[str, int]  # input shard -> position of the last output that reads it
+    unused: list[str]  # input shards only finished outputs read: never fetched
+
+    def peak_input(self, sizes: dict[str, int], ahead: int, evict: bool, present: set[str]) -> tuple[int, int]:
+        """(bytes, shards) of input held on disk at once that are not there yet. While `r` outputs are
+        committed, shards first read by outputs up to r + ahead may be fetched; with evict, a shard
+        goes once its last reader is committed (before r moves on)."""
+        peak_bytes = peak_count = 0
+        for r in range(len(self.order) + 1):
+            held = [
+                name
+                for name, first in self.fetches
+                if first <= r + ahead and (not evict or self.last_use[name] >= r) and name not in present
+            ]
+            peak_bytes = max(peak_bytes, sum(sizes[n] for n in held))
+            peak_count = max(peak_count, len(held))
+        return peak_bytes, peak_count
+
+
+def make_schedule(index: CheckpointIndex, plan: ConversionPlan, skip: set[str]) -> Schedule:
+    order = [s.name for s in plan.shards if s.name not in skip]
+    position = {s.name: i for i, s in enumerate(index.shards)}
+    needs: dict[str, list[str]] = {}
+    for shard in plan.shards:
+        if shard.name in skip:
+            continue
+        read = set()
+        for job in shard.jobs:
+            read.add(index.shard_of(job.source).name)
+            for companion in job.fmt.consumed if job.fmt is not None else ():  # scales, global scales...
+                if companion in index.locations:
+                    read.add(index.shard_of(companion).name)
+        needs[shard.name] = sorted(read, key=position.__getitem__)
+    fetches: list[tuple[str, int]] = []
+    last_use: dict[str, int] = {}
+    for i, name in enumerate(order):
+        for inp in needs[name]:
+            if inp not in last_use:
+                fetches.append((inp, i))
+            last_use[inp] = i
+    unused = [s.name for s in index.shards if s.name not in last_use]
+    return Schedule(order, needs, fetches, last_use, unused)
+
+
+def check_stream_space(
+    out: Path,
+    output_bytes: int,
+    input_root: Path,
+    input_bytes: int,
+    input_shards: int,
+    ahead: int,
+    evict: bool,
+) -> None:
+    """Output and the input held at once, each against its filesystem's free space; together when
+    both are on one filesystem. The refusal names both numbers."""
+    out_probe = out if out.exists() else next(p for p in out.parents if p.exists())
+    in_probe = input_root if input_root.exists() else next(p for p in input_root.parents if p.exists())
+    how = (
+        f"{input_shards} input shard(s) at most, fetched {ahead} ahead and evicted once converted"
+        if evict
+        else "every input shard, kept in the cache (no --evict-input)"
+    )
+    what = f"the output needs {output_bytes} bytes ({output_bytes / 2**30:.2f} GiB) and the input {input_bytes} bytes "
+    what += f"({input_bytes / 2**30:.2f} GiB: {how})"
+    fix = "free space, choose another output or cache (HF_HUB_CACHE), pass --evict-input or a smaller --prefetch; "
+    fix += "--no-space-check skips this check"
+    if os.stat(out_probe).st_dev == os.stat(in_probe).st_dev:
+        free = shutil.disk_usage(out_probe).free
+        if free < output_bytes + input_bytes:
+            total = output_bytes + input_bytes
+            raise OutputError(
+                f"{what}, {total} bytes ({total / 2**30:.2f} GiB) in all, but {out_probe} has {free} bytes "
+                f"({free / 2**30:.2f} GiB) free",
+                fix=fix,
+            )
+        return
+    for probe, needed in ((out_probe, output_bytes), (in_probe, input_bytes)):
+        free = shutil.disk_usage(probe).free
+        if free < needed:
+            raise OutputError(f"{what}, but {probe} has {free} bytes ({free / 2**30:.2f} GiB) free", fix=fix)
+
+
+def adopt_local_header(index: CheckpointIndex, name: str, path: Path) -> None:
+    """A fetched shard's own header replaces the one the plan was made from (remote headers carry
+    offsets relative to the data); every tensor must be where the plan expects it."""
+    local = read_header(path, display_name=name)
+    position = next(i for i, s in enumerate(index.shards) if s.name == name)
+    planned = index.shards[position].header
+
+    def layout(h: ShardHeader) -> dict[str, tuple]:
+        return {t: (e.dtype, e.shape, e.start - h.data_start, e.nbytes) for t, e in h.tensors.items()}
+
+    if layout(local) != layout(planned):
+        raise CheckpointError(
+            "differs from the header the plan was made from",
+            shard=name,
+            fix="the repository changed under the run: convert again (pin --revision to a commit)",
+        )
+    shard = Shard(name, local)
+    index.shards[position] = shard
+    for tname, entry in local.tensors.items():
+        index.locations[tname] = (shard, entry)
+
+
+class StreamFeed:
+    """The prefetch thread, and the after-commit thread (verify a shard, then evict what no output
+    still needs). The conversion calls wait_for(output) before a shard and committed(output) after it."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        schedule: Schedule,
+        *,
+        ahead: int,
+        evict: bool,
+        arrived: Callable[[str, Path], None],
+        before_evict: Callable[[str], None],
+        after_commit: Callable[[str], None] | None = None,
+        ready: Callable[[str], None] | None = None,
+    ) -> None:
+        self.source, self.schedule, self.ahead, self.evict = source, schedule, ahead, evict
+        self.arrived, self.before_evict, self.after_commit = arrived, before_evict, after_commit
+        self.ready = ready  # called with an output shard once its inputs are present, before it is converted
+        self.cond = threading.Condition()
+        self.present: set[str] = set()
+        self.released = 0  # outputs of schedule.order committed (and released) so far, in order
+        self.readers_left = {name: 0 for name, _ in schedule.fetches}
+        for inputs in schedule.needs.values():
+            for name in inputs:
+                self.readers_left[name] += 1
+        self.error: BaseException | None = None
+        self.cancel = threading.Event()
+        self.fetched: list[str] = []  # shards actually fetched (not on disk when asked for)
+        self.evicted: list[str] = []
+        self.waited_s = 0.0  # time the conversion spent waiting for shards
+        self.thread = threading.Thread(target=self._prefetch, name="fp8conv-fetch", daemon=True)
+        self.post = ThreadPoolExecutor(1, thread_name_prefix="fp8conv-after-commit")
+        self.posted: list[Future[None]] = []
+
+    def start(self) -> None:
+        if self.evict:  # read only by outputs an interrupted run finished: never needed again
+            for name in self.schedule.unused:
+                if self.source.present(name):
+                    self.source.evict(name)
+                    self.evicted.append(name)
+        self.thread.start()
+
+    def _prefetch(self) -> None:
+        try:
+            for name, first in self.schedule.fetches:
+                with self.cond:
+                    self.cond.wait_for(lambda f=first: self.released >= f - self.ahead or self.cancel.is_set())
+                if self.cancel.is_set():
+                    return
+                was_there = self.source.present(name)
+                path = self.source.fetch(name, self.cancel)
+                if not was_there:
+                    self.fetched.append(name)
+                self.arrived(name, path)
+                with self.cond:
+                    self.present.add(name)
+                    self.cond.notify_all()
+        except BaseException as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            self.cond.notify_all()
+
+    def wait_for(self, output: str) -> None:
+        """Block until every input shard `output` reads is present; raise the first fetch error."""
+        started = time.monotonic()
+        needed = self.schedule.needs[output]
+        with self.cond:
+            self.cond.wait_for(lambda: self.error is not None or all(n in self.present for n in needed))
+            self.waited_s += time.monotonic() - started
+            if self.error is not None:
+                raise self.error
+        if self.ready is not None:
+            self.ready(output)
+
+    def committed(self, output: str) -> None:
+        """The output shard is fsynced, renamed and in the manifest (called on the writer thread)."""
+        self.posted.append(self.post.submit(self._release, output))
+
+    def _release(self, output: str) -> None:
+        try:
+            if self.after_commit is not None:
+                self.after_commit(output)
+            for name in self.schedule.needs[output]:
+                self.readers_left[name] -= 1
+                if self.evict and self.readers_left[name] == 0:
+                    self.before_evict(name)
+                    self.source.evict(name)
+                    self.evicted.append(name)
+            with self.cond:
+                self.released += 1
+                self.cond.notify_all()
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+
+    def finish(self) -> None:
+        """Every after-commit step done; raises the first error of either thread."""
+        for future in self.posted:
+            future.result()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.cancel.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.post.shutdown(wait=True)
+        self.thread.join(timeout=10)  # a Hub download in flight cannot be interrupted; it is a daemon

@@ -1,0 +1,263 @@
+"""vLLM (CPU build, offline) serves fp8conv's outputs.
+
+Computed by vLLM on any x86 CPU: the bf16 output of every model, and the channel FP8 output of the dense
+model (ChannelWiseTorchFP8ScaledMMLinearKernel). LOAD-ONLY: the block FP8 outputs (padded with
+--pad-for-tp 2) and the channel MoE outputs go through vLLM's model construction and weight loaders at
+tensor-parallel 1 and 2, without computing. vLLM's CPU kernels for block FP8 Linear layers and for FP8 MoE
+need AMX ("CPUFp8BlockScaledMMKernel requires AMX tile support", "Unsupported FP8 MoE backend: NONE"):
+where the CPU has AMX, the padded block outputs are computed too; elsewhere those tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from .conftest import VERDICTS, run_worker, worker_json
+from .models import BLOCK, KINDS
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [1, 7, 42, 3, 99, 250, 17, 5]  # vllm_worker.PROMPT
+MAX_TOKENS = 8
+
+# vLLM's bf16 kernels and transformers' differ in accumulation order: the same token's log-probability
+# agrees within BF16_LOGPROB_TOL (nats). Random tiny models have near-tied logits, so a greedy token may
+# flip where transformers' top two are within that tolerance; the sequences then differ and the
+# comparison stops there (a flip anywhere else fails).
+BF16_LOGPROB_TOL = 0.05
+# Channel FP8 in vLLM quantizes activations per token to FP8 (W8A8); transformers with compressed-tensors
+# runs the same weights with its own fake quantization: first-token log-probabilities within this (nats).
+CHANNEL_LOGPROB_TOL = 0.1
+
+
+def _transformers_greedy(path, **kwargs) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and each step's log-probabilities, full recompute each step (no cache to differ)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs)
+    ids = torch.tensor([PROMPT])
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            lp = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+            tok = int(lp.argmax())
+            tokens.append(tok)
+            logprobs.append(lp)
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return tokens, logprobs
+
+
+def _compare_greedy(vllm_out: dict, hf_tokens: list[int], hf_logprobs: list[torch.Tensor], tol: float) -> str:
+    """Token by token: equal tokens with log-probabilities within tol, or a flip between a near tie."""
+    assert len(vllm_out["tokens"]) == MAX_TOKENS
+    for step, (v_tok, h_tok) in enumerate(zip(vllm_out["tokens"], hf_tokens, strict=True)):
+        v_lp = vllm_out["logprobs"][step][str(v_tok)]
+        h_lp = hf_logprobs[step]
+        assert abs(v_lp - float(h_lp[v_tok])) <= tol, (step, v_tok, v_lp, float(h_lp[v_tok]))
+        if v_tok != h_tok:
+            margin = float(h_lp[h_tok] - h_lp[v_tok])
+            assert margin <= tol, f"step {step}: vLLM {v_tok}, transformers {h_tok}, margin {margin:.4f} > {tol}"
+            return f"equal for {step} tokens, then a near tie flipped (margin {margin:.4f})"
+    return f"all {MAX_TOKENS} tokens equal"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_output_greedy_tokens_match_transformers(converted, kind, tmp_path):
+    path = converted[kind].bf16
+    args = ["generate", str(path), str(tmp_path / "out.json")]
+    if kind == "deepseek_v3":
+        args.append("--native-rope")  # see vllm_worker.generate: the CPU rotary op is wrong on MLA's views
+    got = worker_json(f"{kind} bf16: generate", *args, out=tmp_path / "out.json")
+    hf_tokens, hf_logprobs = _transformers_greedy(path)
+    verdict = _compare_greedy(got, hf_tokens, hf_logprobs, BF16_LOGPROB_TOL)
+    VERDICTS.append(f"COMPUTED {kind} bf16: vLLM {got['tokens']} transformers {hf_tokens}: {verdict}")
+
+
+# What vLLM 0.32 says where this CPU lacks the kernels (no AMX): then block FP8 is checked load-only.
+NO_CPU_KERNEL = ("requires AMX tile support", "Unsupported FP8 MoE backend")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_padded_output_computed_by_vllm_where_the_cpu_has_its_kernel(converted, kind, tmp_path):
+    """Where the CPU has AMX, vLLM computes block FP8 (CPUFp8BlockScaledMMKernel, bf16 activations): the
+    --pad-for-tp 2 output gives transformers' greedy tokens on the bf16 output of the same checkpoint (the
+    padding adds exact zeros). Without AMX vLLM refuses its kernel, and this test is skipped saying so."""
+    path = converted[kind].block_tp2
+    args = ["generate", str(path), str(tmp_path / "out.json")]
+    if kind == "deepseek_v3":
+        args.append("--native-rope")
+    proc = run_worker(f"{kind} block --pad-for-tp 2: generate", *args)
+    if proc.returncode != 0:
+        refusal = next((line for line in proc.stderr.splitlines() if any(m in line for m in NO_CPU_KERNEL)), None)
+        if refusal is not None:
+            VERDICTS.append(f"NOT COMPUTED {kind} block (no CPU kernel here, load-only below): {refusal.strip()}")
+            pytest.skip(f"vLLM has no block FP8 kernel for this CPU: {refusal.strip()}")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    hf_tokens, hf_logprobs = _transformers_greedy(converted[kind].bf16)
+    verdict = _compare_greedy(got, hf_tokens, hf_logprobs, BF16_LOGPROB_TOL)
+    VERDICTS.append(f"COMPUTED {kind} block (padded, this CPU has AMX): vLLM {got['tokens']}: {verdict}")
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+def test_channel_dense_output_computed_by_vllm_matches_transformers(converted, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    path = converted["qwen3"].channel
+    proc = run_worker("qwen3 channel: generate", "generate", str(path), str(tmp_path / "out.json"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "ChannelWiseTorchFP8ScaledMMLinearKernel" in proc.stdout + proc.stderr  # vLLM ran FP8, not bf16
+    got = json.loads((tmp_path / "out.json").read_text())
+    _, hf_logprobs = _transformers_greedy(path)  # compressed-tensors, as users load it
+    first = got["logprobs"][0]
+    diffs = {int(t): abs(lp - float(hf_logprobs[0][int(t)])) for t, lp in first.items()}
+    assert max(diffs.values()) <= CHANNEL_LOGPROB_TOL, diffs
+    VERDICTS.append(
+        f"COMPUTED qwen3 channel (FP8 kernel): first-token top-{len(diffs)} log-probabilities "
+        f"within {max(diffs.values()):.4f} of transformers + compressed-tensors"
+    )
+
+
+# ---- LOAD-ONLY: vLLM's model construction and weight loaders at TP 1 and 2, no compute ----
+
+# Checkpoint modules vLLM fuses into one parameter, in its order (stacked_params_mapping of the models).
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+
+
+def _checkpoint(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def _parts(name: str, ckpt: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """The checkpoint tensors behind one vLLM parameter, and the axis they are concatenated on."""
+    prefix, _, leaf = name.rpartition(".")
+    module = prefix.rpartition(".")[2]
+    if module in FUSED:
+        base = prefix.rpartition(".")[0]
+        return [ckpt[f"{base}.{part}.{leaf}"] for part in FUSED[module]], 0
+    if leaf.startswith(("w13_", "w2_")):  # FusedMoE: [E, 2I, H] and [E, H, I]
+        prefix = prefix.removesuffix(".routed_experts")  # vLLM 0.32's module path for the routed experts
+        suffix = leaf.split("_", 1)[1]
+        experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n in ckpt if n.startswith(prefix + ".")})
+        projs = ("gate_proj", "up_proj") if leaf.startswith("w13_") else ("down_proj",)
+        stacks = [torch.stack([ckpt[f"{prefix}.{e}.{p}.{suffix}"] for e in experts]) for p in projs]
+        return stacks, 1
+    return [ckpt[name]], 0
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def _check_rank(name: str, got: torch.Tensor, parts: list[torch.Tensor], axis: int, rank: int, tp: int) -> str:
+    """A rank's parameter is the whole tensor (replicated) or, along one axis, the rank-th 1/tp of every
+    fused part, concatenated: the bytes of the checkpoint, nothing else."""
+    whole = torch.cat(parts, dim=axis)
+    if got.shape == whole.shape:
+        assert _same_bits(got, whole), f"{name}: rank {rank} holds other bytes than the checkpoint"
+        return "replicated"
+    split = [d for d in range(got.dim()) if got.shape[d] != whole.shape[d]]
+    assert len(split) == 1, (name, tuple(got.shape), tuple(whole.shape))
+    d = split[0]
+    pieces = []
+    for part in parts:
+        assert part.shape[d] % tp == 0, (name, tuple(part.shape), d, tp)
+        size = part.shape[d] // tp
+        pieces.append(part.narrow(d, rank * size, size))
+    expected = torch.cat(pieces, dim=axis)
+    assert _same_bits(got, expected), f"{name}: rank {rank} of {tp} holds other bytes than its slice (axis {d})"
+    return f"split on axis {d}"
+
+
+def _check_whole_blocks(params: dict[str, torch.Tensor], name: str) -> None:
+    """Block FP8: every rank's weight is exactly its scale grid times the block on a sharded axis."""
+    scale = params[name]
+    weight = params[name.removesuffix("_scale_inv")]
+    assert weight.dtype == torch.float8_e4m3fn, name
+    for d in (-2, -1):
+        assert scale.shape[d] == math.ceil(weight.shape[d] / BLOCK), (name, tuple(weight.shape), tuple(scale.shape))
+
+
+# vLLM's FP8 methods give every attention layer KV-cache quantization parameters of its own (q/k/v/prob
+# scales, compressed-tensors also zero points); a checkpoint without them (FP8 weights, bf16 KV cache)
+# leaves vLLM's defaults, which its loader accepts.
+KV_CACHE_SCALE = re.compile(r"\.attn\.(q|k|v|prob)_(scale|zero_point)$")
+
+LOAD_ONLY = [
+    ("deepseek_v3", "block_tp2"),
+    ("qwen3_moe", "block_tp2"),
+    ("qwen3", "block_tp2"),
+    ("deepseek_v3", "channel"),
+    ("qwen3_moe", "channel"),
+]
+
+
+UNPADDED = "deepseek_v3-block-unpadded"
+
+
+@pytest.fixture(scope="module")
+def loaded(converted, tmp_path_factory):
+    """One worker process for every load-only check (vLLM imported once; each model's ranks forked)."""
+    out = tmp_path_factory.mktemp("loaded")
+    models = [f"{k}-{t}={getattr(converted[k], t)}" for k, t in LOAD_ONLY]
+    models.append(f"{UNPADDED}={converted['deepseek_v3'].block}")
+    run_worker(f"LOAD-ONLY at TP 1 and 2, {len(models)} checkpoints", "load", str(out), *models, "--tp", "1,2")
+    return out
+
+
+@pytest.mark.parametrize(("kind", "target"), LOAD_ONLY, ids=[f"{k}-{t}" for k, t in LOAD_ONLY])
+def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind, target):
+    """LOAD-ONLY (no compute on this CPU): vLLM builds the model, its loaders accept every weight
+    (DefaultModelLoader refuses a parameter the checkpoint left uninitialized), and each rank's
+    parameters are the checkpoint's bytes, split the way tensor parallelism splits them."""
+    path = getattr(converted[kind], target)
+    folder = loaded / f"{kind}-{target}"
+    errors = "\n".join(p.read_text()[:3000] for p in sorted(folder.glob("tp*/rank*.err")))
+    assert not errors, errors
+    ckpt = _checkpoint(path)
+    used: set[str] = set()
+    layouts: dict[str, str] = {}
+    for tp in (1, 2):
+        for rank in range(tp):
+            params = torch.load(folder / f"tp{tp}" / f"rank{rank}.pt")
+            for name, got in params.items():
+                if KV_CACHE_SCALE.search(name):
+                    continue
+                parts, axis = _parts(name, ckpt)
+                layouts[name] = _check_rank(name, got, parts, axis, rank, tp)
+                if name.endswith("weight_scale_inv"):
+                    _check_whole_blocks(params, name)
+            if tp == 1:
+                used = {n for n in params if not KV_CACHE_SCALE.search(n)}
+    assert any(v.startswith("split") for v in layouts.values()), layouts  # TP 2 really split something
+    quantized = [n for n in used if n.endswith(("weight_scale_inv", "weight_scale"))]
+    assert quantized, f"no FP8 parameter in vLLM's model of {path.name}"
+    VERDICTS.append(f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} FP8 scales")
+
+
+def test_load_only_unpadded_block_output_refused_by_vllm(loaded):
+    """What --pad-for-tp fixes (the padded output loads above): DeepSeek's moe_intermediate_size 192 and
+    intermediate_size 384 are not whole 128-blocks per rank. vLLM refuses the unpadded block output at
+    TP 1 in its MoE weight loader (the expert down projections, w2) and at TP 2 before loading."""
+    tp1 = (loaded / UNPADDED / "tp1" / "rank0.err").read_text()
+    assert "_load_w2" in tp1, tp1[-3000:]
+    tp2 = (loaded / UNPADDED / "tp2" / "rank0.err").read_text().splitlines()[0]
+    assert re.search(r"= 192 is not divisible by weight quantization block_[nk] = 128", tp2), tp2
+    VERDICTS.append(
+        f"LOAD-ONLY deepseek_v3 block unpadded, refused by vLLM: TP 1: {tp1.splitlines()[0]} (loading w2); TP 2: {tp2}"
+    )

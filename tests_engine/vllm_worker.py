@@ -1,0 +1,159 @@
+"""Runs inside .venv-engine (vLLM's CPU build); the tests call it and read what it writes. `generate` runs
+one model per process; `load` imports vLLM once and forks the ranks of each model and TP size.
+
+  generate MODEL OUT.json [--native-rope]   greedy tokens and top log-probabilities, offline LLM
+  load OUT_DIR NAME=MODEL... --tp 1,2       vLLM's model construction and weight loaders, no compute
+
+Not imported by the tests: this file needs vllm, which the main .venv does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PROMPT = [1, 7, 42, 3, 99, 250, 17, 5]
+MAX_TOKENS = 8
+TOP_LOGPROBS = 5
+
+# In-process engine (no engine-core subprocess) and a small KV cache: a few tokens on a shared CPU box.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+KV_CACHE_BYTES = 64 << 20
+
+
+def generate(model: str, out: Path, native_rope: bool) -> None:
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    t1 = time.perf_counter()
+    kwargs = {}
+    if native_rope:
+        # vLLM's CPU rotary op (ops.rotary_embedding, RotaryEmbedding.forward_cpu) rotates MLA's strided
+        # q_pe / k_pe views wrongly (vllm/model_executor/layers/mla.py passes q[..., nope:] in place).
+        # Disabling the rotary_embedding custom op makes vLLM dispatch to forward_native, plain torch.
+        kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+    llm = LLM(
+        model=model,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=64,
+        max_num_seqs=1,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        seed=0,
+        **kwargs,
+    )
+    t2 = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS, detokenize=False)
+    result = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    t3 = time.perf_counter()
+    steps = [{str(tok): lp.logprob for tok, lp in step.items()} for step in result.logprobs]
+    timing = {"import_s": t1 - t0, "load_s": t2 - t1, "generate_s": t3 - t2}
+    out.write_text(json.dumps({"tokens": list(result.token_ids), "logprobs": steps, "timing": timing}))
+
+
+def _load_rank(model: str, out: Path, tp: int, rank: int, port: int) -> None:
+    """One tensor-parallel rank: vLLM builds the model with its quantization method (create_weights, the
+    per-rank parameter shapes) and runs the model's load_weights through DefaultModelLoader, which
+    refuses any parameter the checkpoint did not initialize. process_weights_after_loading is not run:
+    it picks the compute kernel, and the CPU kernels for block FP8 Linear and FP8 MoE need AMX."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    args = EngineArgs(
+        model=model,
+        tensor_parallel_size=tp,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=64,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        distributed_executor_backend="mp" if tp > 1 else "uni",
+    )
+    config = args.create_engine_config()
+    os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPUWorker sets: the name of its shared-memory group
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=tp,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+        loader = get_model_loader(config.load_config)
+        with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+            net = loader.create_model(vllm_config=config, model_config=config.model_config)
+        loader.load_weights(net, config.model_config)
+    params = {name: p.detach().clone() for name, p in net.named_parameters()}
+    torch.save(params, out / f"rank{rank}.pt")
+
+
+def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
+    """vLLM is imported once (an import costs seconds); then for each model and TP size, its ranks are
+    forked and connected with gloo, so each model's memory goes with its rank processes. Each rank writes
+    out/<name>/tp{N}/rank{r}.pt, or rank{r}.err with the exception."""
+    import socket
+
+    import vllm  # noqa: F401
+
+    failed = 0
+    for name, model in models.items():
+        timing = {}
+        for tp in tps:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            folder = out / name / f"tp{tp}"
+            folder.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            pids = []
+            for rank in range(tp):
+                pid = os.fork()
+                if pid == 0:
+                    code = 0
+                    try:
+                        _load_rank(model, folder, tp, rank, port)
+                    except BaseException as e:  # the message is what a refusal test asserts on
+                        (folder / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+                        code = 1
+                    os._exit(code)
+                pids.append(pid)
+            for pid in pids:
+                _, status = os.waitpid(pid, 0)
+                failed |= os.waitstatus_to_exitcode(status) != 0
+            timing[f"tp{tp}_s"] = time.perf_counter() - t0
+        (out / name / "timing.json").write_text(json.dumps(timing))
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate")
+    g.add_argument("model")
+    g.add_argument("out", type=Path)
+    g.add_argument("--native-rope", action="store_true")
+    ld = sub.add_parser("load")
+    ld.add_argument("out", type=Path)
+    ld.add_argument("models", nargs="+", help="NAME=PATH for each checkpoint")
+    ld.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2")
+    a = parser.parse_args()
+    if a.cmd == "generate":
+        generate(a.model, a.out, a.native_rope)
+        return 0
+    models = dict(m.split("=", 1) for m in a.models)
+    return load(models, a.out, [int(n) for n in a.tp.split(",")])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
