@@ -11,21 +11,21 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import torch
 
 from .backends import DEVICES
-from .backends.hpu import GAUDI2_FP8_MAX, GAUDI3_FP8_MAX
 from .dtypes import DEQUANT_TARGETS
 from .errors import Fp8ConvError, OptionsError
 from .parts import finalize, parse_part
-from .pipeline import ConvertResult, convert
 from .plan import FP8_MAX_STANDARD, TARGETS, ConvertOptions
 from .report import InspectReport, inspect
 from .streaming import DEFAULT_AHEAD
-from .verify import VerifyResult, verify
+
+if TYPE_CHECKING:
+    from .pipeline import ConvertResult
+    from .verify import VerifyResult
 
 DEBUG_ENV = "FP8CONV_DEBUG"
 PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
@@ -288,6 +288,8 @@ def convert_command(
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
+    from .backends.hpu import GAUDI2_FP8_MAX, GAUDI3_FP8_MAX  # imports torch: not on --help or inspect
+
     ranges = {"gaudi2": GAUDI2_FP8_MAX, "gaudi3": GAUDI3_FP8_MAX, "generic": FP8_MAX_STANDARD}
     implied = f"{ranges[hardware]:g}" if hardware else None
     if fp8_max and implied and fp8_max != implied:
@@ -327,6 +329,10 @@ def convert_command(
         return
     # The process is the CLI's: it may size torch's thread pool (the library never touches it). On 2 cores,
     # 2 arithmetic threads starve the reader and writer threads and the whole run gets slower.
+    import torch
+
+    from .pipeline import convert
+
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
     progress, close = _progress_bar(quiet)
     try:
@@ -420,6 +426,8 @@ def _run_workers(
     if not quiet:
         click.echo(f"wrote {out} with {jobs} worker processes in {time.monotonic() - started:.1f} s")
     if verify_after:
+        from .verify import verify
+
         _report_verify(verify(checkpoint, output))
 
 
@@ -460,6 +468,8 @@ def finalize_command(output: str) -> None:
 )
 def verify_command(checkpoint: str, output: str, sample: float) -> None:
     """Check OUTPUT against CHECKPOINT, with the options recorded in OUTPUT/.fp8conv/manifest.json."""
+    from .verify import verify
+
     try:
         result = verify(checkpoint, output, sample=sample)
     except Fp8ConvError as exc:

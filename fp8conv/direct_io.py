@@ -13,8 +13,10 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 4096  # covers every common logical block size (512 B and 4 KiB)
 
@@ -29,6 +31,8 @@ def round_up(n: int) -> int:
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 tensor whose first byte is ALIGN-aligned."""
+    import torch  # here, not at the top: reading headers and planning never load torch
+
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + nbytes]

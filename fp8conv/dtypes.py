@@ -1,8 +1,15 @@
-"""The safetensors dtype names, their element sizes and torch dtypes."""
+"""The safetensors dtype names, their element sizes and torch dtypes.
+
+Torch-free at import: planning and inspect use the names and sizes; torch_dtype() imports torch.
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # safetensors name -> bytes per element. Sub-byte packed types are not listed: fp8conv refuses them.
 ELEMENT_BYTES: dict[str, int] = {
@@ -27,23 +34,6 @@ ELEMENT_BYTES: dict[str, int] = {
     "C64": 8,
 }
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E8M0": torch.float8_e8m0fnu,
-}
 
 FP8_E4M3 = "F8_E4M3"
 FLOAT_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
@@ -51,13 +41,36 @@ FLOAT_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 UE8M0_SCALE_DTYPES = frozenset({"F8_E8M0", "U8"})
 SCALE_DTYPES = FLOAT_SCALE_DTYPES | UE8M0_SCALE_DTYPES
 
-# Target dtypes of a dequantizing conversion: CLI name -> (safetensors name, torch dtype, config name).
-DEQUANT_TARGETS: dict[str, tuple[str, torch.dtype, str]] = {
-    "bfloat16": ("BF16", torch.bfloat16, "bfloat16"),
-    "float16": ("F16", torch.float16, "float16"),
-    "float32": ("F32", torch.float32, "float32"),
+# Target dtypes of a dequantizing conversion: CLI name -> (safetensors name, config name).
+DEQUANT_TARGETS: dict[str, tuple[str, str]] = {
+    "bfloat16": ("BF16", "bfloat16"),
+    "float16": ("F16", "float16"),
+    "float32": ("F32", "float32"),
 }
 
 
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch  # here, not at the top: reading and planning never load torch
+
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+        "F8_E8M0": torch.float8_e8m0fnu,
+    }
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    return TORCH_DTYPES[name]
+    return _torch_dtypes()[name]

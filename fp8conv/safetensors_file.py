@@ -13,11 +13,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .dtypes import ELEMENT_BYTES, torch_dtype
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 # A real header is a few MB at most (DeepSeek-V3: ~100 KB per shard); refuse absurd ones before reading.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -139,6 +141,8 @@ def _check_layout(entries: list[TensorEntry], shard: str, data_start: int, file_
 
 def tensor_buffer(nbytes: int) -> torch.Tensor:
     """A fresh uint8 tensor to read into."""
+    import torch  # here, not at the top: reading headers never loads torch
+
     return torch.empty(nbytes, dtype=torch.uint8)
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
 from .dtypes import ELEMENT_BYTES, torch_dtype
 from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, pread_into
+
+if TYPE_CHECKING:
+    import torch
 
 DIRECT_MIN_BYTES = 1 << 20
 

@@ -17,15 +17,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO
 
 from .direct_io import ALIGN, aligned_empty, open_direct, round_up
 from .dtypes import ELEMENT_BYTES
 from .errors import OutputError
 from .safetensors_file import TensorEntry, as_writable_memoryview
 from .shard_reader import ShardReader, read_capacity
+
+if TYPE_CHECKING:
+    import torch
 
 TEMP_SUFFIX = ".fp8conv-partial"
 COPY_CHUNK_BYTES = 16 * 1024 * 1024

@@ -7,11 +7,12 @@ amax, scale and division in float32, clamp, then one cast for quantizing.
 from __future__ import annotations
 
 import importlib.util
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import OptionsError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("auto", "cpu", "reference", "cuda", "hpu")
 
@@ -74,6 +75,8 @@ class Backend(Protocol):
 
 
 def available_devices() -> list[str]:
+    import torch  # here: only choosing a device needs torch
+
     found = ["cpu", "reference"]
     if torch.cuda.is_available():
         found.append("cuda")
@@ -86,12 +89,15 @@ def hpu_available() -> bool:
     if importlib.util.find_spec("habana_frameworks") is None:
         return False
     import habana_frameworks.torch.core  # noqa: F401  registers the "hpu" device with torch
+    import torch
 
     return bool(getattr(torch, "hpu", None) and torch.hpu.is_available())
 
 
 def get_backend(device: str) -> Backend:
     """`auto` is the CPU: the GPU path has not been measured faster for a disk-bound job here."""
+    import torch
+
     from .cpu import CpuBackend
     from .torch_device import TorchDeviceBackend
 

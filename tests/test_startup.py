@@ -1,0 +1,54 @@
+"""Reading, planning, inspect and --help never import torch: each check runs in a fresh interpreter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from fp8conv.synthetic import build_tiny_deepseek
+
+NO_TORCH = "\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+
+
+def _fresh(code: str) -> None:
+    """Run `code`, then the no-torch check, in a new interpreter; its failure output is the assertion's."""
+    done = subprocess.run([sys.executable, "-c", "import sys\n" + code + NO_TORCH], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_import_cli_and_help_do_not_import_torch() -> None:
+    _fresh(
+        "import fp8conv, fp8conv.cli\n"
+        "from click.testing import CliRunner\n"
+        "r = CliRunner().invoke(fp8conv.cli.main, ['--help'])\n"
+        "assert r.exit_code == 0 and 'convert' in r.output, r.output\n"
+        "r = CliRunner().invoke(fp8conv.cli.main, ['convert', '--help'])\n"
+        "assert r.exit_code == 0 and '--to' in r.output, r.output\n"
+    )
+
+
+def test_inspect_does_not_import_torch(tmp_path: Path) -> None:
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt")
+    _fresh(
+        "from click.testing import CliRunner\n"
+        "from fp8conv.cli import main\n"
+        f"r = CliRunner().invoke(main, ['inspect', {str(ckpt.path)!r}])\n"
+        "assert r.exit_code == 0 and 'block-fp8' in r.output, r.output\n"
+        f"r = CliRunner().invoke(main, ['inspect', '--json', {str(ckpt.path)!r}])\n"
+        "assert r.exit_code == 0 and '\"shards\"' in r.output, r.output\n"
+    )
+
+
+def test_reading_classifying_and_planning_do_not_import_torch(tmp_path: Path) -> None:
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt")
+    _fresh(
+        "from fp8conv.formats import classify\n"
+        "from fp8conv.plan import ConvertOptions, plan_conversion\n"
+        "from fp8conv.source import open_checkpoint\n"
+        f"ck = open_checkpoint({str(ckpt.path)!r})\n"
+        "cls = classify(ck.index, ck.config)\n"
+        "for target in ('bf16', 'channel', 'block'):\n"
+        "    plan = plan_conversion(ck, cls, ConvertOptions(target))\n"
+        "    assert plan.shards, target\n"
+    )
