@@ -11,7 +11,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -52,7 +52,7 @@ BLOCK_SIZE_OPTION = click.option(
 )
 
 
-def _fail(exc: Fp8ConvError) -> None:
+def _fail(exc: Fp8ConvError) -> NoReturn:
     if os.environ.get(DEBUG_ENV) == "1":
         traceback.print_exc()
     click.echo(f"error: {exc.one_line()}", err=True)
@@ -61,7 +61,17 @@ def _fail(exc: Fp8ConvError) -> None:
     sys.exit(1)
 
 
-@click.group()
+class _Commands(click.Group):
+    """The one place an Fp8ConvError becomes a one-line message and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Fp8ConvError as exc:
+            _fail(exc)
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="fp8conv")
 def main() -> None:
     """Convert FP8 LLM checkpoints into formats other hardware and engines can run."""
@@ -77,11 +87,7 @@ REVISION_OPTION = click.option("--revision", default=None, help="Branch, tag or 
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect_command(checkpoint: str, block_size: tuple[int, int] | None, revision: str | None, as_json: bool) -> None:
     """Describe CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) from its headers only."""
-    try:
-        report = inspect(checkpoint, block_size=block_size, revision=revision)
-    except Fp8ConvError as exc:
-        _fail(exc)
-        return
+    report = inspect(checkpoint, block_size=block_size, revision=revision)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -361,11 +367,8 @@ def convert_command(
             prefetch=prefetch,
             keep_model_card=keep_model_card,
         )
-    except Fp8ConvError as exc:
+    finally:
         close()
-        _fail(exc)
-        return
-    close()
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
     for path, why in result.files_skipped:
@@ -411,7 +414,7 @@ def _run_workers(
     """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure."""
     out = Path(output)
     if out.is_dir() and any(out.iterdir()) and not may_replace:
-        _fail(OptionsError(f"output directory {out} is not empty", fix="choose an empty directory, or --overwrite"))
+        raise OptionsError(f"output directory {out} is not empty", fix="choose an empty directory, or --overwrite")
     started = time.monotonic()
     procs = [
         subprocess.Popen(
@@ -447,11 +450,7 @@ def _report_verify(result: VerifyResult) -> None:
 @click.argument("output")
 def finalize_command(output: str) -> None:
     """Check every part of a fan-out in OUTPUT, then write its manifest, index and config."""
-    try:
-        result = finalize(output)
-    except Fp8ConvError as exc:
-        _fail(exc)
-        return
+    result = finalize(output)
     assert result is not None
     click.echo(f"finalized {result.output}: {result.parts} part(s), {result.shards} shard(s) checked")
 
@@ -470,9 +469,4 @@ def verify_command(checkpoint: str, output: str, sample: float) -> None:
     """Check OUTPUT against CHECKPOINT, with the options recorded in OUTPUT/.fp8conv/manifest.json."""
     from .verify import verify
 
-    try:
-        result = verify(checkpoint, output, sample=sample)
-    except Fp8ConvError as exc:
-        _fail(exc)
-        return
-    _report_verify(result)
+    _report_verify(verify(checkpoint, output, sample=sample))

@@ -74,6 +74,29 @@ def test_refusal_is_one_line_exit_1(runner, make_tiny, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect", "{tmp}/nowhere"],
+        ["convert", "{tmp}/nowhere", "--to", "bf16", "-o", "{tmp}/o"],
+        ["convert", "{ckpt}", "--to", "bf16", "-o", "{tmp}/full", "-j", "2"],
+        ["verify", "{ckpt}", "{tmp}/nowhere"],
+        ["finalize", "{tmp}/full"],
+    ],
+    ids=["inspect", "convert", "convert-j", "verify", "finalize"],
+)
+def test_every_command_refuses_in_one_line(runner, tiny, tmp_path, args):
+    """Every command's Fp8ConvError ends the same way: one 'error:' line, the debug hint, exit 1."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "stray").write_text("x")
+    argv = [a.format(tmp=tmp_path, ckpt=tiny.path) for a in args]
+    result = runner.invoke(main, argv)
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and " — " in lines[0], result.stderr
+    assert lines[1] == "(set FP8CONV_DEBUG=1 for the full traceback)"
+
+
 def test_debug_env_shows_traceback(runner, make_tiny, tmp_path):
     ckpt = make_tiny(config_block=None)
     result = runner.invoke(
