@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from .backends import DEVICES
-from .dtypes import DEQUANT_TARGETS
+from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import Fp8ConvError, OptionsError
 from .parts import finalize, parse_part
-from .plan import FP8_MAX_STANDARD, TARGETS, ConvertOptions
+from .plan import TARGETS, ConvertOptions
 from .report import InspectReport, inspect
 from .streaming import DEFAULT_AHEAD
 
@@ -294,13 +294,12 @@ def convert_command(
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
-    from .backends.hpu import GAUDI2_FP8_MAX, GAUDI3_FP8_MAX  # imports torch: not on --help or inspect
 
-    ranges = {"gaudi2": GAUDI2_FP8_MAX, "gaudi3": GAUDI3_FP8_MAX, "generic": FP8_MAX_STANDARD}
+    ranges = {"gaudi2": FP8_MAX_GAUDI2, "gaudi3": FP8_MAX_STANDARD, "generic": FP8_MAX_STANDARD}
     implied = f"{ranges[hardware]:g}" if hardware else None
     if fp8_max and implied and fp8_max != implied:
         raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
-    range_max = float(fp8_max or implied or 448)
+    range_max = float(fp8_max or implied or FP8_MAX_STANDARD)
     try:
         part = parse_part(part_text) if part_text else None
         memory_cap = parse_size(max_memory) if max_memory else None

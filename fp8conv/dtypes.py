@@ -36,6 +36,10 @@ ELEMENT_BYTES: dict[str, int] = {
 
 
 FP8_E4M3 = "F8_E4M3"
+# The FP8 ranges a conversion quantizes to, written once: e4m3fn's 448 (also Gaudi3's), and Gaudi2's 240
+# (e4m3fnuz-like; the compressed-tensors config then says so, or vllm-gaudi rescales a second time).
+FP8_MAX_STANDARD = 448.0
+FP8_MAX_GAUDI2 = 240.0
 FLOAT_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 # UE8M0 scales: float8_e8m0fnu, or uint8 exponents; both mean 2^(byte - 127)
 UE8M0_SCALE_DTYPES = frozenset({"F8_E8M0", "U8"})

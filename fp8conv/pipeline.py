@@ -20,6 +20,7 @@ from .backends import Backend, get_backend
 from .backends.scales import all_powers_of_two
 from .config import CONFIG_NAME
 from .direct_io import aligned_empty
+from .dtypes import FP8_MAX_STANDARD
 from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .hub import looks_like_repo_id
@@ -96,7 +97,7 @@ def convert(
     to: str = "bf16",
     dtype: str = "bfloat16",
     block_size: tuple[int, int] | None = None,
-    fp8_max: float = 448.0,
+    fp8_max: float = FP8_MAX_STANDARD,
     pad_for_tp: int | None = None,
     pad_roles: tuple[str, ...] | None = None,
     overwrite: bool = False,

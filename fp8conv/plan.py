@@ -19,7 +19,7 @@ from .config import (
     rewrite_for_dequantized,
     rewrite_mistral_params,
 )
-from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3
+from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import CheckpointError, OptionsError
 from .families import FUSED_EXPERTS, ROLE_GROUPS, Family, family_of, fused_group, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
@@ -32,8 +32,6 @@ from .writer import TensorSpec
 SAFETENSORS_METADATA = {"format": "pt"}
 DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
 TARGETS = ("bf16", "channel", "block")
-FP8_MAX_STANDARD = 448.0
-FP8_MAX_GAUDI2 = 240.0
 DEFAULT_BLOCK = (128, 128)
 
 

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .plan import FP8_MAX_GAUDI2, ConversionPlan
+from .dtypes import FP8_MAX_GAUDI2
+from .plan import ConversionPlan
 from .version import __version__
 from .writer import write_file_atomic
 

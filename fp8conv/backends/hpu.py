@@ -6,10 +6,11 @@ The arithmetic is the reference's, on the HPU. Gaudi specifics live here: Gaudi2
 
 from __future__ import annotations
 
+from ..dtypes import FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .torch_device import TorchDeviceBackend
 
-GAUDI2_FP8_MAX = 240.0
-GAUDI3_FP8_MAX = 448.0
+GAUDI2_FP8_MAX = FP8_MAX_GAUDI2
+GAUDI3_FP8_MAX = FP8_MAX_STANDARD
 
 
 class HpuBackend(TorchDeviceBackend):
