@@ -196,6 +196,14 @@ class CpuBackend(TorchDeviceBackend):
             return
         pairs = _byte_pair_table(values, out.dtype)
         scale = scale.to(out.dtype)
+        for m, r0, rows, index in self._code_chunks(codes):
+            dst = out[m, r0 : r0 + rows]
+            _gather_into(pairs, index, dst)
+            dst.view(rows, -1, group).mul_(scale[m, r0 : r0 + rows, :, None])
+
+    def _code_chunks(self, codes: torch.Tensor) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """(m, r0, rows, index) for each cache-sized chunk of rows of codes [M, N, K/2]: the chunk's bytes
+        as int32 gather indexes, in a buffer reused from chunk to chunk."""
         m_count, n, half = codes.shape
         step = max(1, CHUNK_ELEMENTS // max(2 * half, 1))
         for m in range(m_count):
@@ -203,12 +211,7 @@ class CpuBackend(TorchDeviceBackend):
                 rows = min(step, n - r0)
                 index = self._buffer("codes", rows * half, torch.int32)
                 index.copy_(codes[m, r0 : r0 + rows].reshape(-1))
-                dst = out[m, r0 : r0 + rows]
-                if dst.is_contiguous():
-                    torch.index_select(pairs, 0, index, out=dst.view(-1).view(pairs.dtype))
-                else:
-                    dst.copy_(torch.index_select(pairs, 0, index).view(out.dtype).view(rows, 2 * half))
-                dst.view(rows, -1, group).mul_(scale[m, r0 : r0 + rows, :, None])
+                yield m, r0, rows, index
 
     def _decode_pow2(
         self, codes: torch.Tensor, values: torch.Tensor, exponents: torch.Tensor, group: int, out: torch.Tensor
@@ -228,21 +231,20 @@ class CpuBackend(TorchDeviceBackend):
             products = (scales[:, None, None] * pairs[None]).to(out.dtype).contiguous()  # [scale, byte, 2]
             table = products.view(torch.int64 if out.dtype == torch.float32 else torch.int32).reshape(-1)
             self._tables[key] = table
-        m_count, n, half = codes.shape
-        step = max(1, CHUNK_ELEMENTS // max(2 * half, 1))
-        for m in range(m_count):
-            for r0 in range(0, n, step):
-                rows = min(step, n - r0)
-                index = self._buffer("codes", rows * half, torch.int32)
-                index.copy_(codes[m, r0 : r0 + rows].reshape(-1))
-                shifted = self._buffer("exponents", exponents[m, r0 : r0 + rows].numel(), torch.int32)
-                shifted.copy_(exponents[m, r0 : r0 + rows].reshape(-1)).bitwise_left_shift_(8)
-                index.view(rows, -1, group // 2).add_(shifted.view(rows, -1, 1))
-                dst = out[m, r0 : r0 + rows]
-                if dst.is_contiguous():
-                    torch.index_select(table, 0, index, out=dst.view(-1).view(table.dtype))
-                else:
-                    dst.copy_(torch.index_select(table, 0, index).view(out.dtype).view(rows, 2 * half))
+        for m, r0, rows, index in self._code_chunks(codes):
+            shifted = self._buffer("exponents", exponents[m, r0 : r0 + rows].numel(), torch.int32)
+            shifted.copy_(exponents[m, r0 : r0 + rows].reshape(-1)).bitwise_left_shift_(8)
+            index.view(rows, -1, group // 2).add_(shifted.view(rows, -1, 1))
+            _gather_into(table, index, out[m, r0 : r0 + rows])
+
+
+def _gather_into(table: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst = table[index], each table entry being two of dst's values: straight into dst when it is
+    contiguous, through a temporary otherwise."""
+    if dst.is_contiguous():
+        torch.index_select(table, 0, index, out=dst.view(-1).view(table.dtype))
+    else:
+        dst.copy_(torch.index_select(table, 0, index).view(dst.dtype).view(dst.shape))
 
 
 def _byte_pair_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
