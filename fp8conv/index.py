@@ -49,7 +49,7 @@ def load_index(
 ) -> CheckpointIndex:
     """Read every shard's header (or take `headers` read remotely) and, when there is an index file,
     cross-check it against them."""
-    weight_map = _read_weight_map(index_file) if index_file else None
+    weight_map = read_weight_map(index_file) if index_file else None
     if weight_map is not None:
         shard_names = sorted(set(weight_map.values()))
     elif headers is not None:
@@ -80,7 +80,7 @@ def load_index(
     return index
 
 
-def _read_weight_map(index_file: Path) -> dict[str, str]:
+def read_weight_map(index_file: Path) -> dict[str, str]:
     try:
         doc = json.loads(index_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -27,7 +27,7 @@ from typing import Any
 
 from . import hub
 from .errors import CheckpointError, OptionsError, OutputError
-from .index import INDEX_NAME, CheckpointIndex, Shard
+from .index import INDEX_NAME, CheckpointIndex, Shard, read_weight_map
 from .manifest import input_identity
 from .plan import ConversionPlan
 from .safetensors_file import ShardHeader, TensorEntry, read_header
@@ -102,7 +102,7 @@ def _hub_headers(
     index_file = root / INDEX_NAME
     names: list[str] | None = None
     if index_file.is_file():
-        names = sorted(set(json.loads(index_file.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+        names = sorted(set(read_weight_map(index_file).values()))  # validated as the local index is
     elif source.present(SINGLE_FILE):  # no index: one model.safetensors, cached
         names = [SINGLE_FILE]
     elif saved:

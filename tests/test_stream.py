@@ -378,3 +378,15 @@ def test_stream_a_single_file_repo_without_index(make_tiny, tmp_path, hf_cache):
     assert result.shards == ["model.safetensors"] and not (snap / "model.safetensors").exists()
     fp8conv.convert(tiny.path, tmp_path / "local", to="channel")
     assert without_provenance(dir_snapshot(tmp_path / "out")) == without_provenance(dir_snapshot(tmp_path / "local"))
+
+
+def test_stream_refuses_an_index_without_weight_map_by_name(tiny, tmp_path, hf_cache):
+    """The streamed plan reads the index as a local checkpoint does: a broken one is one named refusal."""
+    snap = lay_out_hf_cache(tiny.path, hf_cache, REPO)
+    index = snap / "model.safetensors.index.json"
+    index.unlink()
+    index.write_text(json.dumps({"metadata": {}, "weights": {}}))
+    with pytest.raises(CheckpointError, match="has no 'weight_map' object") as refused:
+        fp8conv.convert(REPO, tmp_path / "out", to="bf16", stream=True)
+    assert "model.safetensors.index.json" in refused.value.one_line()
+    assert not (tmp_path / "out").exists()
