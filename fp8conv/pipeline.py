@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .backends import Backend, get_backend
-from .backends.scales import all_powers_of_two
+from .backends import get_backend
 from .config import CONFIG_NAME
-from .direct_io import aligned_empty
 from .dtypes import FP8_MAX_STANDARD
 from .errors import OptionsError, PlanRefused
 from .formats import classify
@@ -27,24 +19,14 @@ from .hub import looks_like_repo_id
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from .parts import assign_parts, check_part, drop_other_splits, finalize, finish, part_path, with_scale_fmt
-from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
+from .plan import ConversionPlan, ConvertOptions, Strategy, plan_conversion
 from .preflight import check_free_space, check_scales
 from .provenance import model_card_note, source_record
-from .rewrite.dequant import scale_grid
-from .rewrite.jobs import run_job
-from .safetensors_file import TensorEntry
-from .shard_reader import ShardReader, read_capacity
+from .scheduler import InputReaders, ProgressCallback, Scheduler
 from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
-from .stream import (
-    BAND_WORKERS,
-    BASE_BYTES,
-    MIN_BAND_BYTES,
-    BandStreamer,
-    band_elements_for,
-    streamable,
-    whole_tensor_bytes,
-)
+from .strategy import choose_strategies
+from .stream import BASE_BYTES, MIN_BAND_BYTES, band_elements_for, whole_tensor_bytes
 from .streaming import (
     DEFAULT_AHEAD,
     HEADERS_FILE,
@@ -59,11 +41,7 @@ from .streaming import (
 )
 from .verify import OutputCheck, VerifyResult, verify
 from .version import __version__
-from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, temp_target
-
-WRITE_BEHIND = 2  # jobs whose output may wait for the writer thread
-# progress(bytes_written_so_far, total_bytes_planned)
-ProgressCallback = Callable[[int, int], None]
+from .writer import TEMP_SUFFIX, temp_target
 
 
 @dataclass
@@ -149,7 +127,8 @@ def convert(
     if plan.problems or scale_problems:
         raise PlanRefused(plan.problems + scale_problems)
     plan.warnings += scale_warnings
-    band_elements = _check_memory_cap(ckpt, plan, max_memory)
+    choose_strategies(plan, ckpt.index, band_elements_for(max_memory))  # how each job executes, once
+    _check_memory_cap(ckpt, plan, max_memory)
     streamed: dict[str, Any] | None = None
     out = Path(output)
     identity = input_identity(ckpt) if feed_source is None else stream_identity(ckpt, feed_source)
@@ -188,17 +167,23 @@ def convert(
     manifest.save(out)
     if feed_source is not None:
         save_input_headers(out, ckpt, feed_source)
-    run = _Run(ckpt, plan, backend, progress, manifest, band_elements, direct_io)
+    readers = InputReaders(ckpt.index, direct_io)
     stream_check = OutputCheck(ckpt.index, plan, out, 1.0, 20) if verify_after and schedule is not None else None
     with ExitStack() as stack:
+        stack.callback(readers.close_all)
+        feed: StreamFeed | None = None
         if feed_source is not None and schedule is not None:
-            run.feed = _stream_feed(run, feed_source, schedule, prefetch, evict_input, allow_nonfinite, stream_check)
-            stack.callback(run.feed.close)
-            run.feed.start()
-        run.execute(out, stack, skip=keep | others)
-        if run.feed is not None:
-            run.feed.finish()
-            streamed = {"fetched": run.feed.fetched, "evicted": run.feed.evicted, "waited_s": run.feed.waited_s}
+            feed = _stream_feed(
+                ckpt, plan, readers, feed_source, schedule, prefetch, evict_input, allow_nonfinite, stream_check
+            )
+            stack.callback(feed.close)
+            feed.start()
+        run = Scheduler(ckpt.index, plan, backend, readers, direct_io, progress).run(
+            out, keep | others, feed.wait_for if feed else None, _on_commit(out, manifest, feed)
+        )
+        if feed is not None:
+            feed.finish()
+            streamed = {"fetched": feed.fetched, "evicted": feed.evicted, "waited_s": feed.waited_s}
     exact, total = run.exactness
     if total:
         unit = "rows" if options.to == "channel" else f"{_out_block_text(plan)} blocks"
@@ -267,178 +252,10 @@ def convert(
     )
 
 
-class _Run:
-    def __init__(
-        self,
-        ckpt: Checkpoint,
-        plan: ConversionPlan,
-        backend: Backend,
-        progress: ProgressCallback | None,
-        manifest: Manifest,
-        band_elements: int,
-        direct_io: bool,
-    ) -> None:
-        self.ckpt, self.plan, self.backend, self.progress = ckpt, plan, backend, progress
-        self.manifest = manifest
-        self.band_elements = band_elements
-        self.converted = self.copied = self.done = 0
-        self.all_scales_pow2 = True
-        self.exactness = [0, 0]  # packed 4-bit weights quantized to FP8: exact blocks, all blocks
-        self.direct_io = direct_io
-        self.readers: dict[str, ShardReader] = {}
-        self.readers_lock = threading.Lock()
-        self.copy_buffer = aligned_empty(read_capacity(COPY_CHUNK_BYTES))
-        self.streamer: BandStreamer | None = None
-        self.feed: StreamFeed | None = None  # --stream: input shards arrive while the run goes on
-
-    def reader_of(self, tensor: str, stack: ExitStack) -> ShardReader:
-        """The reader of the input shard holding `tensor`, opened once."""
-        shard_name = self.ckpt.index.shard_of(tensor).name
-        with self.readers_lock:  # the reader thread and this one both open shards
-            if shard_name not in self.readers:
-                self.readers[shard_name] = ShardReader(self.ckpt.index.root / shard_name, self.direct_io)
-                stack.callback(self.readers[shard_name].close)
-            return self.readers[shard_name]
-
-    def close_reader(self, shard_name: str) -> None:
-        """Before an input shard is evicted: an open descriptor would keep its blocks allocated."""
-        with self.readers_lock:
-            reader = self.readers.pop(shard_name, None)
-        if reader is not None:
-            reader.close()
-
-    def execute(self, out: Path, stack: ExitStack, skip: set[str]) -> None:
-        """Three stages overlap: a reader thread fetches the next job's tensors, this thread computes,
-        a writer thread writes the previous job's output. At most READ_AHEAD + WRITE_BEHIND + 1 jobs
-        are in memory at once, so peak memory is a few tensors, whatever the checkpoint's size."""
-        reader = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-read"))
-        writer_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-write"))
-        compute = stack.enter_context(ThreadPoolExecutor(BAND_WORKERS, thread_name_prefix="fp8conv-band"))
-        self.streamer = BandStreamer(
-            reader, writer_pool, self.backend, self.plan.options.fp8_max, self.band_elements, compute
-        )
-        commits: deque[Future[None]] = deque()  # a shard's fsync and rename overlap the next shard
-        for shard in self.plan.shards:
-            if shard.name in skip:  # finished by an interrupted run, size and hash checked
-                self.done += shard.nbytes
-                continue
-            if self.feed is not None:
-                self.feed.wait_for(shard.name)  # its input shards, companions' included, are on disk
-            writer = ShardWriter(out / shard.name, shard.specs, SAFETENSORS_METADATA, self.direct_io)
-            pending: deque[Future[None]] = deque()
-            try:
-                jobs = shard.jobs
-                for job in jobs:  # their bands are read ahead, across jobs
-                    entry = self.ckpt.index.entry(job.source)
-                    if self._streamed(job, entry):
-                        self.streamer.expect(job, entry, self.reader_of(job.source, stack))
-                fetched = reader.submit(self._read_inputs, jobs[0], stack) if jobs else None
-                for i, job in enumerate(jobs):
-                    assert fetched is not None
-                    inputs = fetched.result()
-                    if i + 1 < len(jobs):
-                        fetched = reader.submit(self._read_inputs, jobs[i + 1], stack)
-                    write = self._compute(job, inputs, writer, stack)
-                    pending.append(writer_pool.submit(write))
-                    while len(pending) > WRITE_BEHIND:
-                        pending.popleft().result()
-                    self.done += job.nbytes
-                    if self.progress:
-                        self.progress(self.done, self.plan.output_bytes)
-                while pending:
-                    pending.popleft().result()
-                self.streamer.flush()
-                commits.append(writer_pool.submit(self._commit, writer, out, shard.name))
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                for future in pending:
-                    if not future.cancelled():
-                        future.exception()  # let a running write finish before the file goes
-                with contextlib.suppress(BaseException):  # the first error is already on its way up
-                    self.streamer.flush()
-                writer.abort()
-                raise
-            finally:
-                while len(commits) > 1 or (commits and commits[0].done()):
-                    commits.popleft().result()
-        while commits:
-            commits.popleft().result()
-
-    def _commit(self, writer: ShardWriter, out: Path, name: str) -> None:
-        writer.commit()
-        self.manifest.record_shard(out, name, writer.sha256)
-        if self.feed is not None:
-            self.feed.committed(name)
-
-    def _is_raw_copy(self, job: Job) -> bool:
-        return job.action is Action.COPY and _copied_file_to_file(job, self.ckpt.index.entry(job.source))
-
-    def _read_inputs(self, job: Job, stack: ExitStack) -> dict[str, torch.Tensor]:
-        if self._is_raw_copy(job):
-            return {}  # copied file to file by the writer, never held whole
-        names = [job.source] + ([job.fmt.scale] if job.fmt is not None and job.fmt.scale else [])
-        names += [job.fmt.global_scale] if job.fmt is not None and job.fmt.global_scale else []
-        if self._streamed(job, self.ckpt.index.entry(job.source)) or self._weight_bytes_kept(job):
-            names = names[1:]  # the weight itself is streamed band by band, or copied file to file
-        index = self.ckpt.index
-        return {n: self.reader_of(n, stack).read_tensor(index.entry(n)) for n in names}
-
-    def _streamed(self, job: Job, entry: TensorEntry) -> bool:
-        """Rewritten band by band (BandStreamer), not whole."""
-        return streamable(job, entry, self.band_elements)
-
-    def _weight_bytes_kept(self, job: Job) -> bool:
-        """Block FP8 kept as it is and not padded: its weight bytes go file to file."""
-        return job.action is Action.KEEP_BLOCKS and _copied_file_to_file(job, self.ckpt.index.entry(job.source))
-
-    def _compute(
-        self, job: Job, inputs: dict[str, torch.Tensor], writer: ShardWriter, stack: ExitStack
-    ) -> Callable[[], None]:
-        """Do the arithmetic now; return the write, to run on the writer thread."""
-        if self._weight_bytes_kept(job):
-            assert job.fmt is not None and job.fmt.scale is not None
-            entry = self.ckpt.index.entry(job.source)
-            source = self.reader_of(job.source, stack)
-            grid = scale_grid(inputs[job.fmt.scale], job.fmt, entry.shape).reshape(job.outputs[1].shape).contiguous()
-            if self.all_scales_pow2:
-                self.all_scales_pow2 = all_powers_of_two(grid)
-            self.converted += 1
-
-            def keep() -> None:
-                writer.copy_range(job.spec.name, source, entry, self.copy_buffer)
-                writer.write_tensor(job.outputs[1].name, grid)
-
-            return keep
-        if self._is_raw_copy(job):
-            entry = self.ckpt.index.entry(job.source)
-            source = self.reader_of(job.source, stack)
-            self.copied += 1
-            return lambda: writer.copy_range(job.spec.name, source, entry, self.copy_buffer)
-        entry = self.ckpt.index.entry(job.source)
-        if self._streamed(job, entry):
-            assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
-            source = self.reader_of(job.source, stack)
-            new_scale = self.streamer.run(job, entry, source, inputs[job.fmt.scale], writer)
-            if new_scale is not None and self.all_scales_pow2:
-                self.all_scales_pow2 = all_powers_of_two(new_scale)
-            self.converted += 1
-            return lambda: None
-        tensors = run_job(job, inputs.__getitem__, self.backend, self.plan.options.fp8_max, self.exactness)
-        if len(tensors) > 1 and self.all_scales_pow2:
-            self.all_scales_pow2 = all_powers_of_two(tensors[1])
-        self.converted += job.action is not Action.COPY
-        self.copied += job.action is Action.COPY
-
-        def write() -> None:
-            for spec, tensor in zip(job.outputs, tensors, strict=True):
-                writer.write_tensor(spec.name, tensor)
-
-        return write
-
-
 def _stream_feed(
-    run: _Run,
+    ckpt: Checkpoint,
+    plan: ConversionPlan,
+    readers: InputReaders,
     source: ShardSource,
     schedule: Schedule,
     prefetch: int,
@@ -449,18 +266,18 @@ def _stream_feed(
     """The hooks --stream adds to a run: a shard's arrival (its own header checked and adopted), an
     output shard's scales checked once its inputs are there (before it is converted), the per-shard
     verify after a commit, and closing a shard's reader before it is evicted."""
-    by_name = {s.name: s for s in run.plan.shards}
-    cls = classify(run.ckpt.index, run.ckpt.config, run.plan.options.block_size)
+    by_name = {s.name: s for s in plan.shards}
+    cls = classify(ckpt.index, ckpt.config, plan.options.block_size)
 
     def arrived(name: str, path: Path) -> None:
-        adopt_local_header(run.ckpt.index, name, path)
+        adopt_local_header(ckpt.index, name, path)
 
     def ready(output: str) -> None:
         weights = {job.source for job in by_name[output].jobs}
-        problems, warnings = check_scales(run.ckpt, cls, allow_nonfinite, only_weights=weights)
+        problems, warnings = check_scales(ckpt, cls, allow_nonfinite, only_weights=weights)
         if problems:
             raise PlanRefused(problems)
-        run.plan.warnings.extend(warnings)
+        plan.warnings.extend(warnings)
 
     def after_commit(name: str) -> None:
         if check is not None:
@@ -472,10 +289,21 @@ def _stream_feed(
         ahead=prefetch,
         evict=evict,
         arrived=arrived,
-        before_evict=run.close_reader,
+        before_evict=readers.close,
         after_commit=after_commit,
         ready=ready,
     )
+
+
+def _on_commit(out: Path, manifest: Manifest, feed: StreamFeed | None) -> Callable[[str, str], None]:
+    """What follows a shard's commit: the manifest records it; --stream may evict its inputs."""
+
+    def committed(name: str, sha256: str) -> None:
+        manifest.record_shard(out, name, sha256)
+        if feed is not None:
+            feed.committed(name)
+
+    return committed
 
 
 def _out_block_text(plan: ConversionPlan) -> str:
@@ -507,17 +335,11 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
         )
 
 
-def _copied_file_to_file(job: Job, entry: TensorEntry) -> bool:
-    """Unpadded copies and kept block-FP8 weights: their bytes go file to file, never held whole."""
-    return job.action in (Action.COPY, Action.KEEP_BLOCKS) and job.spec.shape == entry.shape
-
-
-def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | None) -> int:
-    """Band size under --max-memory; refuses, before anything is written, a cap that cannot hold the
-    run or a tensor that would have to be rewritten whole (padded, 3-D, or quantized from bf16)."""
-    band = band_elements_for(max_memory)
+def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | None) -> None:
+    """Refuses, before anything is written, a --max-memory cap that cannot hold the run or a tensor the
+    plan rewrites whole (padded, 3-D, or quantized from bf16) that would not fit under it."""
     if max_memory is None:
-        return band
+        return
     if max_memory < BASE_BYTES + MIN_BAND_BYTES:
         raise OptionsError(
             f"--max-memory {max_memory} bytes is below what a run needs ({BASE_BYTES + MIN_BAND_BYTES} bytes)",
@@ -526,16 +348,15 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     budget = max_memory - BASE_BYTES
     for shard in plan.shards:
         for job in shard.jobs:
-            entry = ckpt.index.entry(job.source)
-            if _copied_file_to_file(job, entry) or streamable(job, entry, band):
+            if job.strategy is not Strategy.WHOLE:  # copied file to file, or streamed in bands
                 continue
+            entry = ckpt.index.entry(job.source)
             if whole_tensor_bytes(job, entry) > budget:
                 raise OptionsError(
                     f"tensor {job.source} is rewritten whole and needs ~{whole_tensor_bytes(job, entry)} bytes, "
                     f"over --max-memory {max_memory} minus ~{BASE_BYTES} for the process",
                     fix="raise --max-memory",
                 )
-    return band
 
 
 def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None) -> set[str]:

@@ -42,6 +42,15 @@ class Action(str, Enum):
     KEEP_BLOCKS = "keep-blocks"  # block FP8 kept as is: weight bytes, scales widened to float32
 
 
+class Strategy(str, Enum):
+    """How a job executes, chosen once per run (fp8conv.strategy) and read by the scheduler only."""
+
+    COPY_FILE = "copy-file"  # bytes go file to file, never held whole (an unpadded COPY)
+    KEEP_WEIGHT_BYTES = "keep-weight-bytes"  # KEEP_BLOCKS unpadded: weight file to file, scale rewritten
+    BANDED = "banded"  # a large 2-D FP8 weight rewritten band by band of rows
+    WHOLE = "whole"  # read whole, rewritten by rewrite.jobs.run_job
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     to: str = "bf16"
@@ -83,6 +92,8 @@ class Job:
     fmt: WeightFormat | None = None  # how the source is quantized; None for a float tensor
     out_block: tuple[int, int] | None = None  # QUANTIZE: output block; None means one scale per row
     pad_parts: int = 1  # padded: the padded axis holds this many widths (fused gate_up), each padded
+    strategy: Strategy | None = None  # set for a run by fp8conv.strategy.choose_strategies
+    band_rows: int = 0  # BANDED: rows per band
 
     @property
     def spec(self) -> TensorSpec:

@@ -13,11 +13,11 @@ import os
 import shutil
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
 
 from .direct_io import ALIGN, aligned_empty, open_direct, round_up
 from .dtypes import ELEMENT_BYTES
@@ -33,6 +33,7 @@ COPY_CHUNK_BYTES = 16 * 1024 * 1024
 # A shard is written in aligned segments of this size, at most MAX_SEGMENTS of them in memory at once
 SEGMENT_BYTES = 4 * 1024 * 1024
 MAX_SEGMENTS = 8
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,20 +76,218 @@ def temp_target(temp_name: str) -> str:
     return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
 
 
-@dataclass
-class _Segment:
-    """An ALIGN-aligned piece of a shard being assembled in memory (or, once spilled, in the file)."""
+class ShardLayout:
+    """Where each planned tensor's bytes go in a shard file (the header first), and how many arrived."""
 
+    def __init__(self, name: str, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
+        self.name = name  # the file's name, for messages
+        self.header = safetensors_header(specs, metadata)
+        self._slots: dict[str, tuple[TensorSpec, int]] = {}
+        offset = len(self.header)
+        for spec in specs:
+            self._slots[spec.name] = (spec, offset)
+            offset += spec.nbytes
+        self.size = offset
+        self._received: dict[str, int] = {}
+
+    def claim(self, name: str, nbytes: int | None = None) -> tuple[TensorSpec, int]:
+        """Account for `nbytes` of tensor `name` (all of it when None); its spec and file offset."""
+        if name not in self._slots:
+            raise RuntimeError(f"{name} is not planned for {self.name}")
+        spec, offset = self._slots[name]
+        done = self._received.get(name, 0) + (spec.nbytes if nbytes is None else nbytes)
+        if done > spec.nbytes:
+            raise RuntimeError(f"{name} got more bytes than planned")
+        self._received[name] = done
+        return spec, offset
+
+    def missing(self) -> list[str]:
+        """Planned tensors not (or not wholly) received."""
+        return [n for n, (spec, _) in self._slots.items() if self._received.get(n, 0) != spec.nbytes]
+
+
+@dataclass
+class Segment:
+    """An ALIGN-aligned piece of a file being assembled in memory (or, once spilled, in the file)."""
+
+    index: int
     buffer: torch.Tensor | None  # None once spilled: its bytes go to the file as they come
     view: memoryview | None
     filled: int = 0
     runs: list[tuple[int, int]] = field(default_factory=list)  # filled byte ranges, for spilling
 
 
+class SegmentAssembler:
+    """Bytes of a file arriving in any order, gathered into segments of `segment_bytes` (the last one
+    shorter): a segment is handed back once every byte of it has arrived. Each byte arrives once."""
+
+    def __init__(self, size: int, segment_bytes: int, name: str = "") -> None:
+        self.size, self.segment_bytes, self.name = size, segment_bytes, name  # name: the file's, for messages
+        self.count = -(-size // segment_bytes)
+        self.partial: dict[int, Segment] = {}  # by index
+        self._completed: set[int] = set()
+
+    def length(self, index: int) -> int:
+        return min(self.segment_bytes, self.size - index * self.segment_bytes)
+
+    def place(
+        self,
+        data: memoryview,
+        offset: int,
+        new_buffer: Callable[[], torch.Tensor],
+        spilled_write: Callable[[memoryview, int], None],
+    ) -> Iterator[Segment]:
+        """Put `data` at file `offset`, yielding each segment it completes as it completes: iterate it
+        to the end, and hand a segment's buffer on before the next is taken. A new segment's buffer
+        comes from new_buffer(); bytes of a spilled segment go to spilled_write(data, offset)."""
+        pos = 0
+        while pos < len(data):
+            index, lo = divmod(offset + pos, self.segment_bytes)
+            length = self.length(index)
+            n = min(len(data) - pos, length - lo)
+            segment = self.partial.get(index) or self._open(index, new_buffer)
+            if segment.view is None:
+                spilled_write(data[pos : pos + n], offset + pos)
+            else:
+                segment.view[lo : lo + n] = data[pos : pos + n]
+                segment.runs.append((lo, lo + n))
+            segment.filled += n
+            if segment.filled > length:
+                raise RuntimeError(f"{self.name}: bytes at {offset + pos} written twice")
+            if segment.filled == length:
+                del self.partial[index]
+                self._completed.add(index)
+                pos += n
+                yield segment
+            else:
+                pos += n
+
+    def _open(self, index: int, new_buffer: Callable[[], torch.Tensor]) -> Segment:
+        if index in self._completed:
+            raise RuntimeError(f"{self.name}: segment {index} written twice")
+        buffer = new_buffer()  # may spill a partial segment: this one is not in `partial` yet
+        segment = Segment(index, buffer, as_writable_memoryview(buffer))
+        self.partial[index] = segment
+        return segment
+
+    def spill_oldest(self, write: Callable[[memoryview, int], None]) -> torch.Tensor | None:
+        """Write the bytes of the first partial segment still in memory with write(data, offset) and
+        hand back its buffer (None when there is none); its later bytes are written as they come."""
+        held = [i for i, s in self.partial.items() if s.view is not None]
+        if not held:
+            return None
+        segment = self.partial[min(held)]
+        assert segment.view is not None and segment.buffer is not None
+        base = segment.index * self.segment_bytes
+        for lo, hi in segment.runs:
+            write(segment.view[lo:hi], base + lo)
+        buffer = segment.buffer
+        segment.buffer, segment.view, segment.runs = None, None, []
+        return buffer
+
+
+class OrderedHash(Generic[T]):
+    """The sha256 of a file whose segments are completed in any order: a segment is hashed once every
+    segment before it is. complete() says which segments are next in file order; update() takes their
+    bytes in that order. Segments completed ahead wait here, each with the caller's payload."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self.next = 0  # segments [0, next) are handed out to be hashed
+        self.waiting: dict[int, T] = {}  # completed ahead of the prefix
+
+    def complete(self, index: int, payload: T) -> list[tuple[int, T]]:
+        """Segment `index` is whole: the segments to hash now, in order, with their payloads."""
+        if index < self.next or index in self.waiting:
+            raise RuntimeError(f"segment {index} completed twice")
+        self.waiting[index] = payload
+        ready = []
+        while self.next in self.waiting:
+            ready.append((self.next, self.waiting.pop(self.next)))
+            self.next += 1
+        return ready
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._sha.update(data)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+class ShardFile:
+    """A file written under a temporary name beside its final one, which it takes only on commit():
+    after every byte is written and fsynced. Whole segments go with direct I/O where the filesystem
+    allows it (see direct_io), everything else through the page cache. Not thread-safe for commit."""
+
+    def __init__(self, final_path: Path, direct: bool = True) -> None:
+        self.final_path = final_path
+        self.temp = temp_path(final_path)
+        final_path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.direct_fd = open_direct(self.temp, os.O_WRONLY) if direct else None
+        self.direct = self.direct_fd is not None  # False once the filesystem turns a direct write down
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Through the page cache."""
+        try:
+            _pwrite_all(self.fd, data, offset)
+        except OSError as exc:
+            raise _output_error(exc, self.final_path) from exc
+
+    def write_segment(self, view: memoryview, offset: int, length: int) -> None:
+        """`length` bytes of `view` at an ALIGN-aligned `offset`; `view` must hold them rounded up to
+        ALIGN (the tail past the file's end is cut off at commit). Direct I/O the filesystem turns down
+        at write time (EINVAL: it needs a larger alignment) sends this and every later write through the
+        page cache."""
+        done = 0
+        if self.direct_fd is not None and self.direct:
+            padded = round_up(length)
+            try:
+                while done < padded:
+                    n = os.pwrite(self.direct_fd, view[done:padded], offset + done)
+                    done += n
+                    if n % ALIGN:  # an unaligned short write: the rest through the page cache
+                        break
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise _output_error(exc, self.final_path) from exc
+                self.direct = False
+            done = min(done, length)
+        self.write(view[done:length], offset + done)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        data = os.pread(self.fd, nbytes, offset)
+        if len(data) != nbytes:
+            raise RuntimeError(f"{self.final_path.name}: short read back at {offset}")
+        return data
+
+    def commit(self, size: int) -> None:
+        """Cut the file to `size`, fsync it, give it its final name."""
+        try:
+            os.ftruncate(self.fd, size)  # a last direct write ran to a whole page
+            os.fsync(self.fd)
+            self.close()
+            os.replace(self.temp, self.final_path)
+        except OSError as exc:
+            self.abort()
+            raise _output_error(exc, self.final_path) from exc
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self.direct_fd = -1, None
+
+    def abort(self) -> None:
+        self.close()
+        self.temp.unlink(missing_ok=True)
+
+
 class ShardWriter:
     """Writes one planned shard. Every tensor's offset is known from the plan, so tensors may arrive
     in any order (a weight and its scale are computed together but laid out apart); commit() checks
-    that every planned tensor arrived, then makes the file appear under its final name.
+    that every planned tensor arrived, then makes the file appear under its final name. It puts the
+    parts above together: ShardLayout, SegmentAssembler, OrderedHash, ShardFile.
 
     The bytes are assembled in memory into aligned segments, each written with one direct write once
     complete (see direct_io: the page cache cost more CPU than the arithmetic). Where the filesystem
@@ -99,64 +298,50 @@ class ShardWriter:
     The file's sha256 (for the manifest) is taken from the segments as they are written, so a finished
     shard is never read back: hashing a bf16 shard after the fact re-read every byte from disk and
     nearly doubled the run (measured, 4 GiB --to bf16: 22.8-25.4 s reading back, 12.5-15.1 s unhashed).
-    A complete segment is written on an I/O thread and hashed on a hash thread while the caller goes on
-    filling the next ones (measured, 4 GiB --to bf16: 10.5-10.9 s writing and hashing each segment
-    before returning, 8.9 s in flight). Segments completed ahead of the hashed prefix are kept, up to
-    the memory budget, or read back once the prefix reaches them."""
+    A complete segment is written on the `io` executor and hashed on the `hasher` one while the caller
+    goes on filling the next ones (measured, 4 GiB --to bf16: 10.5-10.9 s writing and hashing each
+    segment before returning, 8.9 s in flight); the scheduler owns those threads, and without them both
+    run on the caller's thread. Segments completed ahead of the hashed prefix are kept, up to the memory
+    budget, or read back once the prefix reaches them."""
 
     def __init__(
-        self, final_path: Path, specs: list[TensorSpec], metadata: dict[str, str], direct: bool = True
+        self,
+        final_path: Path,
+        specs: list[TensorSpec],
+        metadata: dict[str, str],
+        direct: bool = True,
+        io: Executor | None = None,
+        hasher: Executor | None = None,
     ) -> None:
         self.final_path = final_path
-        self.temp = temp_path(final_path)
-        header = safetensors_header(specs, metadata)
-        self._specs: dict[str, tuple[TensorSpec, int]] = {}
-        offset = len(header)
-        for spec in specs:
-            self._specs[spec.name] = (spec, offset)
-            offset += spec.nbytes
-        self._written: dict[str, int] = {}  # bytes received per tensor
-        self._size = offset
-        self._segment_count = -(-offset // SEGMENT_BYTES)
-        self._segments: dict[int, _Segment] = {}  # partial segments by index
-        # complete, ahead of the hashed prefix: the kept buffer (None once dropped or spilled) and its write
-        self._ahead: dict[int, tuple[torch.Tensor | None, Future[None] | None]] = {}
+        self.layout = ShardLayout(final_path.name, specs, metadata)
+        self.assembler = SegmentAssembler(self.layout.size, SEGMENT_BYTES, final_path.name)
+        # per segment completed ahead of the hash: its kept buffer (None once dropped or spilled), its write
+        self.hash: OrderedHash[tuple[torch.Tensor | None, Future[None] | None]] = OrderedHash()
+        self._io = io or _INLINE
+        self._hasher = hasher or _INLINE  # FIFO: file order
         # buffers whose write and hash are running, oldest first: the writing thread moves on meanwhile
         self._inflight: deque[tuple[torch.Tensor, list[Future[None]]]] = deque()
         self._free: list[torch.Tensor] = []  # segment buffers to reuse
-        self._held = 0  # segment buffers not free: partial, kept ahead or in flight
-        self._sha = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="fp8conv-hash")  # FIFO: file order
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="fp8conv-io")
-        self._hashed = 0  # segments [0, _hashed) are handed to the hasher
+        self.buffers_held = 0  # segment buffers not free: partial, kept ahead or in flight
         self._lock = threading.Lock()  # tensors may be written from more than one thread
         self.sha256 = ""  # hex digest, set by commit()
-        final_path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._direct_fd = open_direct(self.temp, os.O_WRONLY) if direct else None
-        self.direct = self._direct_fd is not None
-        self._write(memoryview(header), 0)
+        self.file = ShardFile(final_path, direct)
+        self._write(memoryview(self.layout.header), 0)
 
-    def _claim(self, name: str, nbytes: int | None = None) -> tuple[TensorSpec, int]:
-        """Account for `nbytes` of tensor `name` (all of it when None)."""
-        if name not in self._specs:
-            raise RuntimeError(f"{name} is not planned for {self.final_path.name}")
-        spec, offset = self._specs[name]
-        done = self._written.get(name, 0) + (spec.nbytes if nbytes is None else nbytes)
-        if done > spec.nbytes:
-            raise RuntimeError(f"{name} got more bytes than planned")
-        self._written[name] = done
-        return spec, offset
+    @property
+    def direct(self) -> bool:
+        return self.file.direct
 
     def write_part(self, name: str, byte_offset: int, part: torch.Tensor) -> None:
         """A band of rows of a tensor, at its byte offset within the tensor."""
         part = part.contiguous()  # held here: the memoryview does not keep a copy alive
         data = as_writable_memoryview(part)
-        _, offset = self._claim(name, len(data))
+        _, offset = self.layout.claim(name, len(data))
         self._write(data, offset + byte_offset)
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        spec, offset = self._claim(name)
+        spec, offset = self.layout.claim(name)
         if tuple(tensor.shape) != spec.shape or tensor.element_size() != ELEMENT_BYTES[spec.dtype]:
             raise RuntimeError(f"{name}: {tensor.dtype}{tuple(tensor.shape)} is not the planned {spec}")
         tensor = tensor.contiguous()  # held here: the memoryview does not keep a copy alive
@@ -165,7 +350,7 @@ class ShardWriter:
     def copy_range(self, name: str, source: ShardReader, entry: TensorEntry, buffer: torch.Tensor) -> None:
         """Copy a tensor's raw bytes from an input shard, byte for byte, a buffer at a time (`buffer`:
         aligned_empty, its read_capacity() less is the chunk)."""
-        spec, offset = self._claim(name)
+        spec, offset = self.layout.claim(name)
         if entry.nbytes != spec.nbytes:
             raise RuntimeError(f"{name}: copying {entry.nbytes} bytes into a {spec.nbytes}-byte slot")
         chunk = buffer.numel() - read_capacity(0)
@@ -175,78 +360,57 @@ class ShardWriter:
             self._write(as_writable_memoryview(data), offset + done)
 
     def commit(self) -> None:
-        missing = [n for n, (spec, _) in self._specs.items() if self._written.get(n, 0) != spec.nbytes]
+        missing = self.layout.missing()
         if missing:
             raise RuntimeError(f"{self.final_path.name}: {len(missing)} planned tensor(s) never written")
-        if self._hashed != self._segment_count or self._segments or self._ahead:
-            raise RuntimeError(f"{self.final_path.name}: hashed {self._hashed} of {self._segment_count} segments")
+        if self.hash.next != self.assembler.count or self.assembler.partial or self.hash.waiting:
+            raise RuntimeError(f"{self.final_path.name}: hashed {self.hash.next} of {self.assembler.count} segments")
         try:
             while self._inflight:
                 self._settle(self._inflight.popleft())
-            self.sha256 = self._sha.hexdigest()
-            os.ftruncate(self._fd, self._size)  # a last direct write ran to a whole page
-            os.fsync(self._fd)
-            self._shutdown()
-            os.replace(self.temp, self.final_path)
-        except OSError as exc:
+            self.sha256 = self.hash.hexdigest()
+            self._release_all()
+            self.file.commit(self.layout.size)
+        except BaseException as exc:
             self.abort()
-            raise _output_error(exc, self.final_path) from exc
+            if isinstance(exc, OSError):
+                raise _output_error(exc, self.final_path) from exc
+            raise
 
     def abort(self) -> None:
-        self._shutdown()
-        self.temp.unlink(missing_ok=True)
+        """Let this shard's running writes and hashes finish (queued ones are dropped), remove the file."""
+        futures = [f for _, fs in self._inflight for f in fs]
+        futures += [w for _, w in self.hash.waiting.values() if w is not None]
+        for future in futures:
+            future.cancel()
+        for future in futures:
+            if not future.cancelled():
+                future.exception()
+        self._release_all()
+        self.file.abort()
 
-    def _shutdown(self) -> None:
-        """Let running writes and hashes finish (queued ones are dropped), then close the file."""
-        for pool in (self._io, self._hasher):
-            pool.shutdown(wait=True, cancel_futures=True)
-        self._free.clear()  # the next shard's writer overlaps this one's commit: hand the memory back
-        self._segments.clear()
-        self._ahead.clear()
+    def _release_all(self) -> None:
+        """The next shard's writer overlaps this one's commit: hand the memory back."""
+        self._free.clear()
+        self.assembler.partial.clear()
+        self.hash.waiting.clear()
         self._inflight.clear()
-        for fd in (self._fd, self._direct_fd):
-            if fd is not None and fd >= 0:
-                os.close(fd)
-        self._fd, self._direct_fd = -1, None
 
     def _write(self, data: memoryview, offset: int) -> None:
         """Place `data` at `offset`; write and hash every segment it completes. The caller may reuse
         its buffer once this returns."""
         with self._lock:
             try:
-                pos = 0
-                while pos < len(data):
-                    index, lo = divmod(offset + pos, SEGMENT_BYTES)
-                    n = min(len(data) - pos, self._segment_length(index) - lo)
-                    segment = self._segments.get(index) or self._new_segment(index)
-                    if segment.view is None:  # spilled
-                        _pwrite_all(self._fd, data[pos : pos + n], offset + pos)
-                    else:
-                        segment.view[lo : lo + n] = data[pos : pos + n]
-                        segment.runs.append((lo, lo + n))
-                    segment.filled += n
-                    if segment.filled > self._segment_length(index):
-                        raise RuntimeError(f"{self.final_path.name}: bytes at {offset + pos} written twice")
-                    if segment.filled == self._segment_length(index):
-                        del self._segments[index]
-                        self._complete(index, segment)
-                    pos += n
+                for segment in self.assembler.place(data, offset, self._new_buffer, self.file.write):
+                    self._complete(segment)
             except OSError as exc:
                 raise _output_error(exc, self.final_path) from exc
 
-    def _segment_length(self, index: int) -> int:
-        return min(SEGMENT_BYTES, self._size - index * SEGMENT_BYTES)
-
-    def _new_segment(self, index: int) -> _Segment:
-        if index < self._hashed or index in self._ahead:
-            raise RuntimeError(f"{self.final_path.name}: segment {index} written twice")
-        while self._held >= MAX_SEGMENTS:
+    def _new_buffer(self) -> torch.Tensor:
+        while self.buffers_held >= MAX_SEGMENTS:
             self._make_room()
-        buffer = self._free.pop() if self._free else aligned_empty(SEGMENT_BYTES)
-        self._held += 1
-        segment = _Segment(buffer, as_writable_memoryview(buffer))
-        self._segments[index] = segment
-        return segment
+        self.buffers_held += 1
+        return self._free.pop() if self._free else aligned_empty(self.assembler.segment_bytes)
 
     def _make_room(self) -> None:
         """Free one segment buffer: wait for the oldest write in flight, else drop a kept segment (it is in
@@ -254,23 +418,16 @@ class ShardWriter:
         if self._inflight:
             self._settle(self._inflight.popleft())
             return
-        kept = [i for i, (buffer, _) in self._ahead.items() if buffer is not None]
+        kept = [i for i, (buffer, _) in self.hash.waiting.items() if buffer is not None]
         if kept:
             furthest = max(kept)  # hashed last
-            buffer, write = self._ahead[furthest]
+            buffer, write = self.hash.waiting[furthest]
             if write is not None:
                 write.result()
             self._release(buffer)
-            self._ahead[furthest] = (None, None)
+            self.hash.waiting[furthest] = (None, None)
             return
-        index = min(i for i, s in self._segments.items() if s.view is not None)
-        segment = self._segments[index]
-        assert segment.view is not None and segment.buffer is not None
-        base = index * SEGMENT_BYTES
-        for lo, hi in segment.runs:
-            _pwrite_all(self._fd, segment.view[lo:hi], base + lo)
-        self._release(segment.buffer)
-        segment.buffer, segment.view, segment.runs = None, None, []
+        self._release(self.assembler.spill_oldest(self.file.write))
 
     def _settle(self, item: tuple[torch.Tensor, list[Future[None]]]) -> None:
         """Wait for a buffer's write and hash (a failed write raises here), then free it."""
@@ -282,60 +439,40 @@ class ShardWriter:
     def _release(self, buffer: torch.Tensor | None) -> None:
         if buffer is not None:
             self._free.append(buffer)
-            self._held -= 1
+            self.buffers_held -= 1
 
-    def _complete(self, index: int, segment: _Segment) -> None:
-        """A segment is whole: write it (on the I/O thread) and hash it (on the hash thread) when it is
-        next in file order, else keep it for the hash."""
+    def _complete(self, segment: Segment) -> None:
+        """A segment is whole: write it (on the I/O executor); hash it (on the hash executor) and every
+        segment it lets through in file order, reading back those no longer kept."""
         while self._inflight and all(f.done() for f in self._inflight[0][1]):
             self._settle(self._inflight.popleft())
-        if segment.buffer is None or segment.view is None:  # spilled: already in the file
-            self._ahead[index] = (None, None)
-        else:
-            write = self._io.submit(self._write_segment, index, segment.view)
-            if index == self._hashed:
-                hashing = self._hasher.submit(self._sha.update, segment.view[: self._segment_length(index)])
-                self._hashed += 1
-                self._inflight.append((segment.buffer, [write, hashing]))
-            else:
-                self._ahead[index] = (segment.buffer, write)
-        self._catch_up()
-
-    def _write_segment(self, index: int, view: memoryview) -> None:
-        """On the I/O thread. Direct I/O the filesystem turns down at write time (EINVAL: an alignment it
-        needs larger than ALIGN) sends this and every later segment through the page cache."""
-        base, length = index * SEGMENT_BYTES, self._segment_length(index)
-        done = 0
-        if self._direct_fd is not None and self.direct:
-            padded = round_up(length)  # the tail past the file's end is cut off at commit
-            try:
-                while done < padded:
-                    n = os.pwrite(self._direct_fd, view[done:padded], base + done)
-                    done += n
-                    if n % ALIGN:  # an unaligned short write: the rest through the page cache
-                        break
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct = False
-            done = min(done, length)
-        _pwrite_all(self._fd, view[done:length], base + done)
-
-    def _catch_up(self) -> None:
-        """The hashed prefix reached segments completed earlier: hash them, reading back those not kept."""
-        while self._hashed in self._ahead:
-            index = self._hashed
-            buffer, write = self._ahead.pop(index)
-            length = self._segment_length(index)
+        write = None
+        if segment.view is not None:  # else spilled: already in the file
+            base, length = segment.index * self.assembler.segment_bytes, self.assembler.length(segment.index)
+            write = self._io.submit(self.file.write_segment, segment.view, base, length)
+        for index, (buffer, written) in self.hash.complete(segment.index, (segment.buffer, write)):
+            length = self.assembler.length(index)
             if buffer is not None:
-                hashing = self._hasher.submit(self._sha.update, as_writable_memoryview(buffer)[:length])
-                self._inflight.append((buffer, [f for f in (write, hashing) if f is not None]))
-            else:
-                chunk = os.pread(self._fd, length, index * SEGMENT_BYTES)
-                if len(chunk) != length:
-                    raise RuntimeError(f"{self.final_path.name}: short read back of segment {index}")
-                self._hasher.submit(self._sha.update, chunk).result()  # one read-back in memory at a time
-            self._hashed += 1
+                hashing = self._hasher.submit(self.hash.update, as_writable_memoryview(buffer)[:length])
+                self._inflight.append((buffer, [f for f in (written, hashing) if f is not None]))
+            else:  # one read-back in memory at a time
+                chunk = self.file.read(index * self.assembler.segment_bytes, length)
+                self._hasher.submit(self.hash.update, chunk).result()
+
+
+class _InlineExecutor(Executor):
+    """Runs each task on the caller's thread, at submit(): a ShardWriter used without a scheduler."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+
+_INLINE = _InlineExecutor()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

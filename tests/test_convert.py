@@ -417,10 +417,10 @@ def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, mon
 
     fp8conv.convert(tiny.path, tmp_path / "whole", to="bf16")
     streamed = []
-    real_run = stream.BandStreamer.run
+    real_init = stream.BandedJob.__init__  # one per job the plan streams in bands
     monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
     monkeypatch.setattr(
-        stream.BandStreamer, "run", lambda self, job, *a: streamed.append(job) or real_run(self, job, *a)
+        stream.BandedJob, "__init__", lambda self, job, *a: streamed.append(job) or real_init(self, job, *a)
     )
     fp8conv.convert(tiny.path, tmp_path / "bands", to="bf16")
     assert len(streamed) == len(tiny.fp8_weights)

@@ -17,9 +17,17 @@ import fp8conv
 import fp8conv.writer as writer_module
 from fp8conv import shard_reader
 from fp8conv.direct_io import aligned_empty
-from fp8conv.safetensors_file import TensorEntry, read_header
+from fp8conv.safetensors_file import TensorEntry, as_writable_memoryview, read_header
 from fp8conv.shard_reader import ShardReader, read_capacity
-from fp8conv.writer import ShardWriter, TensorSpec
+from fp8conv.writer import (
+    OrderedHash,
+    SegmentAssembler,
+    ShardFile,
+    ShardLayout,
+    ShardWriter,
+    TensorSpec,
+    safetensors_header,
+)
 
 from .helpers import direct_io_works, fp8, fp8_block_config, write_checkpoint
 
@@ -89,17 +97,113 @@ def test_tiny_segment_budget_spills_and_reads_back(tmp_path, seed, direct, monke
     monkeypatch.setattr(writer_module, "MAX_SEGMENTS", 2)
     writer, tensors = write_shuffled(tmp_path / "s.safetensors", seed, direct)
     check_shard(tmp_path / "s.safetensors", writer, tensors)
-    assert writer._segment_count > 10 and not writer._held  # every buffer came back
+    assert writer.assembler.count > 10 and not writer.buffers_held  # every buffer came back
 
 
 def test_bytes_written_twice_are_refused(tmp_path):
     spec = TensorSpec("x", "U8", (10_000,))
     writer = ShardWriter(tmp_path / "t.safetensors", [spec], {})
     writer.write_part("x", 0, torch.zeros(10_000, dtype=torch.uint8))  # the file's one segment, written
-    with pytest.raises(RuntimeError, match="written twice"):
-        writer._write(memoryview(bytes(100)), writer._specs["x"][1] + 10)
+    with pytest.raises(RuntimeError, match="more bytes than planned"):  # the layout counts each tensor's bytes
+        writer.write_part("x", 10, torch.zeros(100, dtype=torch.uint8))
     writer.abort()
     assert not list(tmp_path.iterdir())
+    # below the layout, the assembler refuses bytes of a segment already complete, or overlapping ones
+    assembler = SegmentAssembler(10_000, 4096, "t.safetensors")
+    assert [s.index for s in assembler.place(memoryview(bytes(5000)), 0, _buffer, _no_spill)] == [0]
+    with pytest.raises(RuntimeError, match=r"t\.safetensors: segment 0 written twice"):
+        list(assembler.place(memoryview(bytes(100)), 10, _buffer, _no_spill))
+    list(assembler.place(memoryview(bytes(3000)), 5000, _buffer, _no_spill))
+    with pytest.raises(RuntimeError, match=r"t\.safetensors: bytes at 6000 written twice"):
+        list(assembler.place(memoryview(bytes(500)), 6000, _buffer, _no_spill))
+
+
+def _buffer() -> torch.Tensor:
+    return aligned_empty(4096)
+
+
+def _no_spill(data: memoryview, offset: int) -> None:
+    raise AssertionError("nothing should be spilled")
+
+
+def test_segment_assembler_hands_back_whole_segments_in_any_order():
+    """Pieces in random order: each segment comes back once, when complete, holding the file's bytes; a
+    spilled segment's bytes (those held, then those still to come) go to the spill write instead."""
+    payload = os.urandom(5 * 4096 + 123)
+    pieces = [(o, payload[o : o + 1000]) for o in range(0, len(payload), 1000)]
+    random.Random(1).shuffle(pieces)
+    assembler = SegmentAssembler(len(payload), 4096)
+    assert assembler.count == 6 and assembler.length(5) == 123
+    spilled = bytearray(len(payload))
+    got: dict[int, bytes] = {}
+
+    def spill(data: memoryview, offset: int) -> None:
+        spilled[offset : offset + len(data)] = data
+
+    for i, (offset, data) in enumerate(pieces):
+        if i == len(pieces) // 2:
+            assert assembler.partial
+            assert assembler.spill_oldest(spill) is not None
+        for segment in assembler.place(memoryview(data), offset, _buffer, spill):
+            assert segment.index not in got
+            length = assembler.length(segment.index)
+            got[segment.index] = bytes(segment.view[:length]) if segment.view is not None else b""
+    assert sorted(got) == list(range(6)) and not assembler.partial
+    for index, data in got.items():
+        lo, hi = index * 4096, index * 4096 + assembler.length(index)
+        assert (data or bytes(spilled[lo:hi])) == payload[lo:hi]
+    assert any(not data for data in got.values())  # one went by the spill write
+
+
+def test_ordered_hash_is_the_files_sha256_whatever_the_completion_order():
+    segments = [os.urandom(4096) for _ in range(7)] + [os.urandom(100)]
+    order = list(range(len(segments)))
+    random.Random(2).shuffle(order)
+    hashing = OrderedHash[str]()
+    for index in order:
+        for ready, payload in hashing.complete(index, f"p{index}"):
+            assert payload == f"p{ready}"  # the caller's payload comes back with its segment
+            hashing.update(segments[ready])
+    assert hashing.next == len(segments) and not hashing.waiting
+    assert hashing.hexdigest() == hashlib.sha256(b"".join(segments)).hexdigest()
+    with pytest.raises(RuntimeError, match="segment 3 completed twice"):
+        hashing.complete(3, "again")
+
+
+def test_shard_layout_places_tensors_after_the_header_and_counts_their_bytes():
+    specs, _ = specs_and_tensors()
+    layout = ShardLayout("s.safetensors", specs, {"format": "pt"})
+    assert layout.header == safetensors_header(specs, {"format": "pt"}) and len(layout.header) % 8 == 0
+    assert layout.size == len(layout.header) + sum(s.nbytes for s in specs)
+    assert layout.claim("a.weight", 100) == (specs[0], len(layout.header))
+    assert layout.claim("b.weight")[1] == len(layout.header) + specs[0].nbytes + specs[1].nbytes
+    assert layout.missing() == ["a.weight", "a.weight_scale", "c.bias"]
+    with pytest.raises(RuntimeError, match="more bytes than planned"):
+        layout.claim("a.weight")
+    with pytest.raises(RuntimeError, match=r"d\.weight is not planned for s\.safetensors"):
+        layout.claim("d.weight")
+
+
+def test_shard_file_appears_only_on_commit(tmp_path, direct):
+    """Under a temporary name until commit(), which cuts a last direct write's page tail off; abort()
+    leaves nothing."""
+    final = tmp_path / "f.safetensors"
+    sink = ShardFile(final, direct)
+    assert sink.direct == direct and sink.temp.parent == tmp_path and not final.exists()
+    segment = aligned_empty(8192)
+    segment.copy_(torch.randint(0, 256, (8192,), dtype=torch.uint8))
+    view = as_writable_memoryview(segment)
+    sink.write_segment(view, 0, 4096)
+    sink.write_segment(view[4096:], 4096, 1000)  # the last, short one: written to a whole page
+    sink.write(memoryview(b"tail"), 5096)
+    assert sink.read(4096, 10) == bytes(view[4096:4106])
+    assert not final.exists()
+    sink.commit(5100)
+    assert final.read_bytes() == bytes(view[:5096]) + b"tail" and not sink.temp.exists()
+    aborted = ShardFile(tmp_path / "g.safetensors", direct)
+    aborted.write(memoryview(b"x" * 10), 0)
+    aborted.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.safetensors"]
 
 
 @pytest.mark.parametrize("chunk", [1000, 4096, 1 << 20])
@@ -181,8 +285,8 @@ def test_direct_io_turned_down_at_write_or_read_time_falls_back(tmp_path, monkey
     specs, tensors = specs_and_tensors()
     path = tmp_path / "s.safetensors"
     writer = ShardWriter(path, specs, {"format": "pt"}, direct=True)
-    assert writer._direct_fd is not None
-    refused.add(writer._direct_fd)
+    assert writer.file.direct_fd is not None
+    refused.add(writer.file.direct_fd)
     for name, t in tensors.items():
         writer.write_tensor(name, t)
     writer.commit()
