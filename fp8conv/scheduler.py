@@ -190,6 +190,10 @@ class Scheduler:
         for job in shard.jobs:
             inputs = self._take(job, None)
             self.totals.count(job, self._execute(job, inputs, writer))
+            del inputs  # a whole job's tensors: not held while the next job runs
+            # no compute is running now (a job returns once its bands are computed): the futures done
+            # can go, or a shard's whole-job reads (results included) would stay until its end
+            self._issued = [f for f in self._issued if not f.done()]
             self.done += job.nbytes
             if self.progress:
                 self.progress(self.done, self.plan.output_bytes)
