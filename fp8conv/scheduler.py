@@ -31,10 +31,11 @@ from .backends.scales import all_powers_of_two
 from .direct_io import aligned_empty
 from .index import CheckpointIndex
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, Job, ShardPlan, Strategy
+from .rewrite.banded import BandedJob
 from .rewrite.dequant import scale_grid
 from .rewrite.jobs import run_job
 from .shard_reader import ShardReader, read_capacity
-from .stream import BAND_WORKERS, IN_SLOTS, OUT_SLOTS, READ_AHEAD, BandedJob
+from .stream import BAND_WORKERS, IN_SLOTS, OUT_SLOTS, READ_AHEAD
 from .writer import COPY_CHUNK_BYTES, ShardWriter
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the write thread

@@ -414,14 +414,13 @@ def test_options_that_do_not_fit_the_target_are_refused(tiny, tmp_path):
 
 def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, monkeypatch):
     import fp8conv.stream as stream
+    from fp8conv.rewrite.banded import BandedJob
 
     fp8conv.convert(tiny.path, tmp_path / "whole", to="bf16")
     streamed = []
-    real_init = stream.BandedJob.__init__  # one per job the plan streams in bands
+    real_init = BandedJob.__init__  # one per job the plan streams in bands
     monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
-    monkeypatch.setattr(
-        stream.BandedJob, "__init__", lambda self, job, *a: streamed.append(job) or real_init(self, job, *a)
-    )
+    monkeypatch.setattr(BandedJob, "__init__", lambda self, job, *a: streamed.append(job) or real_init(self, job, *a))
     fp8conv.convert(tiny.path, tmp_path / "bands", to="bf16")
     assert len(streamed) == len(tiny.fp8_weights)
     assert dir_snapshot(tmp_path / "whole") == dir_snapshot(tmp_path / "bands")
