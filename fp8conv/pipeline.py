@@ -68,6 +68,7 @@ class ConvertResult:
     streamed: dict[str, Any] | None = None  # --stream: shards fetched and evicted, seconds waited for them
 
 
+# over 60 lines: a run's steps in their order, each one call; the execution itself is Scheduler.run
 def convert(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str],

@@ -1,0 +1,86 @@
+"""Each job's execution is chosen once, after planning, and is what the run does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import fp8conv
+from fp8conv.formats import classify
+from fp8conv.plan import Action, ConvertOptions, Strategy, plan_conversion
+from fp8conv.source import open_checkpoint
+from fp8conv.strategy import choose_strategies
+from fp8conv.stream import band_elements_for
+
+
+def _planned(path, band_elements: int, **options):
+    ckpt = open_checkpoint(path)
+    plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, None), ConvertOptions(**options))
+    assert not plan.problems
+    choose_strategies(plan, ckpt.index, band_elements)
+    return ckpt, [job for shard in plan.shards for job in shard.jobs]
+
+
+@pytest.mark.parametrize(
+    ("options", "weights"),
+    [
+        ({"to": "bf16"}, Strategy.BANDED),
+        ({"to": "channel"}, Strategy.BANDED),
+        ({"to": "block"}, Strategy.KEEP_WEIGHT_BYTES),
+        ({"to": "block", "pad_for_tp": 8}, None),  # padded: some kept whole, the rest file to file
+    ],
+)
+def test_every_job_gets_one_strategy(tiny, options, weights):
+    ckpt, jobs = _planned(tiny.path, 3000, **options)
+    for job in jobs:
+        entry = ckpt.index.entry(job.source)
+        padded = job.spec.shape != entry.shape
+        if job.action is Action.COPY:
+            assert job.strategy is (Strategy.WHOLE if padded else Strategy.COPY_FILE), job.source
+        elif padded:
+            assert job.strategy is Strategy.WHOLE, job.source
+        elif weights is Strategy.BANDED and entry.numel <= 3000:
+            assert job.strategy is Strategy.WHOLE, job.source  # one band or less: whole
+        else:
+            assert job.strategy is (weights or Strategy.KEEP_WEIGHT_BYTES), job.source
+        if job.strategy is Strategy.BANDED:
+            n, k = entry.shape
+            block = job.fmt.math_block((n, k))[0] if job.fmt else 1
+            assert job.band_rows % block == 0 and job.band_rows * k <= max(3000, block * k)
+        else:
+            assert job.band_rows == 0
+    assert any(j.strategy is Strategy.BANDED for j in jobs) == (weights is Strategy.BANDED)
+
+
+def test_the_default_band_keeps_tiny_weights_whole(tiny):
+    _, jobs = _planned(tiny.path, band_elements_for(None), to="bf16")
+    assert all(j.strategy is not Strategy.BANDED for j in jobs)
+    assert {j.strategy for j in jobs if j.action is Action.DEQUANTIZE} == {Strategy.WHOLE}
+
+
+def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatch):
+    """The scheduler reads the plan's choice: force every job WHOLE and nothing is streamed or copied
+    file to file, yet the output is the same bytes."""
+    import fp8conv.pipeline as pipeline
+    import fp8conv.stream as stream
+    from fp8conv.rewrite.banded import BandedJob
+    from fp8conv.writer import ShardWriter
+
+    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
+    fp8conv.convert(tiny.path, tmp_path / "chosen", to="block", pad_for_tp=8)
+    chosen = pipeline.choose_strategies
+
+    def all_whole(plan, index, band_elements):
+        chosen(plan, index, band_elements)
+        for shard in plan.shards:
+            shard.jobs[:] = [replace(j, strategy=Strategy.WHOLE) for j in shard.jobs]
+
+    banded, copied = [], []
+    monkeypatch.setattr(pipeline, "choose_strategies", all_whole)
+    monkeypatch.setattr(BandedJob, "__init__", lambda *a: banded.append(a))
+    monkeypatch.setattr(ShardWriter, "copy_range", lambda *a: copied.append(a))
+    fp8conv.convert(tiny.path, tmp_path / "whole", to="block", pad_for_tp=8)
+    assert not banded and not copied
+    for f in (tmp_path / "chosen").glob("*.safetensors"):
+        assert f.read_bytes() == (tmp_path / "whole" / f.name).read_bytes()
