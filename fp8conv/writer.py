@@ -217,7 +217,8 @@ class OrderedHash(Generic[T]):
 class ShardFile:
     """A file written under a temporary name beside its final one, which it takes only on commit():
     after every byte is written and fsynced. Whole segments go with direct I/O where the filesystem
-    allows it (see direct_io), everything else through the page cache. Not thread-safe for commit."""
+    allows it (see direct_io), everything else through the page cache. Writes may come from several threads;
+    commit() and abort() once they are done."""
 
     def __init__(self, final_path: Path, direct: bool = True) -> None:
         self.final_path = final_path
