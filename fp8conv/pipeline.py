@@ -1,4 +1,5 @@
-"""Run a plan: read one tensor (and its scale) at a time, rewrite it, stream it into its shard."""
+"""convert(): options and input checked, the plan and its strategies, the scheduler's run, then the files that
+make the output complete (manifest, index, config) last."""
 
 from __future__ import annotations
 
