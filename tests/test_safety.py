@@ -90,3 +90,30 @@ def test_a_failing_write_ends_cleanly(tiny, tmp_path, to, band_elements):
     assert first.startswith("error: ") and "writing failed: File too large" in first and "Traceback" not in done.stderr
     assert not list(out.glob(f"*{TEMP_SUFFIX}")) and not list(out.glob(f".*{TEMP_SUFFIX}"))
     assert not (out / "model.safetensors.index.json").exists() and not (out / "config.json").exists()
+
+
+@pytest.mark.parametrize("band_elements", [1 << 22, 3000])
+def test_an_error_in_the_arithmetic_cancels_the_run_cleanly(tiny, tmp_path, monkeypatch, band_elements):
+    """A failure on a compute thread (banded) or the main one (whole) mid-shard: it is what convert()
+    raises, the reads and writes in flight are drained, and no partial shard or index is left."""
+    import fp8conv.stream
+    from fp8conv.backends.cpu import CpuBackend
+
+    monkeypatch.setattr(fp8conv.stream, "BAND_ELEMENTS", band_elements)
+    real = CpuBackend.dequantize_blocks
+    calls = []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise ValueError("arithmetic failed")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuBackend, "dequantize_blocks", failing)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="arithmetic failed"):
+        fp8conv.convert(tiny.path, out, to="bf16")
+    assert len(calls) >= 5
+    assert not list(out.glob(f".*{TEMP_SUFFIX}")) and not (out / "model.safetensors.index.json").exists()
+    monkeypatch.setattr(CpuBackend, "dequantize_blocks", real)
+    fp8conv.convert(tiny.path, out, to="bf16", overwrite=True)  # nothing left running holds the output
