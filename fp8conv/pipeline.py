@@ -142,12 +142,14 @@ def convert(
         ckpt = open_checkpoint(source, revision=revision)
     cls = classify(ckpt.index, ckpt.config, block_size)
     if cls.problems:
-        raise PlanRefused(cls.problems)
+        raise PlanRefused(cls.problems, listed_by="fp8conv inspect")
     plan = plan_conversion(ckpt, cls, options)
     # --stream: an output shard's scales are checked once its inputs are there (the data is not here yet)
     scale_problems, scale_warnings = check_scales(ckpt, cls, allow_nonfinite) if feed_source is None else ([], [])
-    if plan.problems or scale_problems:
-        raise PlanRefused(plan.problems + scale_problems)
+    if plan.problems or scale_problems:  # a plan's problems depend on the options: no inspect lists them
+        raise PlanRefused(
+            plan.problems + scale_problems, listed_by=None if plan.problems else "fp8conv inspect --scales"
+        )
     plan.warnings += scale_warnings
     band_elements = _check_memory_cap(ckpt, plan, max_memory)
     streamed: dict[str, Any] | None = None

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import fp8conv
+from fp8conv.cli import main
 from fp8conv.errors import CheckpointError, OutputError
 from fp8conv.writer import TEMP_SUFFIX
 
@@ -48,6 +52,45 @@ def test_zero_or_negative_scale_is_refused(tiny, tmp_path, value):
     with pytest.raises(CheckpointError, match="zero or negative") as info:
         fp8conv.convert(tiny.path, tmp_path / "out", to="channel", allow_nonfinite=True)
     assert name in str(info.value) and not (tmp_path / "out").exists()
+
+
+def test_the_command_a_scale_refusal_names_lists_every_problem(tiny, tmp_path):
+    """Convert refuses the first bad scale and names a command that lists them all; running that command
+    on the checkpoint lists every one, while plain inspect (headers only) says it has not read them."""
+    bad = {
+        "model.layers.0.self_attn.o_proj.weight_scale_inv": 0.0,
+        "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv": -0.5,
+        "model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv": float("nan"),
+    }
+    for name, value in bad.items():
+        _set_scale_value(tiny, name, value)
+    runner = CliRunner()
+    refused = runner.invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out")])
+    assert refused.exit_code == 1 and not (tmp_path / "out").exists()
+    first = refused.stderr.splitlines()[0]
+    advice = re.search(r"\(and 2 more problem\(s\); `(fp8conv [^`]+)` lists them all\)", first)
+    assert advice, first
+    listed = runner.invoke(main, [*shlex.split(advice.group(1))[1:], str(tiny.path)])
+    assert listed.exit_code == 0, listed.output
+    assert "problems:      3\n" in listed.stdout
+    for name in bad:
+        assert sum(f"tensor '{name}'" in line for line in listed.stdout.splitlines()) == 1, listed.stdout
+    plain = runner.invoke(main, ["inspect", str(tiny.path)])
+    assert "problems:      none (from the headers; --scales reads the scale tensors too)" in plain.stdout
+    as_json = json.loads(runner.invoke(main, ["inspect", "--scales", "--json", str(tiny.path)]).stdout)
+    assert as_json["scales_read"] and len(as_json["problems"]) == 3
+
+
+def test_a_plan_refusal_no_command_lists_is_printed_whole(tiny, tmp_path):
+    """A plan's problems depend on convert's options: no inspect lists them, so convert prints them all."""
+    config = json.loads((tiny.path / "config.json").read_text())
+    config["intermediate_size"] += 128  # the dense MLP's three weights now disagree with config.json
+    (tiny.path / "config.json").write_text(json.dumps(config))
+    refused = CliRunner().invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out")])
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.exit_code == 1 and "(and 2 more problem(s))" in errors[0] and len(errors) == 3, refused.stderr
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert sum(f"model.layers.0.mlp.{proj}.weight" in e for e in errors) == 1, errors
 
 
 def test_not_enough_space_is_refused_with_both_numbers(tiny, tmp_path, monkeypatch):
