@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fp8conv.synthetic import build_tiny_deepseek
+from .synthetic import build_tiny_deepseek
 
 NO_TORCH = "\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
 
