@@ -118,6 +118,13 @@ def inspect(
     )
 
 
+def inspect_invocation(block_size: tuple[int, int] | None, revision: str | None, scales: bool = False) -> str:
+    """The `fp8conv inspect` that lists the problems convert found with these options (for its refusals)."""
+    words = ["fp8conv inspect"] + (["--scales"] if scales else [])
+    words += [f"--block-size {block_size[0]},{block_size[1]}"] if block_size else []
+    return " ".join(words + ([f"--revision {revision}"] if revision else []))
+
+
 def pad_role_choices(ckpt: Checkpoint) -> list[tuple[str, ...]]:
     """Every MLP role the checkpoint has; and, when it has routed experts, the roles left once they are not
     padded (expert-parallel experts are not split across ranks), minus any role sharing their width key."""

@@ -54,9 +54,12 @@ def test_zero_or_negative_scale_is_refused(tiny, tmp_path, value):
     assert name in str(info.value) and not (tmp_path / "out").exists()
 
 
-def test_the_command_a_scale_refusal_names_lists_every_problem(tiny, tmp_path):
+@pytest.mark.parametrize("block_option", [[], ["--block-size", "128,128"]])
+def test_the_command_a_scale_refusal_names_lists_every_problem(make_tiny, tmp_path, block_option):
     """Convert refuses the first bad scale and names a command that lists them all; running that command
-    on the checkpoint lists every one, while plain inspect (headers only) says it has not read them."""
+    on the checkpoint lists every one, while plain inspect (headers only) says it has not read them. A
+    config without weight_block_size needs convert's --block-size: the command named carries it too."""
+    tiny = make_tiny(config_block=None) if block_option else make_tiny()
     bad = {
         "model.layers.0.self_attn.o_proj.weight_scale_inv": 0.0,
         "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv": -0.5,
@@ -65,7 +68,8 @@ def test_the_command_a_scale_refusal_names_lists_every_problem(tiny, tmp_path):
     for name, value in bad.items():
         _set_scale_value(tiny, name, value)
     runner = CliRunner()
-    refused = runner.invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out")])
+    convert = ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out"), *block_option]
+    refused = runner.invoke(main, convert)
     assert refused.exit_code == 1 and not (tmp_path / "out").exists()
     first = refused.stderr.splitlines()[0]
     advice = re.search(r"\(and 2 more problem\(s\); `(fp8conv [^`]+)` lists them all\)", first)
@@ -75,9 +79,9 @@ def test_the_command_a_scale_refusal_names_lists_every_problem(tiny, tmp_path):
     assert "problems:      3\n" in listed.stdout
     for name in bad:
         assert sum(f"tensor '{name}'" in line for line in listed.stdout.splitlines()) == 1, listed.stdout
-    plain = runner.invoke(main, ["inspect", str(tiny.path)])
+    plain = runner.invoke(main, ["inspect", str(tiny.path), *block_option])
     assert "problems:      none (from the headers; --scales reads the scale tensors too)" in plain.stdout
-    as_json = json.loads(runner.invoke(main, ["inspect", "--scales", "--json", str(tiny.path)]).stdout)
+    as_json = json.loads(runner.invoke(main, ["inspect", "--scales", "--json", str(tiny.path), *block_option]).stdout)
     assert as_json["scales_read"] and len(as_json["problems"]) == 3
 
 
