@@ -17,7 +17,7 @@ import click
 
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
-from .errors import Fp8ConvError, OptionsError, PlanRefused
+from .errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
 from .parts import finalize, parse_part
 from .plan import TARGETS, ConvertOptions
 from .report import InspectReport, inspect
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from .pipeline import ConvertResult
     from .verify import VerifyResult
 
-DEBUG_ENV = "FP8CONV_DEBUG"
 PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
 
 
@@ -56,7 +55,7 @@ def _fail(exc: Fp8ConvError) -> NoReturn:
     if os.environ.get(DEBUG_ENV) == "1":
         traceback.print_exc()
     click.echo(f"error: {exc.one_line()}", err=True)
-    if isinstance(exc, PlanRefused) and not exc.listed_by:  # no other command lists them: one a line here
+    if os.environ.get(DEBUG_ENV) == "1" and isinstance(exc, PlanRefused):  # every problem, one a line
         for more in exc.problems[1:]:
             click.echo(f"error: {more.one_line()}", err=True)
     if os.environ.get(DEBUG_ENV) != "1":

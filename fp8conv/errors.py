@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+DEBUG_ENV = "FP8CONV_DEBUG"  # the CLI prints a traceback, and every problem of a refusal, when it is "1"
+
 
 class Fp8ConvError(Exception):
     """Base of every error fp8conv raises on purpose; the CLI turns these into one line and exit 1.
@@ -57,19 +59,18 @@ class PlanRefused(CheckpointError):
     """Planning found problems; every one is listed so the user can fix them all in one go (`problems`).
     `listed_by` names the command that lists them all: plain `fp8conv inspect` lists the header problems,
     `--scales` adds the scale tensors'. A plan's problems depend on convert's options, which no other
-    command takes: without `listed_by`, the CLI prints them all, one a line."""
+    command takes: the CLI lists those under FP8CONV_DEBUG=1, keeping a refusal to one line otherwise."""
 
     def __init__(self, problems: list[CheckpointError], *, listed_by: str | None = None) -> None:
         self.problems = problems
         self.listed_by = listed_by
         first = problems[0]
-        more = f" (and {len(problems) - 1} more problem(s)"
-        more += f"; `{listed_by}` lists them all)" if listed_by else ")"
+        how = f"`{listed_by}` lists them all" if listed_by else f"set {DEBUG_ENV}=1 to list them all"
         super().__init__(
             first.problem,
             tensor=first.tensor,
             shard=first.shard,
             file=first.file,
             key=first.key,
-            fix=(first.fix or "") + (more if len(problems) > 1 else ""),
+            fix=(first.fix or "") + (f" (and {len(problems) - 1} more problem(s); {how})" if len(problems) > 1 else ""),
         )

@@ -85,16 +85,24 @@ def test_the_command_a_scale_refusal_names_lists_every_problem(make_tiny, tmp_pa
     assert as_json["scales_read"] and len(as_json["problems"]) == 3
 
 
-def test_a_plan_refusal_no_command_lists_is_printed_whole(tiny, tmp_path):
-    """A plan's problems depend on convert's options: no inspect lists them, so convert prints them all."""
+def test_a_plan_refusal_lists_every_problem_where_its_message_says(tiny, tmp_path):
+    """A plan's problems depend on convert's options, so no inspect lists them: the one-line refusal says
+    FP8CONV_DEBUG=1 lists them, and with it the CLI prints every one."""
     config = json.loads((tiny.path / "config.json").read_text())
     config["intermediate_size"] += 128  # the dense MLP's three weights now disagree with config.json
     (tiny.path / "config.json").write_text(json.dumps(config))
-    refused = CliRunner().invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out")])
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
-    assert refused.exit_code == 1 and "(and 2 more problem(s))" in errors[0] and len(errors) == 3, refused.stderr
+    convert = ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out")]
+    refused = CliRunner().invoke(main, convert)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.exit_code == 1 and len(lines) == 2, refused.stderr  # the refusal, the debug hint
+    advice = re.search(r"\(and 2 more problem\(s\); set (\w+)=(\w+) to list them all\)", lines[0])
+    assert advice, lines[0]
+    listed = CliRunner().invoke(main, convert, env={advice[1]: advice[2]})
+    errors = [line for line in listed.stderr.splitlines() if line.startswith("error: ")]
+    assert listed.exit_code == 1 and len(errors) == 3 and errors[0] == lines[0], listed.stderr
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert sum(f"model.layers.0.mlp.{proj}.weight" in e for e in errors) == 1, errors
+    assert not (tmp_path / "out").exists()
 
 
 def test_not_enough_space_is_refused_with_both_numbers(tiny, tmp_path, monkeypatch):
