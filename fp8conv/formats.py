@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import CONFIG_NAME
 from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
@@ -82,7 +83,8 @@ def classify(
         problems.append(
             CheckpointError(
                 f"the block size is {list(settings.block)} but --block-size asserts {list(block_size)}",
-                shard=where,
+                file=CONFIG_NAME,
+                key=settings.key,
                 fix="drop --block-size, or fix config.json if you know it is wrong",
             )
         )

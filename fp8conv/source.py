@@ -90,7 +90,7 @@ def _open_single_file(path: Path) -> Checkpoint:
     if path.suffix != ".safetensors":
         raise CheckpointError(
             "is not a .safetensors file",
-            shard=path.name,
+            file=path.name,
             fix="fp8conv reads safetensors only (it never unpickles .bin/.pt files)",
         )
     root = path.parent
@@ -125,7 +125,7 @@ def _open_directory(root: Path) -> Checkpoint:
             )
     config_path = root / CONFIG_NAME
     if config_path.is_file() and _outside(config_path, boundary):
-        raise CheckpointError("is a symlink outside the checkpoint", shard=CONFIG_NAME, fix="copy the file in")
+        raise CheckpointError("is a symlink outside the checkpoint", file=CONFIG_NAME, fix="copy the file in")
     config = load_config(config_path) if config_path.is_file() else None
     ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
     _list_other_files(ckpt, boundary)
