@@ -16,10 +16,12 @@ E4M3_SPELLINGS = frozenset({"e4m3", "e4m3fn", "float8_e4m3fn", "float8_e4m3", "f
 # Methods that are plain FP8 under another name: Meta's Llama-3.1 FP8 release (channel weight_scale [N, 1]).
 FP8_ALIASES = ("fbgemm_fp8",)
 # Packed 4-bit methods named in the refusal, so the user knows it is not an FP8 dialect fp8conv misses.
-FOUR_BIT_METHODS = {"mxfp4": "MXFP4 (gpt-oss)", "nvfp4": "NVFP4", "modelopt_fp4": "NVFP4 (ModelOpt)"}
+FOUR_BIT_METHODS = {"mxfp4": "MXFP4 (gpt-oss)", "nvfp4": "NVFP4"}
 # Packed 4-bit formats a config can declare -> elements per scale along K (see formats.Kind)
 MXFP4_GROUP = 32
 NVFP4_GROUP = 16
+# ModelOpt quant_algo values whose weights are NVFP4 (W4A16: the same weights, activations left in bf16)
+MODELOPT_NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 
 
 @dataclass
@@ -64,7 +66,7 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
         _read_compressed_tensors(qconfig, settings)
     elif method == "mxfp4":
         _read_gpt_oss_mxfp4(qconfig, settings)
-    elif method == "modelopt":
+    elif isinstance(method, str) and method.lower().startswith("modelopt"):  # vLLM's test; also modelopt_fp4
         _read_modelopt(qconfig, settings)
     elif isinstance(method, str) and method.lower() in FOUR_BIT_METHODS:
         settings.problems.append(
@@ -194,21 +196,25 @@ def _read_gpt_oss_mxfp4(q: dict[str, Any], s: QuantSettings) -> None:
 
 
 def _read_modelopt(q: dict[str, Any], s: QuantSettings) -> None:
-    algo = q.get("quant_algo")
-    group = q.get("group_size", NVFP4_GROUP)
-    if algo != "NVFP4" or group != NVFP4_GROUP:
+    """ModelOpt, in either form vLLM reads: hf_quant_config.json's {"quantization": {quant_algo, group_size,
+    exclude_modules}} (also found nested in config.json), or config.json's flat {quant_algo, group_size,
+    ignore}. quant_algo is compared upper-cased; W4A16_NVFP4 has NVFP4's weights (bf16 activations)."""
+    nested = q.get("quantization")
+    section = nested if isinstance(nested, dict) else q
+    algo, group = section.get("quant_algo"), section.get("group_size")
+    if str(algo).upper() not in MODELOPT_NVFP4_ALGOS or group not in (None, NVFP4_GROUP):
         s.problems.append(
             CheckpointError(
                 f"ModelOpt quant_algo {algo!r} with group_size {group!r} is not supported",
                 shard=s.where,
-                fix="fp8conv reads ModelOpt NVFP4 (group_size 16) only",
+                fix=f"fp8conv reads ModelOpt {' and '.join(MODELOPT_NVFP4_ALGOS)} weights (group_size 16) only",
             )
         )
         return
     s.packed["nvfp4-modelopt"] = NVFP4_GROUP
     for key in ("exclude_modules", "ignore"):
-        if isinstance(q.get(key), list):
-            s.not_converted += [str(m) for m in q[key]]
+        if isinstance(section.get(key), list):
+            s.not_converted += [str(m) for m in section[key]]
 
 
 def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> tuple[str, int] | None:
