@@ -129,7 +129,8 @@ def hf_to_native(name: str) -> str:
 
 def build_release(path) -> dict[str, torch.Tensor]:
     """Writes the release; returns the reference state dict under transformers' names: every quantized
-    weight decoded by the definitions (float64, rounded once to bf16 as --to bf16 must), the rest as stored."""
+    weight decoded by the definitions (exactly, then rounded once to bf16 as --to bf16 must), the rest as
+    stored; the routed experts fused as transformers holds them (gate_up_proj[e] = w1 over w3)."""
     config = transformers.DeepseekV4Config(**{k: v for k, v in release_config().items() if k != "architectures"})
     shapes = {k: tuple(v.shape) for k, v in transformers.DeepseekV4ForCausalLM(config).state_dict().items()}
     gen = torch.Generator().manual_seed(0)
@@ -154,16 +155,13 @@ def build_release(path) -> dict[str, torch.Tensor]:
             reference[hf] = stacked.to(torch.float32).to(torch.bfloat16)
             continue
         name = hf_to_native(hf)
-        if name.endswith("tid2eid"):
-            native[name] = torch.randint(0, EXPERTS, shape, generator=gen)
-        elif any(f in name for f in FP8_LINEARS):
-            native[name], native[name.removesuffix(".weight") + ".scale"], exact = fp8_linear(shape, seed)
-            reference[hf] = exact
-            continue
+        if any(f in name for f in FP8_LINEARS):
+            native[name], native[name.removesuffix(".weight") + ".scale"], reference[hf] = fp8_linear(shape, seed)
+        elif name.endswith("tid2eid"):
+            native[name] = reference[hf] = torch.randint(0, EXPERTS, shape, generator=gen)
         else:
             value = torch.randn(shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0)
-            native[name] = value if any(f in name for f in FLOAT32) else value.to(torch.bfloat16)
-        reference[hf] = native[name]
+            native[name] = reference[hf] = value if any(f in name for f in FLOAT32) else value.to(torch.bfloat16)
     # DeepSeek ships its multi-token-prediction layer too: converted like the rest, ignored by transformers
     native["mtp.0.attn.wq_a.weight"], native["mtp.0.attn.wq_a.scale"], _ = fp8_linear((48, HIDDEN), 99)
     native["mtp.0.ffn.experts.0.w1.weight"] = pack_nibbles(random_codes((INTER, HIDDEN), 99)).view(torch.int8)
