@@ -27,13 +27,13 @@ def load_config(path: Path) -> dict[str, Any]:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(
-            f"is not valid JSON ({exc})", shard=path.name, fix="fix or re-download config.json"
+            f"is not valid JSON ({exc})", shard=path.name, fix=f"fix or re-download {path.name}"
         ) from exc
     if not isinstance(doc, dict):
         raise CheckpointError(
             f"holds a JSON {type(doc).__name__}, not an object",
             shard=path.name,
-            fix="fix or re-download config.json",
+            fix=f"fix or re-download {path.name}",
         )
     return doc
 

@@ -173,3 +173,12 @@ def test_modelopt_weights_without_any_quantization_description_are_refused_not_r
         fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
     assert "_proj.weight" in str(err.value) and "hf_quant_config.json" in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_hf_quant_config_json_is_refused_by_name(tmp_path):
+    build_modelopt(tmp_path / "c", None, None)
+    (tmp_path / "c" / "hf_quant_config.json").write_text('{"quantization": ')
+    with pytest.raises(fp8conv.CheckpointError, match=r"^in hf_quant_config.json: is not valid JSON") as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert str(err.value).endswith("fix or re-download hf_quant_config.json")
+    assert not (tmp_path / "out").exists()
