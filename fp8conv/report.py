@@ -82,8 +82,9 @@ def inspect(
     block = cls.block_size or DEFAULT_BLOCK
     tp_bad = tp_report(ckpt.config, block, names=ckpt.index.locations)
     family = family_of(ckpt.config)
-    shapes = ((n, e.shape, s.name) for n, (s, e) in ckpt.index.locations.items())
-    widths = width_disagreements(ckpt.config, shapes, "config.json and the tensors disagree: correct config.json")
+    widths = width_disagreements(
+        ckpt.config, cls.input_shapes(ckpt.index), "config.json and the tensors disagree: correct config.json"
+    )
     warnings = list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files]
     if scales and cls.problems:
         warnings.append("--scales: the scales are not read while the headers show problems; fix those first")
