@@ -13,7 +13,8 @@ from .errors import Fp8ConvError
 from .families import ROLE_GROUPS, family_of, model_type_of, role_of, width_disagreements
 from .formats import Classification, classify, has_partial_blocks
 from .model_layout import tp_report
-from .plan import DEFAULT_BLOCK, TARGETS, ConvertOptions, plan_conversion
+from .options import DEFAULT_BLOCK, TARGETS, ConvertOptions
+from .plan import plan_conversion
 from .source import Checkpoint, open_checkpoint
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
