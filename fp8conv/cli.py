@@ -166,7 +166,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 @BLOCK_SIZE_OPTION
 @click.option(
     "--fp8-max",
-    type=click.Choice(["448", "240"]),
+    type=click.Choice([f"{FP8_MAX_STANDARD:g}", f"{FP8_MAX_GAUDI2:g}"]),
     default=None,
     help="FP8 range to quantize to (--to channel): 448 standard, 240 for Gaudi2 (marked in the config).",
 )
