@@ -125,9 +125,8 @@ def padded_output_bytes(ckpt: Checkpoint, cls: Classification, tps: list[int]) -
     sizes: dict[str, dict[str, int]] = {}
     for tp in tps:
         for roles in pad_role_choices(ckpt):
-            options = ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles)
-            try:
-                plan = plan_conversion(ckpt, cls, options)
+            try:  # the options check themselves when made (an empty role list is refused there)
+                plan = plan_conversion(ckpt, cls, ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles))
             except Fp8ConvError:
                 continue
             if not plan.problems:
