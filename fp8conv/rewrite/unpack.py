@@ -22,6 +22,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 INT4_VALUES = tuple(float(c - 8) for c in range(16))
 
 
+GLOBAL_SCALE_CHUNK = 1 << 18  # float32 values decoded at once before an NVFP4 band's global scale
+
+
 def code_values(kind: Kind) -> torch.Tensor:
     return torch.tensor(INT4_VALUES if kind is Kind.INT4 else E2M1_VALUES, dtype=torch.float32)
 
@@ -53,6 +56,45 @@ def unpack_to_float32(
         else:
             out.mul_(g)
     return out.view(shape) if out.dtype == dtype else out.view(shape).to(dtype)
+
+
+def band_decoder(
+    fmt: WeightFormat, stored_scale: torch.Tensor, global_scale: torch.Tensor | None, backend: Backend
+) -> Callable[[torch.Tensor, int, torch.Tensor], None]:
+    """For a 2-D packed weight written band by band: decode(codes, r0, out) writes rows r0.. of the
+    weight (codes: those rows' bytes, [1, rows, K/2] uint8) into out ([1, rows, K], any float dtype),
+    the bits unpack_to_float32 gives those rows."""
+    assert fmt.shape is not None and fmt.group is not None and len(fmt.shape) == 2
+    n, k = fmt.shape
+    group, values = fmt.group, code_values(fmt.kind)
+    if stored_scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        scale = stored_scale.contiguous().view(torch.uint8).reshape(n, k // group)
+    else:
+        scale = scale_to_float32(stored_scale).reshape(n, k // group)
+    g = None if global_scale is None else global_scale.to(torch.float32).reshape(())
+    divide = fmt.kind is Kind.NVFP4
+
+    def decode(codes: torch.Tensor, r0: int, out: torch.Tensor) -> None:
+        rows = codes.shape[1]
+        codes = codes.view(torch.uint8).view(1, rows, k // 2)
+        if g is None:
+            backend.decode_4bit(codes, values, scale[r0 : r0 + rows][None], group, out)
+            return
+        # float32 first, then the global scale, then one rounding: in cache-sized pieces, not a band
+        direct = out.dtype == torch.float32
+        step = rows if direct else max(1, GLOBAL_SCALE_CHUNK // max(k, 1))
+        for c0 in range(0, rows, step):
+            c1 = min(rows, c0 + step)
+            part = out[:, c0:c1] if direct else torch.empty((1, c1 - c0, k))
+            backend.decode_4bit(codes[:, c0:c1], values, scale[r0 + c0 : r0 + c1][None], group, part)
+            if divide:
+                part.div_(g)
+            else:
+                part.mul_(g)
+            if not direct:
+                out[:, c0:c1].copy_(part)
+
+    return decode
 
 
 def dequantized_output(
