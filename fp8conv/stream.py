@@ -16,7 +16,7 @@ from .dtypes import ELEMENT_BYTES, torch_dtype
 from .formats import CONVERTIBLE, PACKED, Kind
 from .plan import Action, Job
 from .rewrite.dequant import scale_grid
-from .rewrite.unpack import band_decoder
+from .rewrite.unpack import band_decoder, band_quantizer
 from .safetensors_file import TensorEntry
 from .shard_reader import ShardReader, read_capacity
 from .writer import ShardWriter
@@ -49,9 +49,9 @@ def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
 
 def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
     band_elements = BAND_ELEMENTS if band_elements is None else band_elements
-    if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights to bf16/f16/f32
+    if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights
         return (
-            job.action is Action.DEQUANTIZE
+            job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
             and job.fmt.kind is not Kind.MXFP4_GPT_OSS  # its experts are written transposed
             and len(entry.shape) == 2
             and job.spec.shape == job.fmt.shape
@@ -172,16 +172,24 @@ class BandStreamer:
         scale: torch.Tensor,
         out: ShardWriter,
         global_scale: torch.Tensor | None = None,
+        exactness: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Stream one job, announced with expect(); returns the new scale tensor for a QUANTIZE job
         (written too). The writes may still be in flight when this returns: flush() before the shard is
-        committed. global_scale: a packed NVFP4 weight's."""
+        committed. global_scale: a packed NVFP4 weight's; exactness: [exact, total] output blocks, added
+        to for a packed weight quantized to FP8."""
         assert job.fmt is not None
         n, k = job.spec.shape
-        packed = band_decoder(job.fmt, scale, global_scale, self.backend) if job.fmt.kind in PACKED else None
-        grid = scale_grid(scale, job.fmt, (n, k))[0] if packed is None else scale
-        in_block = job.fmt.math_block((n, k))
         quantize = job.action is Action.QUANTIZE
+        packed, decode, requant = job.fmt.kind in PACKED, None, None
+        if packed and quantize:
+            ob = job.out_block or (1, k)
+            requant = band_quantizer(job.fmt, scale, global_scale, self.backend, ob, self.fp8_max)
+        elif packed:
+            decode = band_decoder(job.fmt, scale, global_scale, self.backend)
+        grid = scale if packed else scale_grid(scale, job.fmt, (n, k))[0]
+        in_block = job.fmt.math_block((n, k))
+        counts: list[tuple[int, int]] = []  # packed to FP8: exact and all output blocks, per band
         rows = self._band_rows(job, entry)
         starts = list(range(0, n, rows))
         out_dtype = torch_dtype(job.spec.dtype)
@@ -190,20 +198,22 @@ class BandStreamer:
 
         def compute(w: torch.Tensor, band: torch.Tensor, r0: int) -> Future[None]:
             """One band's arithmetic; hands its write to the writer and returns that."""
-            if packed is not None:
-                packed(w, r0, band)
-                return self.writer.submit(out.write_part, job.spec.name, r0 * k * out_size, band)
-            w = w.view(torch.float8_e4m3fn)
+            fp8 = w.view(torch.float8_e4m3fn)  # packed: the bytes, read by the decoder
             g0, g1 = r0 // in_block[0], -(-(r0 + w.shape[1]) // in_block[0])
             if quantize:
                 assert new_scale is not None
                 ob = job.out_block or (1, k)
                 o0, o1 = r0 // ob[0], -(-(r0 + w.shape[1]) // ob[0])
                 band_scale = torch.empty((1, o1 - o0, new_scale.shape[-1]), dtype=torch.float32)
-                self.backend.requantize_blocks(w, grid[g0:g1][None], in_block, ob, self.fp8_max, band, band_scale)
+                if requant is not None:
+                    counts.append(requant(w, r0, band, band_scale))
+                else:
+                    self.backend.requantize_blocks(fp8, grid[g0:g1][None], in_block, ob, self.fp8_max, band, band_scale)
                 new_scale.view(-1, new_scale.shape[-1])[o0:o1] = band_scale[0]  # rows of its own
+            elif decode is not None:
+                decode(w, r0, band)
             else:
-                self.backend.dequantize_blocks(w, grid[g0:g1][None], in_block, band)
+                self.backend.dequantize_blocks(fp8, grid[g0:g1][None], in_block, band)
             return self.writer.submit(out.write_part, job.spec.name, r0 * k * out_size, band)
 
         pending = self._pending  # on an error the caller's flush() waits for these
@@ -226,6 +236,9 @@ class BandStreamer:
             self._computing.append(done)
         while self._computing:  # every band's arithmetic, before the new scale is read
             self._computing.popleft().result()
+        if exactness is not None and counts:
+            exactness[0] += sum(e for e, _ in counts)
+            exactness[1] += sum(t for _, t in counts)
         if new_scale is not None:  # after the bands, in the writer's order
             self._scales.append(self.writer.submit(out.write_tensor, job.outputs[1].name, new_scale))
         return new_scale

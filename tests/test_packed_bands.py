@@ -11,7 +11,7 @@ import fp8conv
 from fp8conv.formats import PACKED
 
 from .helpers import dir_snapshot, load_dir
-from .reference import same_bits
+from .reference import quantize_reference, same_bits
 from .test_packed import NVFP4_SHAPES, build_int4, build_nvfp4, build_v4
 
 INT4_SHAPES = {"model.layers.0.mlp.gate_proj": (37, 96), "model.layers.0.mlp.down_proj": (96, 64)}
@@ -23,26 +23,44 @@ BUILDERS = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+TARGETS = [("bf16", "bfloat16"), ("bf16", "float32"), ("channel", "bfloat16"), ("block", "bfloat16")]
+
+
+@pytest.mark.parametrize(("to", "dtype"), TARGETS)
 @pytest.mark.parametrize("kind", list(BUILDERS))
-def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypatch, kind, dtype):
+def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypatch, kind, to, dtype):
     import fp8conv.rewrite.unpack as unpack
     import fp8conv.stream as stream
 
     _, truth = BUILDERS[kind](tmp_path / "c")
-    fp8conv.convert(tmp_path / "c", tmp_path / "whole", to="bf16", dtype=dtype)
+    whole = fp8conv.convert(tmp_path / "c", tmp_path / "whole", to=to, dtype=dtype)
     streamed = []
     real_run = stream.BandStreamer.run
-    # bands of a few rows, the last one short; NVFP4's float32 pieces smaller than a band
+    # bands of a few rows (of 128 for blocks), the last one short; float32 pieces smaller than a band
     monkeypatch.setattr(stream, "BAND_ELEMENTS", 700)
     monkeypatch.setattr(unpack, "GLOBAL_SCALE_CHUNK", 200)
     monkeypatch.setattr(
         stream.BandStreamer, "run", lambda self, job, *a: streamed.append(job.fmt.kind) or real_run(self, job, *a)
     )
-    fp8conv.convert(tmp_path / "c", tmp_path / "bands", to="bf16", dtype=dtype)
+    bands = fp8conv.convert(tmp_path / "c", tmp_path / "bands", to=to, dtype=dtype)
     packed = [name for name in truth if ".attn." not in name and "shared_experts" not in name]  # V4's FP8 ones
     assert len([k for k in streamed if k in PACKED]) == len(packed) > 0
     assert dir_snapshot(tmp_path / "whole") == dir_snapshot(tmp_path / "bands")
+    assert (bands.packed_blocks_exact, bands.packed_blocks_total) == (
+        whole.packed_blocks_exact,
+        whole.packed_blocks_total,
+    )
     got = load_dir(tmp_path / "bands")
-    for name, value in truth.items():
-        assert same_bits(got[name], value.to(torch.float32).to(getattr(torch, dtype))), name
+    if to == "bf16":
+        for name, value in truth.items():
+            assert same_bits(got[name], value.to(torch.float32).to(getattr(torch, dtype))), name
+    else:
+        assert 0 < bands.packed_blocks_total
+        for name in packed:
+            block = (128, 128) if to == "block" else None
+            q_ref, s_ref = quantize_reference(truth[name].to(torch.float32), block)
+            base = name.removesuffix(".weight")
+            (scale_name,) = [n for n in got if n.startswith(base + ".") and n != name and "scale" in n]
+            assert same_bits(got[name], q_ref) and same_bits(got[scale_name], s_ref.reshape(got[scale_name].shape)), (
+                name
+            )

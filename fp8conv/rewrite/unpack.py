@@ -97,6 +97,40 @@ def band_decoder(
     return decode
 
 
+def band_quantizer(
+    fmt: WeightFormat,
+    stored_scale: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    backend: Backend,
+    out_block: tuple[int, int],
+    fp8_max: float,
+) -> Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], tuple[int, int]]:
+    """For a 2-D packed weight quantized to FP8 band by band (bands of whole output blocks):
+    quantize(codes, r0, q, scale) writes those rows' FP8 values into q ([1, rows, K]) and their output
+    blocks' scales into scale ([1, block rows, K blocks]), as quantize(unpack_to_float32(...)) does, and
+    returns (exact, total) output blocks as block_exactness counts them. The float32 values exist a
+    few blocks at a time, never a band."""
+    assert fmt.shape is not None
+    k = fmt.shape[1]
+    decode = band_decoder(fmt, stored_scale, global_scale, backend)
+    bn = out_block[0]
+    step = max(bn, GLOBAL_SCALE_CHUNK // max(k, 1) // bn * bn)
+
+    def quantize(codes: torch.Tensor, r0: int, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+        rows, exact, total = codes.shape[1], 0, 0
+        for c0 in range(0, rows, step):
+            c1 = min(rows, c0 + step)
+            w32 = torch.empty((1, c1 - c0, k))
+            decode(codes[:, c0:c1], r0 + c0, w32)
+            q_part, s_part = q[:, c0:c1], scale[:, c0 // bn : -(-c1 // bn)]
+            backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part)
+            e, t = block_exactness(w32, q_part, s_part, out_block, backend)
+            exact, total = exact + e, total + t
+        return exact, total
+
+    return quantize
+
+
 def dequantized_output(
     read: Callable[[str], torch.Tensor], fmt: WeightFormat, backend: Backend, dtype: torch.dtype
 ) -> torch.Tensor:
