@@ -55,7 +55,7 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
         for name, value in truth.items():
             assert same_bits(got[name], value.to(torch.float32).to(getattr(torch, dtype))), name
     else:
-        assert 0 < bands.packed_blocks_total
+        assert bands.packed_blocks_total > 0
         for name in packed:
             block = (128, 128) if to == "block" else None
             q_ref, s_ref = quantize_reference(truth[name].to(torch.float32), block)
