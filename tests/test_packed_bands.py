@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import fp8conv
-from fp8conv.formats import PACKED
+from fp8conv.formats import PACKED, Kind
 
 from .helpers import dir_snapshot, load_dir
+from .packing import e2m1_value, e8m0_value, group_scaled
 from .reference import quantize_reference, same_bits
 from .test_packed import NVFP4_SHAPES, build_int4, build_nvfp4, build_v4
 
@@ -64,3 +65,22 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
             assert same_bits(got[name], q_ref) and same_bits(got[scale_name], s_ref.reshape(got[scale_name].shape)), (
                 name
             )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_mxfp4_decode_is_the_definition_for_every_code_pair_and_scale_byte(dtype):
+    """All 256 bytes (16 x 16 codes, low nibble first) under every E8M0 byte but NaN's 255: the edges
+    0 (2^-127, a float32 subnormal), 1, 2, 252, 253, 254 (6 x 2^127 overflows) included, one per row
+    (an odd count). The definition: the float64 product, rounded once to float32 (exact, or
+    inf), then once to the output dtype."""
+    from fp8conv.backends import get_backend
+    from fp8conv.rewrite.unpack import code_values
+
+    scale_bytes = torch.arange(255, dtype=torch.uint8).reshape(1, 255, 1).expand(1, 255, 16).contiguous()
+    codes = torch.arange(256, dtype=torch.uint8).repeat(255, 1).reshape(1, 255, 256)  # 512 values per row
+    nibbles = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(1, 255, 512)
+    expected = group_scaled(e2m1_value(nibbles), e8m0_value(scale_bytes), 32).to(torch.float32).to(dtype)
+    for device in ("cpu", "reference"):
+        out = torch.empty(1, 255, 512, dtype=dtype)
+        get_backend(device).decode_4bit(codes, code_values(Kind.MXFP4), scale_bytes, 32, out)
+        assert same_bits(out, expected), device
