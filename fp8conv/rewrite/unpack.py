@@ -8,6 +8,7 @@ compressed-tensors divides by weight_global_scale, ModelOpt multiplies by weight
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -23,6 +24,15 @@ INT4_VALUES = tuple(float(c - 8) for c in range(16))
 
 
 GLOBAL_SCALE_CHUNK = 1 << 18  # float32 values decoded at once before an NVFP4 band's global scale
+_scratch = threading.local()  # per band worker: float32 pieces reused (fresh ones cost page faults)
+
+
+def _float32_scratch(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    cache: dict[str, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    numel = math.prod(shape)
+    if key not in cache or cache[key].numel() < numel:
+        cache[key] = torch.empty(numel, dtype=torch.float32)
+    return cache[key][:numel].view(shape)
 
 
 def code_values(kind: Kind) -> torch.Tensor:
@@ -85,7 +95,7 @@ def band_decoder(
         step = rows if direct else max(1, GLOBAL_SCALE_CHUNK // max(k, 1))
         for c0 in range(0, rows, step):
             c1 = min(rows, c0 + step)
-            part = out[:, c0:c1] if direct else torch.empty((1, c1 - c0, k))
+            part = out[:, c0:c1] if direct else _float32_scratch("global", (1, c1 - c0, k))
             backend.decode_4bit(codes[:, c0:c1], values, scale[r0 + c0 : r0 + c1][None], group, part)
             if divide:
                 part.div_(g)
@@ -120,11 +130,11 @@ def band_quantizer(
         rows, exact, total = codes.shape[1], 0, 0
         for c0 in range(0, rows, step):
             c1 = min(rows, c0 + step)
-            w32 = torch.empty((1, c1 - c0, k))
+            w32 = _float32_scratch("w32", (1, c1 - c0, k))
             decode(codes[:, c0:c1], r0 + c0, w32)
             q_part, s_part = q[:, c0:c1], scale[:, c0 // bn : -(-c1 // bn)]
             backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part)
-            e, t = block_exactness(w32, q_part, s_part, out_block, backend)
+            e, t = block_exactness(w32, q_part, s_part, out_block, backend, _float32_scratch("back", w32.shape))
             exact, total = exact + e, total + t
         return exact, total
 
@@ -156,13 +166,20 @@ def dequantized_output(
 
 
 def block_exactness(
-    w32: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], backend: Backend
+    w32: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    backend: Backend,
+    scratch: torch.Tensor | None = None,
 ) -> tuple[int, int]:
-    """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value."""
+    """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value.
+    scratch: float32 like w32, overwritten (else a fresh one)."""
     n, k = w32.shape[-2], w32.shape[-1]
     bn, bk = block
     gn, gk = math.ceil(n / bn), math.ceil(k / bk)
-    back = torch.empty((math.prod(w32.shape[:-2]), n, k), dtype=torch.float32)
+    shape = (math.prod(w32.shape[:-2]), n, k)
+    back = torch.empty(shape, dtype=torch.float32) if scratch is None else scratch.view(shape)
     backend.dequantize_blocks(q.reshape(back.shape), scale.reshape(-1, gn, gk), block, back)
     differs = back.ne_(w32.reshape(back.shape))  # in place: 1.0 where a value did not come back
     if n % bn or k % bk:  # zero-pad to whole blocks: padding never differs
