@@ -1,5 +1,5 @@
-"""Row-band streaming of large 2-D FP8 weights: read a band of rows, rewrite it, write it, while the
-next band is read and the previous ones are written. Memory per job is a few bands, not a tensor, and
+"""Row-band streaming of large 2-D FP8 and packed 4-bit weights: read a band of rows, rewrite it, write
+it, while the next band is read and the previous ones are written. Memory per job is a few bands, not a tensor, and
 the band buffers are reused, so there are no page faults for fresh allocations."""
 
 from __future__ import annotations
