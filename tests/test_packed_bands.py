@@ -34,7 +34,7 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
     import fp8conv.stream as stream
 
     _, truth = BUILDERS[kind](tmp_path / "c")
-    whole = fp8conv.convert(tmp_path / "c", tmp_path / "whole", to=to, dtype=dtype)
+    whole = fp8conv.convert(tmp_path / "c", tmp_path / "whole", to=to, dtype=dtype, verify_after=True)
     streamed = []
     real_run = stream.BandStreamer.run
     # bands of a few rows (of 128 for blocks), the last one short; float32 pieces smaller than a band
@@ -43,7 +43,8 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
     monkeypatch.setattr(
         stream.BandStreamer, "run", lambda self, job, *a: streamed.append(job.fmt.kind) or real_run(self, job, *a)
     )
-    bands = fp8conv.convert(tmp_path / "c", tmp_path / "bands", to=to, dtype=dtype)
+    bands = fp8conv.convert(tmp_path / "c", tmp_path / "bands", to=to, dtype=dtype, verify_after=True)
+    assert bands.verified is not None and bands.verified.ok, bands.verified
     packed = [name for name in truth if ".attn." not in name and "shared_experts" not in name]  # V4's FP8 ones
     assert len([k for k in streamed if k in PACKED]) == len(packed) > 0
     assert dir_snapshot(tmp_path / "whole") == dir_snapshot(tmp_path / "bands")
