@@ -24,7 +24,13 @@ BUILDERS = {
 }
 
 
-TARGETS = [("bf16", "bfloat16"), ("bf16", "float32"), ("channel", "bfloat16"), ("block", "bfloat16")]
+TARGETS = [
+    ("bf16", "bfloat16"),
+    ("bf16", "float32"),
+    ("bf16", "float16"),
+    ("channel", "bfloat16"),
+    ("block", "bfloat16"),
+]
 
 
 @pytest.mark.parametrize(("to", "dtype"), TARGETS)
