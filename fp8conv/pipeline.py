@@ -393,7 +393,9 @@ class _Run:
         if self._streamed(job, entry):
             assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
             source = self.reader_of(job.source, stack)
-            new_scale = self.streamer.run(job, entry, source, inputs[job.fmt.scale], writer)
+            global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
+            scale = inputs[job.fmt.scale]
+            new_scale = self.streamer.run(job, entry, source, scale, writer, global_scale, self.exactness)
             if new_scale is not None and self.all_scales_pow2:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1
