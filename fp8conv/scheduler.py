@@ -30,6 +30,7 @@ from .backends import Backend
 from .backends.scales import all_powers_of_two
 from .direct_io import aligned_empty
 from .index import CheckpointIndex
+from .options import ProgressCallback
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, Job, ShardPlan, Strategy
 from .rewrite.banded import BandedJob
 from .rewrite.dequant import scale_grid
@@ -40,7 +41,6 @@ from .writer import COPY_CHUNK_BYTES, ShardWriter
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the write thread
 WHOLE_AHEAD = 1  # jobs whose whole tensors may be read ahead of the one being computed
-ProgressCallback = Callable[[int, int], None]  # (bytes written so far, bytes planned)
 
 
 @dataclass
@@ -250,15 +250,15 @@ class Scheduler:
         """Hand each band to the compute threads as its read arrives; each band's write follows on the
         write thread. Returns once every band is computed (the new scale is whole), not written."""
         assert job.fmt is not None and job.fmt.scale is not None
-        entry = self.index.entry(job.source)
-        n, k = entry.shape
-        banded = BandedJob(job, (n, k), inputs[job.fmt.scale], self.backend, self.fp8_max)
+        global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
+        banded = BandedJob(job, inputs[job.fmt.scale], global_scale, self.backend, self.fp8_max)
+        k = banded.shape[1]
         computing: deque[Future[None]] = deque()
         for r0 in banded.starts:
             rows = banded.rows(r0)
             while len(computing) >= BAND_WORKERS:  # frees the input buffer the next read takes
                 computing.popleft().result()
-            w = self._take(job, r0).view(torch.float8_e4m3fn).view(1, rows, k)
+            w = self._take(job, r0).view(1, rows, -1)
             index = self._bands_computed % OUT_SLOTS
             self._bands_computed += 1
             slot = self._out_slots[index]
@@ -269,10 +269,10 @@ class Scheduler:
             computing.append(slot.compute)
         while computing:  # every band's arithmetic, before the new scale is read
             computing.popleft().result()
+        banded.add_exactness(self.totals.exactness)
         if banded.new_scale is not None:  # after the bands, in the write thread's order
-            self._scale_writes.append(
-                self._submit(self._write_pool, writer.write_tensor, job.outputs[1].name, banded.new_scale)
-            )
+            scale_name = job.outputs[1].name
+            self._scale_writes.append(self._submit(self._write_pool, writer.write_tensor, scale_name, banded.new_scale))
         return banded.new_scale
 
     def _band(
@@ -288,8 +288,7 @@ class Scheduler:
         for job in jobs:
             yield job, None
             if job.strategy is Strategy.BANDED:
-                n = self.index.entry(job.source).shape[0]
-                yield from ((job, r0) for r0 in range(0, n, job.band_rows))
+                yield from ((job, r0) for r0 in range(0, job.spec.shape[0], job.band_rows))
 
     def _read_ahead(self) -> None:
         """Submit reads in order while the window allows: READ_AHEAD bands and WHOLE_AHEAD whole
@@ -307,12 +306,12 @@ class Scheduler:
                 future = self._submit(self._read_pool, self._read_inputs, job)
             else:
                 entry = self.index.entry(job.source)
-                k = entry.shape[1]
-                rows = min(job.band_rows, entry.shape[0] - r0)
-                buffer = self._buffer("in", self._bands_read % IN_SLOTS, read_capacity(rows * k))
+                row_bytes = entry.nbytes // entry.shape[0]  # K for FP8, K/2 for packed 4-bit
+                nbytes = min(job.band_rows, entry.shape[0] - r0) * row_bytes
+                buffer = self._buffer("in", self._bands_read % IN_SLOTS, read_capacity(nbytes))
                 self._bands_read += 1
                 source = self.readers.of(job.source)
-                future = self._submit(self._read_pool, source.read, entry, entry.start + r0 * k, rows * k, buffer)
+                future = self._submit(self._read_pool, source.read, entry, entry.start + r0 * row_bytes, nbytes, buffer)
             self._reads.append(_Read(job, r0, future, whole))
 
     def _take(self, job: Job, r0: int | None) -> Any:

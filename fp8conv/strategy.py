@@ -28,5 +28,5 @@ def choose_strategies(plan: ConversionPlan, index: CheckpointIndex, band_element
         for i, job in enumerate(shard.jobs):
             entry = index.entry(job.source)
             strategy = strategy_of(job, entry, band_elements)
-            rows = band_rows(job, entry.shape, band_elements) if strategy is Strategy.BANDED else 0
+            rows = band_rows(job, band_elements) if strategy is Strategy.BANDED else 0
             shard.jobs[i] = replace(job, strategy=strategy, band_rows=rows)

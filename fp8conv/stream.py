@@ -1,14 +1,14 @@
-"""Row-band streaming of large 2-D FP8 weights: a band of rows is read, rewritten and written while the
-next band is read and the previous ones are written (the scheduler runs the stages). Memory per job is
-a few bands, not a tensor, and the band buffers are reused, so there are no page faults for fresh
-allocations. Here, without torch (the plan uses it): the sizes and which jobs stream; the arithmetic
-is rewrite/banded.py's."""
+"""Row-band streaming of large 2-D FP8 and packed 4-bit weights: a band of rows is read, rewritten and
+written while the next band is read and the previous ones are written (the scheduler runs the stages).
+Memory per job is a few bands, not a tensor, and the band buffers are reused, so there are no page
+faults for fresh allocations. Here, without torch (the plan uses it): the sizes and which jobs stream;
+the arithmetic is rewrite/banded.py's."""
 
 from __future__ import annotations
 
 import math
 
-from .formats import CONVERTIBLE
+from .formats import CONVERTIBLE, PACKED, Kind
 from .plan import Action, Job
 from .safetensors_file import TensorEntry
 
@@ -39,8 +39,16 @@ def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
 
 
 def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
-    """A 2-D FP8 weight, rewritten without padding, over one band: rewritten band by band."""
+    """A 2-D FP8 or packed 4-bit weight, rewritten without padding, over one band: band by band."""
     band_elements = BAND_ELEMENTS if band_elements is None else band_elements
+    if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights
+        return (
+            job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
+            and job.fmt.kind is not Kind.MXFP4_GPT_OSS  # its experts are written transposed
+            and len(entry.shape) == 2
+            and job.spec.shape == job.fmt.shape
+            and math.prod(job.spec.shape) > band_elements
+        )
     return (
         job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
         and job.fmt is not None
@@ -51,10 +59,10 @@ def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -
     )
 
 
-def band_rows(job: Job, shape: tuple[int, ...], band_elements: int) -> int:
+def band_rows(job: Job, band_elements: int) -> int:
     """Rows per band: whole input blocks (and whole output blocks when quantizing), ~band_elements."""
     assert job.fmt is not None
-    n, k = shape
+    n, k = job.spec.shape  # the output's: a packed weight's input rows hold K/2 bytes
     out_rows_block = (job.out_block or (1, k))[0] if job.action is Action.QUANTIZE else 1
     unit = math.lcm(job.fmt.math_block((n, k))[0], out_rows_block)
     return max(unit, (band_elements // max(k, 1)) // unit * unit)

@@ -8,7 +8,8 @@ import pytest
 
 import fp8conv
 from fp8conv.formats import classify
-from fp8conv.plan import Action, ConvertOptions, Strategy, plan_conversion
+from fp8conv.options import ConvertOptions
+from fp8conv.plan import Action, Strategy, plan_conversion
 from fp8conv.source import open_checkpoint
 from fp8conv.strategy import choose_strategies
 from fp8conv.stream import band_elements_for
@@ -68,7 +69,7 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
     from fp8conv.writer import ShardWriter
 
     monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
-    fp8conv.convert(tiny.path, tmp_path / "chosen", to="block", pad_for_tp=8)
+    fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))
     chosen = pipeline.choose_strategies
 
     def all_whole(plan, index, band_elements):
@@ -80,7 +81,7 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(pipeline, "choose_strategies", all_whole)
     monkeypatch.setattr(BandedJob, "__init__", lambda *a: banded.append(a))
     monkeypatch.setattr(ShardWriter, "copy_range", lambda *a: copied.append(a))
-    fp8conv.convert(tiny.path, tmp_path / "whole", to="block", pad_for_tp=8)
+    fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="block", pad_for_tp=8))
     assert not banded and not copied
     for f in (tmp_path / "chosen").glob("*.safetensors"):
         assert f.read_bytes() == (tmp_path / "whole" / f.name).read_bytes()
