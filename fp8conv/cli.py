@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from . import warm_start
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import Fp8ConvError, OptionsError
@@ -332,6 +333,10 @@ def convert_command(
                 base += [flag, str(value)]
         _run_workers(base, jobs, output, overwrite or resume, verify_after, checkpoint, quiet)
         return
+    if not (stream or part or resume or memory_cap):  # the first input bytes are read while torch loads
+        warm_start.begin(
+            checkpoint, ConvertOptions(target, dtype, block_size, range_max, pad_for_tp, roles), direct=not buffered_io
+        )
     # The process is the CLI's: it may size torch's thread pool (the library never touches it). On 2 cores,
     # 2 arithmetic threads starve the reader and writer threads and the whole run gets slower.
     import torch

@@ -52,3 +52,13 @@ def test_reading_classifying_and_planning_do_not_import_torch(tmp_path: Path) ->
         "    plan = plan_conversion(ck, cls, ConvertOptions(target))\n"
         "    assert plan.shards, target\n"
     )
+
+
+def test_the_read_ahead_while_torch_loads_needs_no_torch(tmp_path: Path) -> None:
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt")
+    _fresh(
+        "from fp8conv import warm_start\n"
+        "from fp8conv.plan import ConvertOptions\n"
+        f"warm_start.begin({str(ckpt.path)!r}, ConvertOptions('bf16')).join()\n"
+        "assert warm_start.held_bytes() > 0\n"
+    )
