@@ -333,6 +333,7 @@ def convert_command(
                 base += [flag, str(value)]
         _run_workers(base, jobs, output, overwrite or resume, verify_after, checkpoint, quiet)
         return
+    warm_start.warm_torch()  # torch's import below then reads its files from the page cache
     if not (stream or part or resume or memory_cap):  # the first input bytes are read while torch loads
         warm_start.begin(
             checkpoint, ConvertOptions(target, dtype, block_size, range_max, pad_for_tp, roles), direct=not buffered_io
