@@ -1,11 +1,13 @@
 """Reading begins while torch loads.
 
-`fp8conv convert` needs torch for the arithmetic only; reading headers and planning do not. So the CLI
-calls begin() before it imports torch (~1.3 s of CPU, the GIL held most of that time), and a thread plans
-the run (~20 ms; convert() plans again for itself) and reads what the run reads first: every scale
-tensor into the page cache (check_scales reads them all before anything is written; readahead hints
-only) and the first PREFETCH_BYTES of the first output shard's inputs into memory, with direct I/O like
-the run. File reads release the GIL, so they go on while the import runs.
+`fp8conv convert` needs torch for the arithmetic only; reading headers and planning do not. So before the
+CLI imports torch (~1.3 s of CPU, the GIL held most of that time) it starts, on threads of their own:
+warm_torch(), readahead hints for torch's own files (from a cold page cache the import reads ~1,000
+small files one at a time), and begin(): a thread that plans the run (~20 ms; convert() plans again
+for itself) and reads what the run reads first: every scale tensor into the page cache (check_scales
+reads them all before anything is written; readahead hints only) and the first PREFETCH_BYTES of the
+first output shard's inputs into memory, with direct I/O like the run. File reads release the GIL, so
+they go on while the import runs.
 
 ShardReader.read hands a read that lies inside what was fetched to take(), which copies it from memory;
 the bytes are the file's, so the output is the same. Held at once: at most PREFETCH_BYTES, each piece
@@ -238,9 +240,9 @@ def _read(path: Path, ranges: list[tuple[int, int]], direct: bool) -> None:
     finally:
         for piece in todo:
             piece.ready.set()  # after a failed read: take() finds no data and leaves it to the disk
-        for f in (fd, dfd):
-            if f >= 0:
-                os.close(f)
+        os.close(fd)
+        if direct_fd is not None:
+            os.close(direct_fd)
 
 
 def _read_piece(fd: int, dfd: int, start: int) -> tuple[memoryview, int]:
@@ -254,7 +256,6 @@ def _read_piece(fd: int, dfd: int, start: int) -> tuple[memoryview, int]:
         except OSError:
             if dfd < 0:
                 raise
-            os.close(dfd)
             dfd = -1  # the filesystem wants more alignment of a direct read: the page cache from here
             continue
         if n == 0 or (dfd >= 0 and n % ALIGN):  # a short direct read ends at the end of the file
