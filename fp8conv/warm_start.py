@@ -79,6 +79,8 @@ def warm_torch() -> threading.Thread | None:
     """Readahead for torch's compiled modules and extension libraries, before it is imported: from a
     cold page cache (a fresh node, the bench's dropped caches) the import otherwise reads ~1,000 small
     files one after the other. libtorch_cpu.so (~430 MB, a fraction of it touched) is left out."""
+    if "torch" in sys.modules:  # imported already (the CLI called in process)
+        return None
     spec = importlib.util.find_spec("torch")  # finds the package without importing it
     if spec is None or spec.origin is None or not hasattr(os, "posix_fadvise"):
         return None

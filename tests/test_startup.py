@@ -62,3 +62,9 @@ def test_the_read_ahead_while_torch_loads_needs_no_torch(tmp_path: Path) -> None
         f"warm_start.begin({str(ckpt.path)!r}, ConvertOptions('bf16')).join()\n"
         "assert warm_start.held_bytes() > 0\n"
     )
+
+
+def test_torch_files_are_hinted_without_importing_torch() -> None:
+    _fresh(
+        "from fp8conv import warm_start\nthread = warm_start.warm_torch()\nassert thread is not None\nthread.join()\n"
+    )
