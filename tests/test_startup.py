@@ -68,3 +68,20 @@ def test_torch_files_are_hinted_without_importing_torch() -> None:
     _fresh(
         "from fp8conv import warm_start\nthread = warm_start.warm_torch()\nassert thread is not None\nthread.join()\n"
     )
+
+
+def test_the_command_process_ends_with_its_status_and_everything_said(tmp_path: Path) -> None:
+    """entry.run ends the process without Python's teardown: the status and the printed lines must survive."""
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt")
+    out = tmp_path / "out"
+
+    def fp8conv(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fp8conv", *args], capture_output=True, text=True, timeout=300)
+
+    done = fp8conv("convert", str(ckpt.path), "--to", "bf16", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {out}: ") and (out / "config.json").is_file()
+    again = fp8conv("convert", str(ckpt.path), "--to", "bf16", "-o", str(out))
+    assert again.returncode == 1 and again.stderr.startswith("error: output directory"), again.stderr
+    usage = fp8conv("convert", str(ckpt.path), "--to", "nope", "-o", str(out))
+    assert usage.returncode == 2 and "Invalid value for '--to'" in usage.stderr, usage.stderr
