@@ -90,8 +90,11 @@ def warm_torch() -> threading.Thread | None:
 
 
 def _hint_torch(root: Path) -> None:
-    """Walk torch's folders, hinting what is found on TORCH_HINT_THREADS threads as it is found."""
+    """Walk torch's folders, hinting what is found on TORCH_HINT_THREADS threads as it is found; nothing
+    when torch looks cached already (the hints would only compete with the import for the GIL)."""
     tag = f".{sys.implementation.cache_tag}."
+    if all(_cached(root / p) for p in (f"__pycache__/__init__{tag}pyc", f"_decomp/__pycache__/decompositions{tag}pyc")):
+        return
     found: queue.SimpleQueue[str | None] = queue.SimpleQueue()
     hints = [threading.Thread(target=_hint_files, args=(found,), daemon=True) for _ in range(TORCH_HINT_THREADS)]
     for hint in hints:
@@ -105,6 +108,20 @@ def _hint_torch(root: Path) -> None:
     finally:
         for _ in hints:
             found.put(None)
+
+
+def _cached(path: Path) -> bool:
+    """Whether the first byte of `path` is in the page cache: a read that may not wait for the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT) == 1
+    except (OSError, AttributeError):  # not cached (EAGAIN), or no RWF_NOWAIT here
+        return False
+    finally:
+        os.close(fd)
 
 
 def _is_library(name: str) -> bool:

@@ -125,3 +125,17 @@ def test_convert_cli_output_is_the_same_with_the_bytes_fetched_ahead(tmp_path, m
 
 def test_nothing_is_fetched_for_a_missing_path(tmp_path):
     assert warm_start.begin(str(tmp_path / "nope"), ConvertOptions("bf16")) is None
+
+
+def test_the_page_cache_probe_tells_cached_from_not(tmp_path):
+    """warm_torch hints nothing when torch's files are cached; the probe must see the difference."""
+    path = tmp_path / "file"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages, written back: dropped
+    os.close(fd)
+    assert not warm_start._cached(path)
+    path.read_bytes()
+    assert warm_start._cached(path)
+    assert not warm_start._cached(tmp_path / "missing")
