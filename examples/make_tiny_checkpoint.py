@@ -1,4 +1,5 @@
-"""Build a tiny DeepSeek-V3-like block-FP8 checkpoint (the same factory the tests use).
+"""Build a tiny DeepSeek-V3-like block-FP8 checkpoint (the same factory the tests use, tests/synthetic.py;
+it needs the test extras: pip install -e '.[test]').
 
 python examples/make_tiny_checkpoint.py OUT_DIR
 """
@@ -6,8 +7,11 @@ python examples/make_tiny_checkpoint.py OUT_DIR
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from fp8conv.synthetic import build_tiny_deepseek
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for tests.synthetic
+
+from tests.synthetic import build_tiny_deepseek
 
 
 def main() -> None:

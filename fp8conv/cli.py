@@ -18,7 +18,7 @@ import click
 from . import warm_start
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
-from .errors import Fp8ConvError, OptionsError
+from .errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
 from .parts import finalize, parse_part
 from .plan import TARGETS, ConvertOptions
 from .report import InspectReport, inspect
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from .pipeline import ConvertResult
     from .verify import VerifyResult
 
-DEBUG_ENV = "FP8CONV_DEBUG"
 PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
 
 
@@ -57,6 +56,9 @@ def _fail(exc: Fp8ConvError) -> NoReturn:
     if os.environ.get(DEBUG_ENV) == "1":
         traceback.print_exc()
     click.echo(f"error: {exc.one_line()}", err=True)
+    if os.environ.get(DEBUG_ENV) == "1" and isinstance(exc, PlanRefused):  # every problem, one a line
+        for more in exc.problems[1:]:
+            click.echo(f"error: {more.one_line()}", err=True)
     if os.environ.get(DEBUG_ENV) != "1":
         click.echo(f"(set {DEBUG_ENV}=1 for the full traceback)", err=True)
     sys.exit(1)
@@ -86,9 +88,18 @@ REVISION_OPTION = click.option("--revision", default=None, help="Branch, tag or 
 @BLOCK_SIZE_OPTION
 @REVISION_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect_command(checkpoint: str, block_size: tuple[int, int] | None, revision: str | None, as_json: bool) -> None:
-    """Describe CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) from its headers only."""
-    report = inspect(checkpoint, block_size=block_size, revision=revision)
+@click.option(
+    "--scales",
+    is_flag=True,
+    help="Also read the scale tensors (only those) and list every zero, negative or NaN/Inf scale convert "
+    "refuses; a Hub ID is downloaded first.",
+)
+def inspect_command(
+    checkpoint: str, block_size: tuple[int, int] | None, revision: str | None, as_json: bool, scales: bool
+) -> None:
+    """Describe CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) from its headers only
+    (with --scales, its scale tensors too)."""
+    report = inspect(checkpoint, block_size=block_size, revision=revision, scales=scales)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -128,7 +139,8 @@ def _render_report(r: InspectReport) -> str:
             lines.append(f"          --pad-for-tp {tp} --pad-roles {roles}: --to block ~{_gib(size)}")
     if any(r.tp_indivisible.values()):
         lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
-    lines.append(f"problems:      {len(r.problems) or 'none'}")
+    read = "" if r.scales_read else " (from the headers; --scales reads the scale tensors too)"
+    lines.append(f"problems:      {len(r.problems) or 'none'}{read}")
     lines += [f"  {p}" for p in r.problems]
     lines += [f"warning: {w}" for w in r.warnings]
     return "\n".join(lines)

@@ -7,42 +7,47 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from .json_file import read_json_object
 
 CONFIG_NAME = "config.json"
 # Mistral releases ship params.json (vLLM --config-format mistral) beside config.json.
 MISTRAL_PARAMS_NAME = "params.json"
 # Multimodal checkpoints (Kimi-VL, Qwen3-VL, ...) keep the language model's settings under text_config.
 NESTED_CONFIG_KEYS = ("text_config",)
+# ModelOpt (before 0.31) writes its quantization here instead of config.json; vLLM, SGLang and TensorRT-LLM
+# read it when config.json has no quantization_config. Never copied to an output (see source.py).
+MODELOPT_CONFIG_NAME = "hf_quant_config.json"
+# Marks a quantization_config read from MODELOPT_CONFIG_NAME, so messages name that file; never written
+# (every output config drops or replaces the input's quantization_config).
+READ_FROM_KEY = "_fp8conv_read_from"
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"is not valid JSON ({exc})", shard=path.name, fix="fix or re-download config.json"
-        ) from exc
-    if not isinstance(doc, dict):
-        raise CheckpointError(
-            f"holds a JSON {type(doc).__name__}, not an object",
-            shard=path.name,
-            fix="fix or re-download config.json",
-        )
-    return doc
+    """config.json (or params.json): a JSON object, or one refusal naming the file."""
+    return read_json_object(path, fix=f"fix or re-download {path.name}")
 
 
-def find_quantization_config(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str]:
-    """The quantization_config and where it was found ('config.json' or 'config.json:text_config')."""
+def find_quantization_config(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
+    """The quantization_config and the config.json section holding it (None: the top level; 'text_config')."""
     if not config:
-        return None, CONFIG_NAME
+        return None, None
     if isinstance(config.get("quantization_config"), dict):
-        return config["quantization_config"], CONFIG_NAME
+        return config["quantization_config"], None
     for key in NESTED_CONFIG_KEYS:
         nested = config.get(key)
         if isinstance(nested, dict) and isinstance(nested.get("quantization_config"), dict):
-            return nested["quantization_config"], f"{CONFIG_NAME}:{key}"
-    return None, CONFIG_NAME
+            return nested["quantization_config"], key
+    return None, None
+
+
+def with_modelopt_config(config: dict[str, Any] | None, root: Path) -> dict[str, Any] | None:
+    """config.json as vLLM reads it: without a quantization_config of its own, hf_quant_config.json's
+    ({"producer": ..., "quantization": {"quant_algo": ...}}) becomes it, as quant_method modelopt."""
+    path = root / MODELOPT_CONFIG_NAME
+    if config is None or find_quantization_config(config)[0] is not None or not path.is_file():
+        return config
+    sidecar = load_config(path)
+    return config | {"quantization_config": {"quant_method": "modelopt", **sidecar, READ_FROM_KEY: path.name}}
 
 
 def rewrite_for_dequantized(config: dict[str, Any], dtype_name: str) -> dict[str, Any]:

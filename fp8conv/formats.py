@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import CONFIG_NAME
 from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
@@ -57,6 +58,16 @@ class Classification:
         counts[str(Kind.UNQUANTIZED)] += len(self.plain)
         return dict(sorted(counts.items()))
 
+    def input_shapes(self, index: CheckpointIndex) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, shard) of every input tensor, a packed 4-bit weight by the shape it unpacks to
+        (a ModelOpt uint8 `.weight` [N, K/2] is [N, K]): the shape config.json's widths describe."""
+        shapes = []
+        for name, (shard, entry) in index.locations.items():
+            fmt = self.weights.get(name)
+            unpacked = fmt.shape if fmt is not None and fmt.kind in PACKED else None
+            shapes.append((name, unpacked or entry.shape, shard.name))
+        return shapes
+
 
 @dataclass
 class _Context:
@@ -82,7 +93,8 @@ def classify(
         problems.append(
             CheckpointError(
                 f"the block size is {list(settings.block)} but --block-size asserts {list(block_size)}",
-                shard=where,
+                file=CONFIG_NAME,
+                key=settings.key,
                 fix="drop --block-size, or fix config.json if you know it is wrong",
             )
         )

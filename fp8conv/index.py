@@ -5,11 +5,11 @@ Reads headers only. The index file (when present) and the headers must agree exa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .errors import CheckpointError
+from .json_file import read_json_object
 from .safetensors_file import ShardHeader, TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -58,7 +58,7 @@ def load_index(
     for name in shard_names:
         if headers is not None:
             if name not in headers:
-                raise CheckpointError(f"names shard {name!r}, which the repository does not hold", shard=INDEX_NAME)
+                raise CheckpointError(f"names shard {name!r}, which the repository does not hold", file=INDEX_NAME)
             shards.append(Shard(name, headers[name]))
             continue
         path = _shard_path(root, name, index_file)
@@ -81,21 +81,13 @@ def load_index(
 
 
 def read_weight_map(index_file: Path) -> dict[str, str]:
-    try:
-        doc = json.loads(index_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"cannot be read as JSON ({exc})", shard=index_file.name, fix="re-download the index file"
-        ) from exc
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    fix = "re-download the index file"
+    doc = read_json_object(index_file, fix=fix)
+    weight_map = doc.get("weight_map")
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise CheckpointError(
-            "has no 'weight_map' object of tensor name -> shard file",
-            shard=index_file.name,
-            fix="re-download the index file",
-        )
+        raise CheckpointError("has no 'weight_map' object of tensor name -> shard file", file=index_file.name, fix=fix)
     return weight_map
 
 
@@ -105,13 +97,13 @@ def _shard_path(root: Path, name: str, index_file: Path | None) -> Path:
     if pure.is_absolute() or ".." in pure.parts or "\\" in name or not name.endswith(".safetensors"):
         raise CheckpointError(
             f"names shard {name!r}, which is not a .safetensors file inside the checkpoint",
-            shard=where,
+            file=where,
             fix="fix the index: shard names must be relative file names",
         )
     path = root / pure
     if not path.is_file():
         raise CheckpointError(
-            f"names shard {name!r}, which does not exist", shard=where, fix="download the missing shard"
+            f"names shard {name!r}, which does not exist", file=where, fix="download the missing shard"
         )
     return path
 

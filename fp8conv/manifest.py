@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import OptionsError
+from .json_file import read_json_object
 from .plan import ConvertOptions
 from .source import Checkpoint
 from .writer import write_file_atomic
@@ -118,14 +119,12 @@ class Manifest:
 
 def load_manifest(out: Path, rel: Path = MANIFEST) -> Manifest:
     path = out / rel
-    try:
-        doc = json.loads(path.read_text())
-        return Manifest(doc["fp8conv_version"], doc["options"], doc["input"], doc.get("shards", {}))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OptionsError(
-            f"{path} is missing or unreadable ({exc})",
-            fix="for verify, pass the conversion options again; to resume, start over with --overwrite",
-        ) from exc
+    fix = "for verify, pass the conversion options again; to resume, start over with --overwrite"
+    doc = read_json_object(path, fix=fix, name=str(path), error=OptionsError)
+    missing = [k for k in ("fp8conv_version", "options", "input") if k not in doc]
+    if missing:
+        raise OptionsError(f"lacks {', '.join(missing)}", file=str(path), fix=fix)
+    return Manifest(doc["fp8conv_version"], doc["options"], doc["input"], doc.get("shards", {}))
 
 
 def resume_mismatch(old: Manifest, new: Manifest) -> str | None:

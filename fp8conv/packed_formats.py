@@ -20,7 +20,7 @@ CONFIG_DECLARES = {
     Kind.MXFP4: "expert_dtype 'fp4' (DeepSeek-V4)",
     Kind.MXFP4_GPT_OSS: "quant_method 'mxfp4' (gpt-oss)",
     Kind.NVFP4: "a compressed-tensors nvfp4-pack-quantized group",
-    Kind.NVFP4_MODELOPT: "quant_method 'modelopt' with quant_algo 'NVFP4'",
+    Kind.NVFP4_MODELOPT: "quant_method 'modelopt' with quant_algo 'NVFP4' (or ModelOpt's hf_quant_config.json)",
     Kind.INT4: "a compressed-tensors pack-quantized group of 4-bit int weights",
 }
 

@@ -5,7 +5,6 @@ sharing one output filesystem."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 from .config import CONFIG_NAME, dump_json
 from .errors import OptionsError, OutputError
 from .index import INDEX_NAME
+from .json_file import read_json_object
 from .manifest import MANIFEST, Manifest, resume_mismatch
 from .plan import ShardPlan
 from .provenance import MODEL_CARD, write_model_card
@@ -61,8 +61,10 @@ def part_docs(out: Path) -> dict[tuple[int, int], dict[str, Any]]:
     for part, path in part_files(out).items():
         try:
             docs[part] = _read_part(path, part)
-        except FileNotFoundError:  # dropped by a part started with --overwrite since the glob
-            continue
+        except OutputError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):  # dropped by a part started with --overwrite
+                continue  # since the glob
+            raise
     return docs
 
 
@@ -73,18 +75,14 @@ _FINALIZE_KEYS = ("planned_shards", "config", "claims_ue8m0", "copy_from", "copy
 def _read_part(path: Path, part: tuple[int, int]) -> dict[str, Any]:
     """One part manifest; a damaged one (a crash mid-copy, a full disk, a hand edit) is named with the way out."""
     fix = f"run part {part[0]}/{part[1]} again with --overwrite"
-    try:
-        doc = json.loads(path.read_bytes())
-    except ValueError as exc:  # not JSON, truncated, not UTF-8
-        raise OutputError(f"part manifest {path} is not valid JSON ({exc})", fix=fix) from exc
-    if not isinstance(doc, dict):
-        raise OutputError(f"part manifest {path} is not a JSON object", fix=fix)
+    label = f"part manifest {path}"
+    doc = read_json_object(path, fix=fix, name=label, error=OutputError)
     missing = [k for k in _PART_KEYS if k not in doc]
     if not missing and doc.get("complete"):
         fin = doc.get("finalize")
         missing = [f"finalize.{k}" for k in _FINALIZE_KEYS if not isinstance(fin, dict) or k not in fin]
     if missing:
-        raise OutputError(f"part manifest {path} lacks {', '.join(missing)}", fix=fix)
+        raise OutputError(f"lacks {', '.join(missing)}", file=label, fix=fix)
     return doc
 
 

@@ -30,6 +30,7 @@ from .parts import assign_parts, check_part, drop_other_splits, finalize, finish
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
 from .preflight import check_free_space, check_scales
 from .provenance import model_card_note, source_record
+from .report import inspect_invocation
 from .rewrite.dequant import scale_grid
 from .rewrite.jobs import run_job
 from .safetensors_file import TensorEntry
@@ -142,12 +143,15 @@ def convert(
         ckpt = open_checkpoint(source, revision=revision)
     cls = classify(ckpt.index, ckpt.config, block_size)
     if cls.problems:
-        raise PlanRefused(cls.problems)
+        raise PlanRefused(cls.problems, listed_by=inspect_invocation(block_size, revision))
     plan = plan_conversion(ckpt, cls, options)
     # --stream: an output shard's scales are checked once its inputs are there (the data is not here yet)
     scale_problems, scale_warnings = check_scales(ckpt, cls, allow_nonfinite) if feed_source is None else ([], [])
-    if plan.problems or scale_problems:
-        raise PlanRefused(plan.problems + scale_problems)
+    if plan.problems or scale_problems:  # a plan's problems depend on the options: no inspect lists them
+        raise PlanRefused(
+            plan.problems + scale_problems,
+            listed_by=None if plan.problems else inspect_invocation(block_size, revision, scales=True),
+        )
     plan.warnings += scale_warnings
     band_elements = _check_memory_cap(ckpt, plan, max_memory)
     streamed: dict[str, Any] | None = None

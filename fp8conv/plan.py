@@ -159,7 +159,7 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
         problems=list(cls.problems) + planner.problems + _fused_mismatches(shards, ckpt, planner.family),
         warnings=list(cls.warnings) + planner.warnings,
     )
-    plan.problems += _width_problems(ckpt, plan)
+    plan.problems += _width_problems(ckpt, plan, cls)
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
     _plan_mistral_params(ckpt, plan)
@@ -425,12 +425,12 @@ def _without_empty(shards: list[ShardPlan]) -> list[ShardPlan]:
     ]
 
 
-def _width_problems(ckpt: Checkpoint, plan: ConversionPlan) -> list[CheckpointError]:
+def _width_problems(ckpt: Checkpoint, plan: ConversionPlan, cls: Classification) -> list[CheckpointError]:
     """config.json and the tensors must agree on every MLP width, in the input and in the output."""
-    index = ckpt.index
-    inputs = ((n, e.shape, s.name) for n, (s, e) in index.locations.items())
     problems = width_disagreements(
-        ckpt.config, inputs, "config.json and the tensors disagree: correct config.json (or the tensors)"
+        ckpt.config,
+        cls.input_shapes(ckpt.index),
+        "config.json and the tensors disagree: correct config.json (or the tensors)",
     )
     if problems or plan.config is None:
         return problems

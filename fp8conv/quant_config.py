@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import find_quantization_config
+from .config import CONFIG_NAME, READ_FROM_KEY, find_quantization_config
 from .errors import CheckpointError
 
 FLOAT_QUANTIZED_FORMATS = ("float-quantized", "naive-quantized")
@@ -16,16 +16,19 @@ E4M3_SPELLINGS = frozenset({"e4m3", "e4m3fn", "float8_e4m3fn", "float8_e4m3", "f
 # Methods that are plain FP8 under another name: Meta's Llama-3.1 FP8 release (channel weight_scale [N, 1]).
 FP8_ALIASES = ("fbgemm_fp8",)
 # Packed 4-bit methods named in the refusal, so the user knows it is not an FP8 dialect fp8conv misses.
-FOUR_BIT_METHODS = {"mxfp4": "MXFP4 (gpt-oss)", "nvfp4": "NVFP4", "modelopt_fp4": "NVFP4 (ModelOpt)"}
+FOUR_BIT_METHODS = {"mxfp4": "MXFP4 (gpt-oss)", "nvfp4": "NVFP4"}
 # Packed 4-bit formats a config can declare -> elements per scale along K (see formats.Kind)
 MXFP4_GROUP = 32
 NVFP4_GROUP = 16
+# ModelOpt quant_algo values whose weights are NVFP4 (W4A16: the same weights, activations left in bf16)
+MODELOPT_NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 
 
 @dataclass
 class QuantSettings:
     method: str | None  # "fp8", "compressed-tensors" or None
-    where: str  # "config.json" or "config.json:text_config"
+    key: str | None = None  # the config.json section holding quantization_config: None (top level) or "text_config"
+    file: str = CONFIG_NAME  # hf_quant_config.json when ModelOpt's sidecar supplied it (config.READ_FROM_KEY)
     block: tuple[int, int] | None = None
     activation_scheme: str | None = None  # "dynamic" | "static"
     scale_fmt: str | None = None  # "ue8m0" when the config claims it
@@ -36,8 +39,13 @@ class QuantSettings:
     packed: dict[str, int] = field(default_factory=dict)
     expert_dtype: str | None = None  # DeepSeek-V4: "fp4" (MXFP4 routed experts) or "fp8"
 
+    @property
+    def where(self) -> str:
+        """For messages and inspect: "config.json", "config.json:text_config" or "hf_quant_config.json"."""
+        return self.file + (f":{self.key}" if self.key else "")
 
-def parse_block_size(value: Any, where: str) -> tuple[int, int]:
+
+def parse_block_size(value: Any, key: str | None) -> tuple[int, int]:
     if (
         isinstance(value, (list, tuple))
         and len(value) == 2
@@ -46,17 +54,19 @@ def parse_block_size(value: Any, where: str) -> tuple[int, int]:
         return (int(value[0]), int(value[1]))
     raise CheckpointError(
         f"weight_block_size {value!r} is not two positive integers",
-        shard=where,
+        file=CONFIG_NAME,
+        key=key,
         fix="fix config.json or assert the block size with --block-size 128,128",
     )
 
 
 def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
-    qconfig, where = find_quantization_config(config)
+    qconfig, key = find_quantization_config(config)
     if qconfig is None:
-        return QuantSettings(method=None, where=where)
+        return QuantSettings(method=None, key=key)
     method = qconfig.get("quant_method")
-    settings = QuantSettings(method=str(method) if method is not None else None, where=where)
+    source_file = str(qconfig.get(READ_FROM_KEY, CONFIG_NAME))
+    settings = QuantSettings(method=str(method) if method is not None else None, key=key, file=source_file)
     if method == "fp8" or method in FP8_ALIASES:
         _read_fp8(qconfig, settings)
         _read_expert_dtype(config or {}, qconfig, settings)
@@ -64,14 +74,15 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
         _read_compressed_tensors(qconfig, settings)
     elif method == "mxfp4":
         _read_gpt_oss_mxfp4(qconfig, settings)
-    elif method == "modelopt":
+    elif isinstance(method, str) and method.lower().startswith("modelopt"):  # vLLM's test; also modelopt_fp4
         _read_modelopt(qconfig, settings)
     elif isinstance(method, str) and method.lower() in FOUR_BIT_METHODS:
         settings.problems.append(
             CheckpointError(
                 f"quantization_config.quant_method {method!r} is {FOUR_BIT_METHODS[method.lower()]} packed 4-bit "
                 "weights, not FP8",
-                shard=where,
+                file=settings.file,
+                key=key,
                 fix="fp8conv converts FP8 checkpoints only; packed 4-bit input is not supported",
             )
         )
@@ -79,7 +90,8 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
         settings.problems.append(
             CheckpointError(
                 f"quantization_config.quant_method {method!r} is not supported",
-                shard=where,
+                file=settings.file,
+                key=key,
                 fix="fp8conv reads FP8 checkpoints: quant_method 'fp8' or compressed-tensors float-quantized",
             )
         )
@@ -89,13 +101,13 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
 def _read_fp8(q: dict[str, Any], s: QuantSettings) -> None:
     if q.get("weight_block_size") is not None:
         try:
-            s.block = parse_block_size(q["weight_block_size"], s.where)
+            s.block = parse_block_size(q["weight_block_size"], s.key)
         except CheckpointError as exc:
             s.problems.append(exc)
     fmt_problem = _fmt_problem(q.get("fmt", "e4m3"))
     if fmt_problem:
         s.problems.append(
-            CheckpointError(fmt_problem, shard=s.where, fix="fp8conv reads e4m3 (float8_e4m3fn) FP8 only")
+            CheckpointError(fmt_problem, file=s.file, key=s.key, fix="fp8conv reads e4m3 (float8_e4m3fn) FP8 only")
         )
     # fbgemm_fp8 quantizes activations per token at run time (bounded by activation_scale_ub): dynamic
     s.activation_scheme = q.get("activation_scheme", "dynamic" if s.method in FP8_ALIASES else None)
@@ -122,7 +134,9 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         s.problems.append(
-            CheckpointError("compressed-tensors config has no config_groups", shard=s.where, fix="fix config.json")
+            CheckpointError(
+                "compressed-tensors config has no config_groups", file=s.file, key=s.key, fix="fix config.json"
+            )
         )
         return
     blocks = set()
@@ -140,14 +154,15 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
                 CheckpointError(
                     f"compressed-tensors group {gname!r} is {fmt} {weights.get('type')}"
                     f"{weights.get('num_bits')} weights, not FP8",
-                    shard=s.where,
+                    file=s.file,
+                    key=s.key,
                     fix="fp8conv converts FP8 (float-quantized, 8-bit float) checkpoints only",
                 )
             )
             continue
         if weights.get("strategy") == "block":
             try:
-                blocks.add(parse_block_size(weights.get("block_structure"), s.where))
+                blocks.add(parse_block_size(weights.get("block_structure"), s.key))
             except CheckpointError as exc:
                 s.problems.append(exc)
         acts = group.get("input_activations")
@@ -157,7 +172,8 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
         s.problems.append(
             CheckpointError(
                 f"config groups use different block structures {sorted(blocks)}",
-                shard=s.where,
+                file=s.file,
+                key=s.key,
                 fix="fp8conv needs one block size per checkpoint",
             )
         )
@@ -180,7 +196,8 @@ def _read_expert_dtype(config: dict[str, Any], q: dict[str, Any], s: QuantSettin
         s.problems.append(
             CheckpointError(
                 f"expert_dtype {value!r} is neither 'fp4' nor 'fp8'",
-                shard=s.where,
+                file=s.file,
+                key=s.key,
                 fix="fp8conv reads DeepSeek-V4 experts in MXFP4 (fp4) or block FP8 (fp8)",
             )
         )
@@ -194,21 +211,26 @@ def _read_gpt_oss_mxfp4(q: dict[str, Any], s: QuantSettings) -> None:
 
 
 def _read_modelopt(q: dict[str, Any], s: QuantSettings) -> None:
-    algo = q.get("quant_algo")
-    group = q.get("group_size", NVFP4_GROUP)
-    if algo != "NVFP4" or group != NVFP4_GROUP:
+    """ModelOpt, in either form vLLM reads: hf_quant_config.json's {"quantization": {quant_algo, group_size,
+    exclude_modules}} (also found nested in config.json), or config.json's flat {quant_algo, group_size,
+    ignore}. quant_algo is compared upper-cased; W4A16_NVFP4 has NVFP4's weights (bf16 activations)."""
+    nested = q.get("quantization")
+    section = nested if isinstance(nested, dict) else q
+    algo, group = section.get("quant_algo"), section.get("group_size")
+    if str(algo).upper() not in MODELOPT_NVFP4_ALGOS or group not in (None, NVFP4_GROUP):
         s.problems.append(
             CheckpointError(
                 f"ModelOpt quant_algo {algo!r} with group_size {group!r} is not supported",
-                shard=s.where,
-                fix="fp8conv reads ModelOpt NVFP4 (group_size 16) only",
+                file=s.file,
+                key=s.key,
+                fix=f"fp8conv reads ModelOpt {' and '.join(MODELOPT_NVFP4_ALGOS)} weights (group_size 16) only",
             )
         )
         return
     s.packed["nvfp4-modelopt"] = NVFP4_GROUP
     for key in ("exclude_modules", "ignore"):
-        if isinstance(q.get(key), list):
-            s.not_converted += [str(m) for m in q[key]]
+        if isinstance(section.get(key), list):
+            s.not_converted += [str(m) for m in section[key]]
 
 
 def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> tuple[str, int] | None:
@@ -226,7 +248,8 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
             CheckpointError(
                 f"compressed-tensors group {gname!r} is {fmt} with strategy {w.get('strategy')!r}, "
                 f"symmetric {w.get('symmetric')!r}, group_size {group!r}",
-                shard=s.where,
+                file=s.file,
+                key=s.key,
                 fix="fp8conv reads symmetric group-wise INT4 and NVFP4 (tensor_group) packed weights only",
             )
         )
@@ -234,7 +257,10 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
     if kind == "nvfp4" and group != NVFP4_GROUP:
         s.problems.append(
             CheckpointError(
-                f"NVFP4 group {gname!r} has group_size {group}, not 16", shard=s.where, fix="fix config.json"
+                f"NVFP4 group {gname!r} has group_size {group}, not 16",
+                file=s.file,
+                key=s.key,
+                fix="fix config.json",
             )
         )
         return None
@@ -242,7 +268,8 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
         s.problems.append(
             CheckpointError(
                 f"config groups use different {kind} group sizes ({s.packed[kind]} and {group})",
-                shard=s.where,
+                file=s.file,
+                key=s.key,
                 fix="fp8conv needs one group size per packed format",
             )
         )

@@ -49,17 +49,28 @@ class InspectReport:
     family: str | None  # the family table's entry for the model_type, None if it has none
     problems: list[str]
     warnings: list[str] = field(default_factory=list)
+    scales_read: bool = False  # --scales: the scale tensors were read and their problems are listed too
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def inspect(
-    source: str | os.PathLike[str], block_size: tuple[int, int] | None = None, revision: str | None = None
+    source: str | os.PathLike[str],
+    block_size: tuple[int, int] | None = None,
+    revision: str | None = None,
+    scales: bool = False,
 ) -> InspectReport:
-    """Headers only: a Hub ID not in the local cache is read remotely without downloading weights."""
-    ckpt = open_checkpoint(source, revision=revision, headers_only=True)
+    """Headers only: a Hub ID not in the local cache is read remotely without downloading weights.
+    `scales`: also read every scale tensor (only those) and list the problems convert refuses them for
+    (zero, negative, NaN/Inf); a Hub ID is then downloaded first, as convert does."""
+    ckpt = open_checkpoint(source, revision=revision, headers_only=not scales)
     cls = classify(ckpt.index, ckpt.config, block_size)
+    scale_problems: list[Fp8ConvError] = []
+    if scales and not cls.problems:  # as in convert: a checkpoint its headers refuse has its scales unread
+        from .preflight import check_scales  # torch: plain inspect starts without it
+
+        scale_problems = list(check_scales(ckpt, cls, allow_nonfinite=False)[0])
     layers = _num_hidden_layers(ckpt.config)
     partial = []
     for fmt in cls.weights.values():
@@ -71,9 +82,12 @@ def inspect(
     block = cls.block_size or DEFAULT_BLOCK
     tp_bad = tp_report(ckpt.config, block, names=ckpt.index.locations)
     family = family_of(ckpt.config)
-    shapes = ((n, e.shape, s.name) for n, (s, e) in ckpt.index.locations.items())
-    widths = width_disagreements(ckpt.config, shapes, "config.json and the tensors disagree: correct config.json")
+    widths = width_disagreements(
+        ckpt.config, cls.input_shapes(ckpt.index), "config.json and the tensors disagree: correct config.json"
+    )
     warnings = list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files]
+    if scales and cls.problems:
+        warnings.append("--scales: the scales are not read while the headers show problems; fix those first")
     if family is None and ckpt.config is not None:
         warnings.append(
             f"model_type {model_type_of(ckpt.config)!r} is not in the family table: MLP widths are not checked "
@@ -99,9 +113,17 @@ def inspect(
         if widths
         else padded_output_bytes(ckpt, cls, [int(tp) for tp, bad in tp_bad.items() if bad]),
         family=family.name if family else None,
-        problems=[p.one_line() for p in cls.problems + widths],
+        problems=[p.one_line() for p in [*cls.problems, *widths, *scale_problems]],
         warnings=warnings,
+        scales_read=scales and not cls.problems,
     )
+
+
+def inspect_invocation(block_size: tuple[int, int] | None, revision: str | None, scales: bool = False) -> str:
+    """The `fp8conv inspect` that lists the problems convert found with these options (for its refusals)."""
+    words = ["fp8conv inspect"] + (["--scales"] if scales else [])
+    words += [f"--block-size {block_size[0]},{block_size[1]}"] if block_size else []
+    return " ".join(words + ([f"--revision {revision}"] if revision else []))
 
 
 def pad_role_choices(ckpt: Checkpoint) -> list[tuple[str, ...]]:

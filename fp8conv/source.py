@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from . import hub
-from .config import CONFIG_NAME, load_config
+from .config import CONFIG_NAME, MODELOPT_CONFIG_NAME, load_config, with_modelopt_config
 from .errors import CheckpointError
 from .index import INDEX_NAME, CheckpointIndex, load_index
 from .safetensors_file import ShardHeader
@@ -57,7 +57,7 @@ def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
     index_file = root / INDEX_NAME
     index = load_index(root, [], index_file if index_file.is_file() else None, headers=headers)
     config_path = root / CONFIG_NAME
-    config = load_config(config_path) if config_path.is_file() else None
+    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
     return Checkpoint(root=root, index=index, config=config, single_file=False)
 
 
@@ -67,7 +67,7 @@ def open_with_headers(root: Path, headers: dict[str, ShardHeader]) -> Checkpoint
     index_file = root / INDEX_NAME
     index = load_index(root, [], index_file if index_file.is_file() else None, headers=headers)
     config_path = root / CONFIG_NAME
-    config = load_config(config_path) if config_path.is_file() else None
+    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
     ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
     _list_other_files(ckpt, containment_root(root))
     return ckpt
@@ -90,12 +90,12 @@ def _open_single_file(path: Path) -> Checkpoint:
     if path.suffix != ".safetensors":
         raise CheckpointError(
             "is not a .safetensors file",
-            shard=path.name,
+            file=path.name,
             fix="fp8conv reads safetensors only (it never unpickles .bin/.pt files)",
         )
     root = path.parent
     config_path = root / CONFIG_NAME
-    config = load_config(config_path) if config_path.is_file() else None
+    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
     index = load_index(root, [path.name], None)
     return Checkpoint(root=root, index=index, config=config, single_file=True)
 
@@ -125,15 +125,16 @@ def _open_directory(root: Path) -> Checkpoint:
             )
     config_path = root / CONFIG_NAME
     if config_path.is_file() and _outside(config_path, boundary):
-        raise CheckpointError("is a symlink outside the checkpoint", shard=CONFIG_NAME, fix="copy the file in")
-    config = load_config(config_path) if config_path.is_file() else None
+        raise CheckpointError("is a symlink outside the checkpoint", file=CONFIG_NAME, fix="copy the file in")
+    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
     ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
     _list_other_files(ckpt, boundary)
     return ckpt
 
 
 def _list_other_files(ckpt: Checkpoint, boundary: Path) -> None:
-    """Everything that is not a shard, the index or config.json is copied, except other weights."""
+    """Everything that is not a shard, the index or config.json is copied, except other weights and
+    hf_quant_config.json (config.json describes the output's quantization)."""
     own = {s.name for s in ckpt.index.shards} | {INDEX_NAME, CONFIG_NAME}
     for dirpath, dirnames, filenames in os.walk(ckpt.root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
@@ -144,7 +145,12 @@ def _list_other_files(ckpt: Checkpoint, boundary: Path) -> None:
             if _outside(Path(dirpath) / fname, boundary):
                 ckpt.skipped_files.append((rel, "a symlink out of the checkpoint, not followed"))
                 continue
-            if rel.startswith("consolidated") and fname.endswith(".safetensors"):
+            if rel == MODELOPT_CONFIG_NAME:
+                why = (
+                    "the input's ModelOpt quantization, which vLLM would apply to an output whose config.json has none"
+                )
+                ckpt.skipped_files.append((rel, why))
+            elif rel.startswith("consolidated") and fname.endswith(".safetensors"):
                 why = "Mistral-native copy of the weights, not converted: the output is the HF-format checkpoint"
                 ckpt.skipped_files.append((rel, why))
             elif fname.endswith(".safetensors") or fname.endswith(".safetensors.index.json"):

@@ -28,6 +28,7 @@ from typing import Any
 from . import hub
 from .errors import CheckpointError, OptionsError, OutputError
 from .index import INDEX_NAME, CheckpointIndex, Shard, read_weight_map
+from .json_file import read_json_object
 from .manifest import input_identity
 from .plan import ConversionPlan
 from .safetensors_file import ShardHeader, TensorEntry, read_header
@@ -80,9 +81,9 @@ def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None
 def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
     """Headers an interrupted run of the same repo and commit saved, in the remote form (offsets
     relative to the data); every fetched shard is still checked against them."""
-    try:
-        doc = json.loads((out / HEADERS_FILE).read_text())
-    except (OSError, ValueError):
+    try:  # a cache: when missing or damaged, the headers are read again
+        doc = read_json_object(out / HEADERS_FILE, fix="its headers are read again", error=OutputError)
+    except OutputError:
         return {}
     if (doc.get("repo_id"), doc.get("commit")) != (source.repo_id, source.commit):
         return {}
@@ -125,7 +126,7 @@ def _hub_headers(
         else:
             headers[name] = saved.get(name) or remote.get(name)
         if headers[name] is None:
-            raise CheckpointError(f"names shard {name!r}, which the repository does not hold", shard=INDEX_NAME)
+            raise CheckpointError(f"names shard {name!r}, which the repository does not hold", file=INDEX_NAME)
     return headers
 
 

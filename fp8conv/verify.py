@@ -9,20 +9,22 @@ dequantized input (amax per row, or per block), and bit-identical to the referen
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .backends.torch_device import TorchDeviceBackend
 from .config import CONFIG_NAME, MISTRAL_PARAMS_NAME
+from .errors import OutputError
 from .families import width_disagreements
 from .formats import PACKED, classify
 from .index import INDEX_NAME, CheckpointIndex
+from .json_file import read_json_object
 from .manifest import MANIFEST, Manifest, load_manifest
 from .plan import Action, ConversionPlan, ConvertOptions, Job, ShardPlan, plan_conversion
 from .rewrite.dequant import dequantize
@@ -141,23 +143,28 @@ class OutputCheck:
             os.close(fd_out)
 
 
+def _read_output_json(out: Path, rel: str, fail) -> dict[str, Any] | None:
+    """A JSON file of the output, or None once `fail` has been told why it cannot be used."""
+    try:
+        return read_json_object(out / rel, fix="convert again", error=OutputError)
+    except OutputError as exc:
+        fail(f"{rel}: {exc.problem}")
+        return None
+
+
 def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
     if plan.write_index:
-        try:
-            index = json.loads((out / INDEX_NAME).read_text())
-        except (OSError, ValueError) as exc:
-            fail(f"{INDEX_NAME}: unreadable ({exc})")
-        else:
+        index = _read_output_json(out, INDEX_NAME, fail)
+        if index is not None:
             expected = plan.index_document()
             if index.get("weight_map") != expected["weight_map"]:
                 fail(f"{INDEX_NAME}: weight_map differs from the plan")
-            if index.get("metadata", {}).get("total_size") != expected["metadata"]["total_size"]:
+            metadata = index.get("metadata")
+            if not isinstance(metadata, dict) or metadata.get("total_size") != expected["metadata"]["total_size"]:
                 fail(f"{INDEX_NAME}: total_size is not {expected['metadata']['total_size']}")
     if plan.config is not None:
-        try:
-            config = json.loads((out / CONFIG_NAME).read_text())
-        except (OSError, ValueError) as exc:
-            fail(f"{CONFIG_NAME}: unreadable ({exc})")
+        config = _read_output_json(out, CONFIG_NAME, fail)
+        if config is None:
             return
         quant = config.get("quantization_config")
         if isinstance(quant, dict):
@@ -166,11 +173,9 @@ def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
         if config != plan.config:
             fail(f"{CONFIG_NAME}: differs from what the plan writes")
     for rel, doc in plan.json_files.items():  # params.json: its quantization entry must match the output
-        try:
-            if json.loads((out / rel).read_text()) != doc:
-                fail(f"{rel}: differs from what the plan writes")
-        except (OSError, ValueError) as exc:
-            fail(f"{rel}: unreadable ({exc})")
+        written = _read_output_json(out, rel, fail)
+        if written is not None and written != doc:
+            fail(f"{rel}: differs from what the plan writes")
     for rel, _ in plan.skipped_files:
         if rel == MISTRAL_PARAMS_NAME and (out / rel).exists():
             fail(f"{rel}: present, but it cannot describe this output")
@@ -179,10 +184,9 @@ def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
 def _check_widths(out: Path, fail) -> None:
     """Independently of the plan: the output's config.json and its tensors agree on every MLP width, as
     transformers and vLLM need to build the model."""
-    try:
-        config = json.loads((out / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return  # reported by _check_documents when the plan has a config
+    config = _read_output_json(out, CONFIG_NAME, lambda _: None)  # reported by _check_documents
+    if config is None:
+        return
     tensors = [
         (name, entry.shape, path.name)
         for path in sorted(out.glob("*.safetensors"))

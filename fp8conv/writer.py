@@ -345,7 +345,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def _output_error(exc: OSError, path: Path) -> OutputError:
-    return OutputError(f"writing failed: {exc.strerror or exc}", shard=path.name, fix="free disk space and retry")
+    where = {"shard": path.name} if path.suffix == ".safetensors" else {"file": path.name}  # config.json, a copy
+    return OutputError(f"writing failed: {exc.strerror or exc}", **where, fix="free disk space and retry")
 
 
 def _atomically(path: Path, fill: Callable[[BinaryIO], object]) -> None:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fp8conv
-from fp8conv.synthetic import DIALECTS
 
 from .helpers import load_dir
 from .reference import dequant_reference, quantize_reference, same_bits, scale_values, within_fp8_bound
+from .synthetic import DIALECTS
 
 
 @pytest.fixture(autouse=True, params=["whole", "bands"])

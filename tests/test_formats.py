@@ -145,6 +145,18 @@ def test_unknown_quant_method_is_refused(tmp_path):
     assert "'awq' is not supported" in cls.problems[0].one_line()
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_config_problems_name_the_file_and_section_not_a_shard(tmp_path, nested):
+    """A problem in config.json is located by file (and, in a multimodal config, the section under it),
+    never in the `shard` field, which names safetensors shards only."""
+    quant = {"quantization_config": {"quant_method": "awq"}}
+    config = {"model_type": "kimi_vl", "text_config": quant} if nested else quant
+    problem = _classify(tmp_path, {"x.weight": torch.zeros(2, 2)}, config).problems[0]
+    assert (problem.shard, problem.file, problem.key) == (None, "config.json", "text_config" if nested else None)
+    where = "in config.json under text_config: " if nested else "in config.json: "
+    assert problem.one_line().startswith(where + "quantization_config.quant_method 'awq' is not supported")
+
+
 def test_fp8_config_without_fp8_tensors_warns(tmp_path):
     cls = _classify(tmp_path, {"x.weight": torch.zeros(2, 2)}, fp8_block_config())
     assert cls.checkpoint_format == "unquantized" and cls.problems == []

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import fp8conv
 from fp8conv.errors import Fp8ConvError
-from fp8conv.synthetic import TinyModelShape, build_tiny_deepseek
 from fp8conv.writer import TEMP_SUFFIX
+
+from .synthetic import TinyModelShape, build_tiny_deepseek
 
 SMALL = TinyModelShape(
     vocab_size=16,

@@ -316,19 +316,19 @@ def test_finalize_names_a_damaged_part_manifest_and_its_fix_works(tiny, tmp_path
     no_shards = {k: v for k, v in doc.items() if k != "shards"}
     no_planned = {**doc, "finalize": {k: v for k, v in doc["finalize"].items() if k != "planned_shards"}}
     damaged = [
-        (b"{not json", "is not valid JSON (Expecting property name"),
-        (good[: len(good) // 2], "is not valid JSON"),  # truncated
-        (b"", "is not valid JSON (Expecting value"),
-        (b"[]", "is not a JSON object"),
-        (json.dumps(no_shards).encode(), "lacks shards"),
-        (json.dumps(no_planned).encode(), "lacks finalize.planned_shards"),
+        (b"{not json", "is not valid JSON (Expecting property name", ""),
+        (good[: len(good) // 2], "is not valid JSON", "it ends early, as a truncated file does"),
+        (b"", "is not valid JSON (Expecting value", "the file is empty"),
+        (b"[]", "holds a JSON array, not an object", ""),
+        (json.dumps(no_shards).encode(), "lacks shards", ""),
+        (json.dumps(no_planned).encode(), "lacks finalize.planned_shards", ""),
     ]
     (out / "config.json").unlink()
-    for raw, problem in damaged:
+    for raw, problem, why in damaged:
         part2.write_bytes(raw)
         code, err = _finalize_cli(out)
         line = err.splitlines()[0]  # the file, what is wrong with it and the fix, on one line
-        assert code == 1 and f"part manifest {part2} {problem}" in line, err
+        assert code == 1 and f"part manifest {part2}: {problem}" in line and why in line, err
         assert "run part 2/2 again with --overwrite" in line and "Traceback" not in err
         assert not (out / "config.json").exists()
     fp8conv.convert(tiny.path, out, to="bf16", part=(2, 2), overwrite=True)  # the fix the message gives

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import fp8conv
+from fp8conv.cli import main
 from fp8conv.errors import CheckpointError, OutputError
 from fp8conv.writer import TEMP_SUFFIX
 
@@ -48,6 +52,57 @@ def test_zero_or_negative_scale_is_refused(tiny, tmp_path, value):
     with pytest.raises(CheckpointError, match="zero or negative") as info:
         fp8conv.convert(tiny.path, tmp_path / "out", to="channel", allow_nonfinite=True)
     assert name in str(info.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("block_option", [[], ["--block-size", "128,128"]])
+def test_the_command_a_scale_refusal_names_lists_every_problem(make_tiny, tmp_path, block_option):
+    """Convert refuses the first bad scale and names a command that lists them all; running that command
+    on the checkpoint lists every one, while plain inspect (headers only) says it has not read them. A
+    config without weight_block_size needs convert's --block-size: the command named carries it too."""
+    tiny = make_tiny(config_block=None) if block_option else make_tiny()
+    bad = {
+        "model.layers.0.self_attn.o_proj.weight_scale_inv": 0.0,
+        "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv": -0.5,
+        "model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv": float("nan"),
+    }
+    for name, value in bad.items():
+        _set_scale_value(tiny, name, value)
+    runner = CliRunner()
+    convert = ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out"), *block_option]
+    refused = runner.invoke(main, convert)
+    assert refused.exit_code == 1 and not (tmp_path / "out").exists()
+    first = refused.stderr.splitlines()[0]
+    advice = re.search(r"\(and 2 more problem\(s\); `(fp8conv [^`]+)` lists them all\)", first)
+    assert advice, first
+    listed = runner.invoke(main, [*shlex.split(advice.group(1))[1:], str(tiny.path)])
+    assert listed.exit_code == 0, listed.output
+    assert "problems:      3\n" in listed.stdout
+    for name in bad:
+        assert sum(f"tensor '{name}'" in line for line in listed.stdout.splitlines()) == 1, listed.stdout
+    plain = runner.invoke(main, ["inspect", str(tiny.path), *block_option])
+    assert "problems:      none (from the headers; --scales reads the scale tensors too)" in plain.stdout
+    as_json = json.loads(runner.invoke(main, ["inspect", "--scales", "--json", str(tiny.path), *block_option]).stdout)
+    assert as_json["scales_read"] and len(as_json["problems"]) == 3
+
+
+def test_a_plan_refusal_lists_every_problem_where_its_message_says(tiny, tmp_path):
+    """A plan's problems depend on convert's options, so no inspect lists them: the one-line refusal says
+    FP8CONV_DEBUG=1 lists them, and with it the CLI prints every one."""
+    config = json.loads((tiny.path / "config.json").read_text())
+    config["intermediate_size"] += 128  # the dense MLP's three weights now disagree with config.json
+    (tiny.path / "config.json").write_text(json.dumps(config))
+    convert = ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out")]
+    refused = CliRunner().invoke(main, convert)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.exit_code == 1 and len(lines) == 2, refused.stderr  # the refusal, the debug hint
+    advice = re.search(r"\(and 2 more problem\(s\); set (\w+)=(\w+) to list them all\)", lines[0])
+    assert advice, lines[0]
+    listed = CliRunner().invoke(main, convert, env={advice[1]: advice[2]})
+    errors = [line for line in listed.stderr.splitlines() if line.startswith("error: ")]
+    assert listed.exit_code == 1 and len(errors) == 3 and errors[0] == lines[0], listed.stderr
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert sum(f"model.layers.0.mlp.{proj}.weight" in e for e in errors) == 1, errors
+    assert not (tmp_path / "out").exists()
 
 
 def test_not_enough_space_is_refused_with_both_numbers(tiny, tmp_path, monkeypatch):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from fp8conv.synthetic import build_tiny_deepseek
+from .synthetic import build_tiny_deepseek
 
 NO_TORCH = "\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
 
@@ -85,3 +87,21 @@ def test_the_command_process_ends_with_its_status_and_everything_said(tmp_path: 
     assert again.returncode == 1 and again.stderr.startswith("error: output directory"), again.stderr
     usage = fp8conv("convert", str(ckpt.path), "--to", "nope", "-o", str(out))
     assert usage.returncode == 2 and "Invalid value for '--to'" in usage.stderr, usage.stderr
+
+
+def test_every_runtime_dependency_is_imported() -> None:
+    """pyproject.toml's dependencies are packages fp8conv imports: none is installed for nothing (rich was)."""
+    root = Path(__file__).resolve().parents[1]
+    block = re.search(r"^dependencies = \[(.*?)^\]", (root / "pyproject.toml").read_text(), re.M | re.S)
+    assert block
+    deps = {
+        re.split(r"[<>=!~\[ ]", d)[0].lower().replace("-", "_") for d in re.findall(r'^\s*"([^"]+)"', block[1], re.M)
+    }
+    imported = set()
+    for path in (root / "fp8conv").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    assert deps and deps <= imported, f"dependencies nothing imports: {sorted(deps - imported)}"

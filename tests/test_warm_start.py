@@ -14,7 +14,8 @@ from fp8conv.formats import classify
 from fp8conv.plan import ConvertOptions, plan_conversion
 from fp8conv.shard_reader import ShardReader
 from fp8conv.source import open_checkpoint
-from fp8conv.synthetic import build_tiny_deepseek
+
+from .synthetic import build_tiny_deepseek
 
 PIECE = 4096
 

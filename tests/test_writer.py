@@ -199,3 +199,20 @@ def test_direct_io_turned_down_at_write_or_read_time_falls_back(tmp_path, monkey
     finally:
         source.close()
     assert not source.direct and torch.equal(got.view(torch.uint8), tensors["a.weight"].view(torch.uint8))
+
+
+def test_a_failed_write_names_a_shard_as_shard_and_another_file_as_file(tmp_path, monkeypatch):
+    from fp8conv.errors import OutputError
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    for name, field in [("config.json", "file"), ("model-00001-of-00002.safetensors", "shard")]:
+        with pytest.raises(OutputError) as info:
+            writer_module.write_file_atomic(tmp_path / name, b"{}")
+        assert (info.value.shard, info.value.file) == ((name, None) if field == "shard" else (None, name))
+        assert (
+            info.value.one_line() == f"in {name}: writing failed: No space left on device — free disk space and retry"
+        )
+        assert not (tmp_path / name).exists()

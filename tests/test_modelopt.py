@@ -1,0 +1,184 @@
+"""ModelOpt NVFP4 in every form its quantization is declared in (the forms vLLM's ModelOptQuantConfigBase
+reads): config.json's flat quantization_config, the same with hf_quant_config.json's nested
+{"quantization": {...}} inside it, hf_quant_config.json alone (ModelOpt before 0.31), lowercase quant_algo,
+W4A16_NVFP4. A tiny Llama packed by the tests' own code, converted --to bf16, loaded by transformers with
+no missing or unexpected key (so no input_scale is left over) and run against a reference holding the
+weights decoded by definition; hf_quant_config.json never reaches an output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fp8conv
+from fp8conv.config import READ_FROM_KEY
+
+from .helpers import dir_snapshot, load_dir, write_checkpoint
+from .packing import e2m1_value, group_scaled, pack_nibbles, random_codes, random_e4m3_scales
+from .reference import same_bits
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.tensor([[1, 7, 42, 3, 99, 120, 17, 5]])
+EXCLUDED = ["lm_head"]
+PRODUCER = {"name": "modelopt", "version": "0.29.0"}
+FLAT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": EXCLUDED}
+NESTED = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": EXCLUDED, "kv_cache_quant_algo": None}
+# name -> (config.json's quantization_config or None, hf_quant_config.json or None)
+FORMS = {
+    "config.json flat": (FLAT, None),
+    "config.json nested": ({"quant_method": "modelopt", "producer": PRODUCER, "quantization": NESTED}, None),
+    "hf_quant_config.json only": (None, {"producer": PRODUCER, "quantization": NESTED}),
+    "lowercase quant_algo": (FLAT | {"quant_algo": "nvfp4"}, None),
+    "W4A16_NVFP4": (FLAT | {"quant_algo": "W4A16_NVFP4"}, None),
+    "quant_method modelopt_fp4": (FLAT | {"quant_method": "modelopt_fp4"}, None),
+    # vLLM reads hf_quant_config.json only when config.json has no quantization_config: config.json wins
+    "config.json beside a stale hf_quant_config.json": (FLAT, {"producer": PRODUCER, "quantization": {}}),
+}
+
+
+def tiny_llama() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+
+
+def build_modelopt(path, qconfig: dict | None, sidecar: dict | None) -> dict[str, torch.Tensor]:
+    """Every Linear but lm_head ModelOpt NVFP4 (uint8 [N, K/2] low nibble first, e4m3 [N, K/16],
+    float32 weight_scale_2, input_scale); returns the reference state dict (decoded by definition)."""
+    config = tiny_llama()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    reference = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors = dict(reference)
+    for i, (name, t) in enumerate(sorted(reference.items())):
+        if t.dim() != 2 or not name.endswith("_proj.weight"):
+            continue
+        base, (n, k) = name.removesuffix(".weight"), t.shape
+        codes = random_codes((n, k), 300 + i)
+        scale = random_e4m3_scales((n, k // 16), 300 + i)
+        global_scale = float(torch.tensor(1 / 2688.0 / (1 + i), dtype=torch.float32))
+        tensors[name] = pack_nibbles(codes)
+        tensors[base + ".weight_scale"] = scale
+        tensors[base + ".weight_scale_2"] = torch.tensor(global_scale)
+        tensors[base + ".input_scale"] = torch.tensor(0.25)
+        # e2m1 x e4m3 is exact in float64; x weight_scale_2 rounded once to float32, then once to bf16
+        value = group_scaled(e2m1_value(codes), scale.to(torch.float64), 16) * global_scale
+        reference[name] = value.to(torch.float32).to(torch.bfloat16)
+    config.save_pretrained(path)
+    document = json.loads((path / "config.json").read_text())
+    if qconfig is not None:
+        document["quantization_config"] = qconfig
+    write_checkpoint(path, tensors, document, shards=2)
+    if sidecar is not None:
+        (path / "hf_quant_config.json").write_text(json.dumps(sidecar))
+    return reference
+
+
+def _logits(path) -> torch.Tensor:
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # an input_scale left in the output is an unexpected key
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_modelopt_nvfp4_forms_to_bf16_load_in_transformers(tmp_path, form):
+    from safetensors.torch import save_file
+
+    qconfig, sidecar = FORMS[form]
+    reference = build_modelopt(tmp_path / "c", qconfig, sidecar)
+    report = fp8conv.inspect(tmp_path / "c")
+    # the MLP widths are checked against the unpacked [N, K], not the uint8 container's [N, K/2]
+    assert report.problems == [] and report.formats == {"nvfp4-modelopt": 14, "unquantized": 7}, report
+    before = dir_snapshot(tmp_path / "c")
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert dir_snapshot(tmp_path / "c") == before
+    assert result.tensors_converted == 14  # 7 Linears x 2 layers
+
+    got = load_dir(tmp_path / "out")
+    assert sorted(got) == sorted(reference)  # no weight_scale, weight_scale_2 or input_scale left
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(reference)
+    wrong = [n for n, t in reference.items() if not same_bits(got[n], t)]
+    assert not wrong, wrong
+
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in written and READ_FROM_KEY not in json.dumps(written)
+    # vLLM applies hf_quant_config.json to a config.json without quantization_config: it must not be there
+    assert not (tmp_path / "out" / "hf_quant_config.json").exists()
+    if sidecar is not None:
+        assert [f for f, _ in result.files_skipped] == ["hf_quant_config.json"]
+
+    (tmp_path / "ref").mkdir()
+    save_file(reference, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    tiny_llama().save_pretrained(tmp_path / "ref")
+    ours, expected = _logits(tmp_path / "out"), _logits(tmp_path / "ref")
+    assert ours.abs().max() > 0 and same_bits(ours, expected)
+
+
+def test_modelopt_nvfp4_to_channel_drops_input_scales(tmp_path):
+    """FP8_DYNAMIC quantizes activations per token: ModelOpt's static input_scale has no place there."""
+    reference = build_modelopt(tmp_path / "c", None, {"producer": PRODUCER, "quantization": NESTED})
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="channel")
+    got = load_dir(tmp_path / "out")
+    assert not [n for n in got if n.endswith((".input_scale", ".weight_scale_2"))]
+    assert got["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert got["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 1)
+    assert got["lm_head.weight"].dtype == torch.bfloat16
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "compressed-tensors" and "lm_head" in written["ignore"]
+    assert not (tmp_path / "out" / "hf_quant_config.json").exists()
+    assert sorted(got) == sorted(
+        [n for n in reference if not n.endswith("_proj.weight") or n == "lm_head.weight"]
+        + [n for n in reference if n.endswith("_proj.weight")]
+        + [n + "_scale" for n in reference if n.endswith("_proj.weight")]
+    )
+
+
+@pytest.mark.parametrize(
+    ("qconfig", "sidecar", "file", "message"),
+    [
+        (FLAT | {"quant_algo": "FP8"}, None, "config.json", "ModelOpt quant_algo 'FP8' with group_size 16"),
+        (FLAT | {"quant_algo": "MIXED_PRECISION"}, None, "config.json", "quant_algo 'MIXED_PRECISION'"),
+        (FLAT | {"group_size": 32}, None, "config.json", "quant_algo 'NVFP4' with group_size 32"),
+        (
+            None,
+            {"producer": PRODUCER, "quantization": NESTED | {"quant_algo": "INT4_AWQ"}},
+            "hf_quant_config.json",
+            "'INT4_AWQ'",
+        ),
+        (None, {"producer": PRODUCER}, "hf_quant_config.json", "quant_algo None"),
+    ],
+)
+def test_modelopt_forms_fp8conv_does_not_read_are_refused_naming_the_file(tmp_path, qconfig, sidecar, file, message):
+    build_modelopt(tmp_path / "c", qconfig, sidecar)
+    with pytest.raises(fp8conv.CheckpointError, match=message) as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert str(err.value).startswith(f"in {file}: "), err.value
+    assert not (tmp_path / "out").exists()
+
+
+def test_modelopt_weights_without_any_quantization_description_are_refused_not_read_as_bf16(tmp_path):
+    build_modelopt(tmp_path / "c", None, None)
+    with pytest.raises(fp8conv.CheckpointError, match="does not declare it") as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert "_proj.weight" in str(err.value) and "hf_quant_config.json" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_hf_quant_config_json_is_refused_by_name(tmp_path):
+    build_modelopt(tmp_path / "c", None, None)
+    (tmp_path / "c" / "hf_quant_config.json").write_text('{"quantization": ')
+    with pytest.raises(fp8conv.CheckpointError, match=r"^in hf_quant_config.json: is not valid JSON") as err:
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    assert str(err.value).endswith("fix or re-download hf_quant_config.json")
+    assert not (tmp_path / "out").exists()
