@@ -1,8 +1,8 @@
 """`make bench` with --stream-rate: --stream against download-then-convert, with a throttled local
 source standing in for the network (no Hub access here). Each mode is one process, like every variant.
 
-  stream:    fp8conv.convert(..., stream=source, evict_input=True): shards fetched one ahead, converted
-             as they arrive, each evicted once written
+  stream:    fp8conv.convert(..., run=RunOptions(stream=source, evict_input=True)): shards fetched
+             one ahead, converted as they arrive, each evicted once written
   then:      every shard fetched first through the same source, then the same conversion (what
              snapshot_download followed by convert does)
   download:  the throttled fetch alone: the floor both modes pay
@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import fp8conv  # every mode pays the same start-up (torch's import) first: the rows differ by overlap only
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.shard_source import LocalShardSource
 
 
@@ -34,7 +35,12 @@ def main() -> None:
         for name in shards:
             source.fetch(name, threading.Event())
     if args.mode != "download":
-        fp8conv.convert(args.src, args.out, to="bf16", stream=source, evict_input=True, overwrite=True)
+        fp8conv.convert(
+            args.src,
+            args.out,
+            ConvertOptions(to="bf16"),
+            run=RunOptions(stream=source, evict_input=True, overwrite=True),
+        )
     shutil.rmtree(args.staging, ignore_errors=True)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import fp8conv
+from fp8conv import ConvertOptions
 
 
 def main() -> None:
@@ -17,7 +18,7 @@ def main() -> None:
     report = fp8conv.inspect(source)
     print(f"{source}: {report.format}, block size {report.block_size}, {len(report.problems)} problem(s)")
     try:
-        result = fp8conv.convert(source, output, to="bf16")
+        result = fp8conv.convert(source, output, ConvertOptions(to="bf16"))
     except fp8conv.Fp8ConvError as exc:
         sys.exit(f"refused: {exc}")
     print(f"{result.tensors_converted} tensors converted into {result.output} in {result.seconds:.2f} s")

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, Fp8ConvError, OptionsError, OutputError, PlanRefused
 from .formats import Kind
+from .options import ConvertOptions, RunOptions
 from .parts import FinalizeResult, finalize
-from .plan import ConvertOptions
 from .report import InspectReport, inspect
 from .version import __version__
 
@@ -51,6 +51,7 @@ __all__ = [
     "OptionsError",
     "OutputError",
     "PlanRefused",
+    "RunOptions",
     "VerifyResult",
     "__version__",
     "convert",

@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -19,10 +20,9 @@ from . import warm_start
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
+from .options import DEFAULT_BLOCK, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_PREFETCH, TARGETS, ConvertOptions, RunOptions
 from .parts import finalize, parse_part
-from .plan import TARGETS, ConvertOptions
 from .report import InspectReport, inspect
-from .streaming import DEFAULT_AHEAD
 
 if TYPE_CHECKING:
     from .pipeline import ConvertResult
@@ -131,7 +131,7 @@ def _render_report(r: InspectReport) -> str:
         lines.append(f"  {t.name} {t.shape} -> grid {t.grid} of {t.block[0]}x{t.block[1]} blocks")
     if len(r.partial_block_tensors) > PARTIAL_LINES:
         lines.append(f"  ... and {len(r.partial_block_tensors) - PARTIAL_LINES} more (--json lists them all)")
-    block = f"{r.block_size[0]}x{r.block_size[1]}" if r.block_size else "128x128"
+    block = f"{r.block_size[0]}x{r.block_size[1]}" if r.block_size else "{}x{}".format(*DEFAULT_BLOCK)
     lines.append(f"tensor parallel: MLP widths that do not split into whole {block} blocks per rank")
     for tp, bad in r.tp_indivisible.items():
         lines.append(f"  TP={tp:<3} " + ("ok" if not bad else "not divisible: " + "; ".join(bad)))
@@ -172,14 +172,14 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 @click.option(
     "--dtype",
     type=click.Choice(list(DEQUANT_TARGETS)),
-    default="bfloat16",
+    default=DEFAULT_DTYPE,
     show_default=True,
     help="Output dtype of dequantized weights (--to bf16).",
 )
 @BLOCK_SIZE_OPTION
 @click.option(
     "--fp8-max",
-    type=click.Choice(["448", "240"]),
+    type=click.Choice([f"{FP8_MAX_STANDARD:g}", f"{FP8_MAX_GAUDI2:g}"]),
     default=None,
     help="FP8 range to quantize to (--to channel): 448 standard, 240 for Gaudi2 (marked in the config).",
 )
@@ -207,7 +207,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 @click.option(
     "--device",
     type=click.Choice(list(DEVICES)),
-    default="auto",
+    default=DEFAULT_DEVICE,
     show_default=True,
     help="Where the arithmetic runs; auto is the CPU (the job is disk-bound).",
 )
@@ -267,7 +267,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 @click.option(
     "--prefetch",
     type=click.IntRange(min=0),
-    default=DEFAULT_AHEAD,
+    default=DEFAULT_PREFETCH,
     show_default=True,
     metavar="N",
     help="--stream: fetch the shards of up to N output shards ahead of the one being converted.",
@@ -312,80 +312,67 @@ def convert_command(
     implied = f"{ranges[hardware]:g}" if hardware else None
     if fp8_max and implied and fp8_max != implied:
         raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
-    range_max = float(fp8_max or implied or FP8_MAX_STANDARD)
-    try:
-        part = parse_part(part_text) if part_text else None
-        memory_cap = parse_size(max_memory) if max_memory else None
-    except OptionsError as exc:
-        raise click.UsageError(exc.one_line()) from None
+    if jobs > 1 and part_text is not None:
+        raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
     roles = tuple(r.strip() for r in pad_roles.split(",") if r.strip()) if pad_roles is not None else None
-    try:  # options that do not fit together are usage errors (exit 2), found before any work
-        ConvertOptions(target, dtype, block_size, range_max, pad_for_tp, roles).validate()
-    except OptionsError as exc:
-        raise click.UsageError(exc.one_line()) from None
-    if evict_input and not stream:
-        raise click.UsageError("--evict-input needs --stream")
-    if stream and (jobs > 1 or part is not None):
-        raise click.UsageError("--stream converts in one process: do not combine it with -j or --part")
-    if jobs > 1:
-        if part is not None:
-            raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
-        flags = [("--block-size", block_size and f"{block_size[0]},{block_size[1]}"), ("--pad-for-tp", pad_for_tp)]
-        flags += [("--pad-roles", pad_roles)]
-        flags += [("--revision", revision), ("--overwrite", overwrite), ("--resume", resume)]
-        flags += [("--allow-nonfinite", allow_nonfinite), ("--no-space-check", no_space_check)]
-        flags += [("--max-memory", max_memory), ("--buffered-io", buffered_io)]
-        flags += [("--keep-model-card", keep_model_card)]
-        base = ["convert", checkpoint, "--to", target, "-o", output, "--dtype", dtype, "--fp8-max", f"{range_max:g}"]
-        base += ["--device", device, "--threads", str(threads or 1), "-q"]
-        for flag, value in flags:
-            if value is True:
-                base.append(flag)
-            elif value not in (None, False):
-                base += [flag, str(value)]
-        _run_workers(base, jobs, output, overwrite or resume, verify_after, checkpoint, quiet)
-        return
-    warm_start.warm_torch()  # torch's import below then reads its files from the page cache
-    if not (stream or part or resume or memory_cap):  # the first input bytes are read while torch loads
-        warm_start.begin(
-            checkpoint, ConvertOptions(target, dtype, block_size, range_max, pad_for_tp, roles), direct=not buffered_io
-        )
-    # The process is the CLI's: it may size torch's thread pool (the library never touches it). On 2 cores,
-    # 2 arithmetic threads starve the reader and writer threads and the whole run gets slower.
-    import torch
-
-    from .pipeline import convert
-
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    progress, close = _progress_bar(quiet)
-    try:
-        result = convert(
-            checkpoint,
-            output,
+    try:  # the parameters become the two values, which check themselves: misfits are usage errors (exit 2)
+        options = ConvertOptions(
             to=target,
             dtype=dtype,
             block_size=block_size,
-            fp8_max=range_max,
+            fp8_max=float(fp8_max or implied or FP8_MAX_STANDARD),
             pad_for_tp=pad_for_tp,
             pad_roles=roles,
-            device=device,
+            keep_model_card=keep_model_card,
+        )
+        run = RunOptions(
             overwrite=overwrite,
             resume=resume,
+            part=parse_part(part_text) if part_text else None,
+            device=device,
             allow_nonfinite=allow_nonfinite,
             space_check=not no_space_check,
             verify_after=verify_after,
             revision=revision,
-            part=part,
-            max_memory=memory_cap,
+            max_memory=parse_size(max_memory) if max_memory else None,
             direct_io=not buffered_io,
-            progress=progress,
             stream=stream,
             evict_input=evict_input,
             prefetch=prefetch,
-            keep_model_card=keep_model_card,
         )
+        workers = [replace(run, part=(i, jobs), verify_after=False) for i in range(1, jobs + 1)] if jobs > 1 else []
+    except OptionsError as exc:
+        raise click.UsageError(exc.one_line()) from None
+    if workers:
+        _run_workers(checkpoint, output, options, workers, threads or 1, quiet)
+        if verify_after:
+            from .verify import verify
+
+            _report_verify(verify(checkpoint, output))
+        return
+    warm_start.warm_torch()  # torch's import below then reads its files from the page cache
+    if not (run.stream or run.part or run.resume or run.max_memory):  # the first input is read while torch loads
+        warm_start.begin(checkpoint, options, direct=run.direct_io)
+    from .pipeline import convert
+
+    _set_threads(threads)
+    progress, close = _progress_bar(quiet)
+    try:
+        result = convert(checkpoint, output, options, run=replace(run, progress=progress))
     finally:
         close()
+    _report_convert(result, quiet)
+
+
+def _set_threads(threads: int | None) -> None:
+    """The process is the CLI's: it may size torch's thread pool (the library never touches it). On 2 cores,
+    2 arithmetic threads starve the reader and writer threads and the whole run gets slower."""
+    import torch
+
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+
+
+def _report_convert(result: ConvertResult, quiet: bool) -> None:
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
     for path, why in result.files_skipped:
@@ -425,30 +412,51 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2).upper()])
 
 
+WORKER_COMMAND = "part-worker"
+
+
 def _run_workers(
-    args: list[str], jobs: int, output: str, may_replace: bool, verify_after: bool, checkpoint: str, quiet: bool
+    checkpoint: str, output: str, options: ConvertOptions, parts: list[RunOptions], threads: int, quiet: bool
 ) -> None:
-    """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure."""
+    """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure.
+
+    Each is a fresh `python -m fp8conv part-worker JOB`, JOB the two values as JSON (the manifest's own
+    record of ConvertOptions): an option added to either value reaches the workers with no code here."""
     out = Path(output)
-    if out.is_dir() and any(out.iterdir()) and not may_replace:
+    if out.is_dir() and any(out.iterdir()) and not (parts[0].overwrite or parts[0].resume):
         raise OptionsError(f"output directory {out} is not empty", fix="choose an empty directory, or --overwrite")
     started = time.monotonic()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "fp8conv", *args, "--part", f"{i}/{jobs}"], stderr=subprocess.PIPE, text=True
+            [sys.executable, "-m", "fp8conv", WORKER_COMMAND, _worker_job(checkpoint, output, options, run, threads)],
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        for i in range(1, jobs + 1)
+        for run in parts
     ]
     errors = [err for proc in procs for err in [proc.communicate()[1]] if proc.returncode != 0]
     if errors:
         click.echo(errors[0].strip().splitlines()[0] if errors[0].strip() else "error: a worker failed", err=True)
         sys.exit(1)
     if not quiet:
-        click.echo(f"wrote {out} with {jobs} worker processes in {time.monotonic() - started:.1f} s")
-    if verify_after:
-        from .verify import verify
+        click.echo(f"wrote {out} with {len(parts)} worker processes in {time.monotonic() - started:.1f} s")
 
-        _report_verify(verify(checkpoint, output))
+
+def _worker_job(checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int) -> str:
+    doc = {"source": checkpoint, "output": output, "options": options.to_dict(), "run": run.to_dict()}
+    return json.dumps(doc | {"threads": threads})
+
+
+@main.command(WORKER_COMMAND, hidden=True)
+@click.argument("job")
+def part_worker_command(job: str) -> None:
+    """One part of `convert -j N`: JOB is the JSON _worker_job writes. Reports as `convert -q` does."""
+    doc = json.loads(job)
+    options, run = ConvertOptions.from_dict(doc["options"]), RunOptions.from_dict(doc["run"])
+    from .pipeline import convert
+
+    _set_threads(doc["threads"])
+    _report_convert(convert(doc["source"], doc["output"], options, run=run), quiet=True)
 
 
 def _report_verify(result: VerifyResult) -> None:

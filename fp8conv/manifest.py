@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import OptionsError
 from .json_file import read_json_object
-from .plan import ConvertOptions
+from .options import ConvertOptions
 from .source import Checkpoint
 from .writer import write_file_atomic
 
@@ -55,20 +55,10 @@ class Manifest:
 
     @staticmethod
     def options_dict(options: ConvertOptions) -> dict[str, Any]:
-        d = asdict(options)
-        d["block_size"] = list(options.block_size) if options.block_size else None
-        if options.pad_roles is None:  # manifests of runs without it stay as they were
-            d.pop("pad_roles")
-        else:
-            d["pad_roles"] = list(options.pad_roles)
-        return d
+        return options.to_dict()
 
     def convert_options(self) -> ConvertOptions:
-        opts = dict(self.options)
-        for key in ("block_size", "pad_roles"):
-            if opts.get(key) is not None:
-                opts[key] = tuple(opts[key])
-        return ConvertOptions(**opts)
+        return ConvertOptions.from_dict(self.options)
 
     path: Path = MANIFEST  # relative to the output; a part of a fan-out writes its own
     extra: dict[str, Any] = field(default_factory=dict)  # a part's finalize payload

@@ -20,14 +20,14 @@ from .backends import Backend, get_backend
 from .backends.scales import all_powers_of_two
 from .config import CONFIG_NAME
 from .direct_io import aligned_empty
-from .dtypes import FP8_MAX_STANDARD
 from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .hub import looks_like_repo_id
 from .index import INDEX_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
+from .options import ConvertOptions, ProgressCallback, RunOptions
 from .parts import assign_parts, check_part, drop_other_splits, finalize, finish, part_path, with_scale_fmt
-from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, ConvertOptions, Job, plan_conversion
+from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, Job, plan_conversion
 from .preflight import check_free_space, check_scales
 from .provenance import model_card_note, source_record
 from .report import inspect_invocation
@@ -47,7 +47,6 @@ from .stream import (
     whole_tensor_bytes,
 )
 from .streaming import (
-    DEFAULT_AHEAD,
     HEADERS_FILE,
     Schedule,
     StreamFeed,
@@ -63,8 +62,6 @@ from .version import __version__
 from .writer import COPY_CHUNK_BYTES, TEMP_SUFFIX, ShardWriter, temp_target
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the writer thread
-# progress(bytes_written_so_far, total_bytes_planned)
-ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass
@@ -94,47 +91,20 @@ class ConvertResult:
 def convert(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str],
+    options: ConvertOptions | None = None,
     *,
-    to: str = "bf16",
-    dtype: str = "bfloat16",
-    block_size: tuple[int, int] | None = None,
-    fp8_max: float = FP8_MAX_STANDARD,
-    pad_for_tp: int | None = None,
-    pad_roles: tuple[str, ...] | None = None,
-    overwrite: bool = False,
-    device: str = "cpu",
-    allow_nonfinite: bool = False,
-    space_check: bool = True,
-    verify_after: bool = False,
-    resume: bool = False,
-    revision: str | None = None,
-    part: tuple[int, int] | None = None,
-    max_memory: int | None = None,
-    direct_io: bool = True,
-    progress: ProgressCallback | None = None,
-    stream: bool | ShardSource = False,
-    evict_input: bool = False,
-    prefetch: int = DEFAULT_AHEAD,
-    keep_model_card: bool = False,
+    run: RunOptions | None = None,
 ) -> ConvertResult:
-    """Convert the checkpoint at `source` into `output`. Raises Fp8ConvError subclasses on bad input.
-
-    direct_io: large reads and all shard writes bypass the page cache where the filesystem allows it
-    (see direct_io.py); False sends everything through the page cache.
-    stream: a Hub ID's shards are fetched `prefetch` ahead of the conversion (see streaming.py), or
-    a ShardSource's; evict_input removes each from the cache once every output reading it is written.
-    keep_model_card: copy README.md unchanged (by default a "Converted with fp8conv" note is appended)."""
+    """Convert the checkpoint at `source` into `output`: `options` say what the output is (the default:
+    bf16), `run` how this run goes (see options.py). Raises Fp8ConvError subclasses on bad input."""
     started = time.monotonic()
-    options = ConvertOptions(
-        to=to, dtype=dtype, block_size=block_size, fp8_max=fp8_max, pad_for_tp=pad_for_tp, pad_roles=pad_roles
-    )
-    options.validate()
-    if evict_input and stream is False:
-        raise OptionsError("--evict-input needs --stream", fix="add --stream, or drop --evict-input")
-    if stream is not False and part is not None:
-        raise OptionsError("--stream does not combine with --part / -j", fix="stream with one process")
-    if prefetch < 0:
-        raise OptionsError(f"--prefetch {prefetch} is negative", fix="give 0 or more shards")
+    options = options or ConvertOptions()
+    how = run or RunOptions()  # both checked themselves when made
+    block_size, keep_model_card = options.block_size, options.keep_model_card
+    overwrite, resume, part, device, revision = how.overwrite, how.resume, how.part, how.device, how.revision
+    allow_nonfinite, space_check, verify_after = how.allow_nonfinite, how.space_check, how.verify_after
+    max_memory, direct_io, progress = how.max_memory, how.direct_io, how.progress
+    stream, evict_input, prefetch = how.stream, how.evict_input, how.prefetch
     backend = get_backend(device)
     feed_source: ShardSource | None = None
     if stream is not False:
@@ -423,7 +393,9 @@ class _Run:
         if self._streamed(job, entry):
             assert self.streamer is not None and job.fmt is not None and job.fmt.scale is not None
             source = self.reader_of(job.source, stack)
-            new_scale = self.streamer.run(job, entry, source, inputs[job.fmt.scale], writer)
+            global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
+            scale = inputs[job.fmt.scale]
+            new_scale = self.streamer.run(job, entry, source, scale, writer, global_scale, self.exactness)
             if new_scale is not None and self.all_scales_pow2:
                 self.all_scales_pow2 = all_powers_of_two(new_scale)
             self.converted += 1

@@ -21,9 +21,10 @@ from .config import (
 )
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import CheckpointError, OptionsError
-from .families import FUSED_EXPERTS, ROLE_GROUPS, Family, family_of, fused_group, width_disagreements
+from .families import FUSED_EXPERTS, Family, family_of, fused_group, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
+from .options import DEFAULT_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
 from .quant_config import module_matches
 from .source import Checkpoint
@@ -31,8 +32,6 @@ from .writer import TensorSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
 DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
-TARGETS = ("bf16", "channel", "block")
-DEFAULT_BLOCK = (128, 128)
 
 
 class Action(str, Enum):
@@ -40,37 +39,6 @@ class Action(str, Enum):
     DEQUANTIZE = "dequantize"  # FP8 -> bf16/f16/f32
     QUANTIZE = "quantize"  # FP8 (dequantized in float32) or float -> FP8 with new channel/block scales
     KEEP_BLOCKS = "keep-blocks"  # block FP8 kept as is: weight bytes, scales widened to float32
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    to: str = "bf16"
-    dtype: str = "bfloat16"  # --to bf16: the output dtype
-    block_size: tuple[int, int] | None = None  # asserts the input's block size; the output's for --to block
-    fp8_max: float = FP8_MAX_STANDARD  # 240: the Gaudi2 range (--to channel)
-    pad_for_tp: int | None = None  # --to block: pad MLP widths so each of N ranks holds whole blocks
-    pad_roles: tuple[str, ...] | None = None  # with pad_for_tp: the MLP roles padded (None: all)
-
-    def validate(self) -> None:
-        if self.to not in TARGETS:
-            raise OptionsError(f"--to {self.to} is not one of {', '.join(TARGETS)}")
-        if self.dtype not in DEQUANT_TARGETS:
-            raise OptionsError(f"--dtype {self.dtype} is not one of {', '.join(DEQUANT_TARGETS)}")
-        if self.fp8_max not in (FP8_MAX_STANDARD, FP8_MAX_GAUDI2):
-            raise OptionsError(f"--fp8-max {self.fp8_max:g} is not 448 (standard) or 240 (Gaudi2)")
-        if self.fp8_max != FP8_MAX_STANDARD and self.to != "channel":
-            raise OptionsError(
-                "--fp8-max 240 / --target gaudi2 applies to --to channel only",
-                fix="only the compressed-tensors config can tell vllm-gaudi the weights are pre-scaled",
-            )
-        if self.pad_for_tp is not None and (self.to != "block" or self.pad_for_tp < 1):
-            raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block only")
-        if self.pad_roles is not None:
-            if self.pad_for_tp is None:
-                raise OptionsError("--pad-roles applies with --pad-for-tp only")
-            unknown = [r for r in self.pad_roles if r not in ROLE_GROUPS] or ([] if self.pad_roles else ["(none)"])
-            if unknown:
-                raise OptionsError(f"--pad-roles {','.join(unknown)} is not a list of {', '.join(ROLE_GROUPS)}")
 
 
 @dataclass(frozen=True)
@@ -145,7 +113,6 @@ class ConversionPlan:
 
 def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptions) -> ConversionPlan:
     """Every output tensor and file. Refused inputs are planned as copies; the caller checks problems."""
-    options.validate()
     planner = _Planner(ckpt, cls, options)
     shards = _without_empty([ShardPlan(shard.name, planner.jobs_for(shard.name)) for shard in ckpt.index.shards])
     plan = ConversionPlan(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .backends.scales import scale_to_float32
+from .backends.scales import E8M0_NAN, scale_to_float32
 from .errors import CheckpointError, OutputError
 from .formats import CONVERTIBLE, PACKED, Classification, WeightFormat
 from .safetensors_file import read_tensor
@@ -44,11 +44,17 @@ def check_scales(
             shard = ckpt.index.shard_of(fmt.scale)
             if fmt.kind in PACKED:
                 problems += _packed_companion_problems(fmt, read, ckpt)
-            # E8M0 by its bits: byte 255 is NaN, refused below by the scale's name
-            scale = scale_to_float32(read(fmt.scale))
-            nonfinite = int((~torch.isfinite(scale)).sum())
+            stored = read(fmt.scale)
+            if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):
+                # E8M0 by its bits: 2^(b-127) is positive, byte 255 is NaN (refused below by the scale's
+                # name); counted on the bytes, ~10x faster than through float32 (MXFP4 has 1 per 32 weights)
+                scale = None
+                nonfinite = int((stored.view(torch.uint8) == E8M0_NAN).sum())
+            else:
+                scale = scale_to_float32(stored)
+                nonfinite = int((~torch.isfinite(scale)).sum())
             if nonfinite:
-                what = f"has {nonfinite} NaN/Inf value(s) of {scale.numel()}"
+                what = f"has {nonfinite} NaN/Inf value(s) of {stored.numel()}"
                 if allow_nonfinite:
                     warnings.append(f"{fmt.scale} {what}: the weight is converted with them (--allow-nonfinite)")
                 else:
@@ -60,6 +66,8 @@ def check_scales(
                             fix="the checkpoint is damaged: re-download it, or convert anyway with --allow-nonfinite",
                         )
                     )
+            if scale is None:
+                continue
             finite = scale[torch.isfinite(scale)]
             # a 4-bit group of zeros legitimately has scale 0 (NVFP4 writes amax / 6 = 0)
             bad = int((finite < 0).sum() if fmt.kind in PACKED else (finite <= 0).sum())

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .dtypes import FP8_MAX_GAUDI2
+from .options import DEFAULT_BLOCK
 from .plan import ConversionPlan
 from .version import __version__
 from .writer import write_file_atomic
@@ -50,7 +51,7 @@ def describe_target(plan: ConversionPlan) -> str:
             f"per output row, dynamic per-token activations{gaudi})"
         )
     quant = (plan.config or {}).get("quantization_config") or {}
-    block = quant.get("weight_block_size") or list(opts.block_size or (128, 128))
+    block = quant.get("weight_block_size") or list(opts.block_size or DEFAULT_BLOCK)
     pad = f", MLP widths zero-padded for tensor parallel {opts.pad_for_tp}" if opts.pad_for_tp else ""
     return f"block FP8 ({block[0]}x{block[1]} blocks, float32 weight_scale_inv{pad})"
 

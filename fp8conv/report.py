@@ -13,7 +13,8 @@ from .errors import Fp8ConvError
 from .families import ROLE_GROUPS, family_of, model_type_of, role_of, width_disagreements
 from .formats import Classification, classify, has_partial_blocks
 from .model_layout import tp_report
-from .plan import DEFAULT_BLOCK, TARGETS, ConvertOptions, plan_conversion
+from .options import DEFAULT_BLOCK, TARGETS, ConvertOptions
+from .plan import plan_conversion
 from .source import Checkpoint, open_checkpoint
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -146,9 +147,8 @@ def padded_output_bytes(ckpt: Checkpoint, cls: Classification, tps: list[int]) -
     sizes: dict[str, dict[str, int]] = {}
     for tp in tps:
         for roles in pad_role_choices(ckpt):
-            options = ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles)
-            try:
-                plan = plan_conversion(ckpt, cls, options)
+            try:  # the options check themselves when made (an empty role list is refused there)
+                plan = plan_conversion(ckpt, cls, ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles))
             except Fp8ConvError:
                 continue
             if not plan.problems:

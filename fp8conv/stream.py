@@ -1,5 +1,5 @@
-"""Row-band streaming of large 2-D FP8 weights: read a band of rows, rewrite it, write it, while the
-next band is read and the previous ones are written. Memory per job is a few bands, not a tensor, and
+"""Row-band streaming of large 2-D FP8 and packed 4-bit weights: read a band of rows, rewrite it, write
+it, while the next band is read and the previous ones are written. Memory per job is a few bands, not a tensor, and
 the band buffers are reused, so there are no page faults for fresh allocations."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from .backends import Backend
 from .direct_io import aligned_empty
 from .dtypes import ELEMENT_BYTES, torch_dtype
-from .formats import CONVERTIBLE
+from .formats import CONVERTIBLE, PACKED, Kind
 from .plan import Action, Job
 from .rewrite.dequant import scale_grid
+from .rewrite.unpack import band_decoder, band_quantizer
 from .safetensors_file import TensorEntry
 from .shard_reader import ShardReader, read_capacity
 from .writer import ShardWriter
@@ -48,6 +49,14 @@ def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
 
 def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
     band_elements = BAND_ELEMENTS if band_elements is None else band_elements
+    if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights
+        return (
+            job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
+            and job.fmt.kind is not Kind.MXFP4_GPT_OSS  # its experts are written transposed
+            and len(entry.shape) == 2
+            and job.spec.shape == job.fmt.shape
+            and math.prod(job.spec.shape) > band_elements
+        )
     return (
         job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
         and job.fmt is not None
@@ -114,7 +123,7 @@ class BandStreamer:
     def _band_rows(self, job: Job, entry: TensorEntry) -> int:
         """Rows per band: whole input blocks (and whole output blocks when quantizing), ~band_elements."""
         assert job.fmt is not None
-        n, k = entry.shape
+        n, k = job.spec.shape  # the output's: a packed weight's input rows hold K/2 bytes
         out_rows_block = (job.out_block or (1, k))[0] if job.action is Action.QUANTIZE else 1
         unit = math.lcm(job.fmt.math_block((n, k))[0], out_rows_block)
         return max(unit, (self.band_elements // max(k, 1)) // unit * unit)
@@ -125,12 +134,13 @@ class BandStreamer:
         waited for."""
         while len(self._reads) < READ_AHEAD and self._expected:
             job, entry, source = self._expected[0]
-            n, k = entry.shape
+            n = entry.shape[0]
+            row_bytes = entry.nbytes // n  # K for FP8, K/2 for packed 4-bit
             rows = self._band_rows(job, entry)
             r0 = self._next_band * rows
             r = min(rows, n - r0)
-            buf = self._buffer("in", self._read_count % IN_SLOTS, read_capacity(r * k))
-            read = self.reader.submit(source.read, entry, entry.start + r0 * k, r * k, buf)
+            buf = self._buffer("in", self._read_count % IN_SLOTS, read_capacity(r * row_bytes))
+            read = self.reader.submit(source.read, entry, entry.start + r0 * row_bytes, r * row_bytes, buf)
             self._reads.append((entry.name, self._next_band, read))
             self._read_count += 1
             self._next_band += 1
@@ -139,12 +149,12 @@ class BandStreamer:
                 self._next_band = 0
 
     def _band(self, entry: TensorEntry, index: int, rows: int) -> torch.Tensor:
-        """Band `index` of `entry`, read ahead, as [1, rows, K] float8."""
+        """Band `index` of `entry`, read ahead, as its bytes, [1, rows, bytes per row]."""
         if not self._reads or self._reads[0][:2] != (entry.name, index):
             raise RuntimeError(f"{entry.name}: band {index} was not read ahead (streamed out of expect() order)")
         read = self._reads.popleft()[2]
         self._read_ahead()
-        return read.result().view(torch.float8_e4m3fn).view(1, rows, entry.shape[1])
+        return read.result().view(1, rows, entry.nbytes // entry.shape[0])
 
     def _buffer(self, key: str, slot: int, nbytes: int) -> torch.Tensor:
         """A reused uint8 buffer, aligned for direct reads."""
@@ -155,16 +165,31 @@ class BandStreamer:
         return buf[:nbytes]
 
     def run(
-        self, job: Job, entry: TensorEntry, source: ShardReader, scale: torch.Tensor, out: ShardWriter
+        self,
+        job: Job,
+        entry: TensorEntry,
+        source: ShardReader,
+        scale: torch.Tensor,
+        out: ShardWriter,
+        global_scale: torch.Tensor | None = None,
+        exactness: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Stream one job, announced with expect(); returns the new scale tensor for a QUANTIZE job
         (written too). The writes may still be in flight when this returns: flush() before the shard is
-        committed."""
+        committed. global_scale: a packed NVFP4 weight's; exactness: [exact, total] output blocks, added
+        to for a packed weight quantized to FP8."""
         assert job.fmt is not None
-        n, k = entry.shape
-        grid = scale_grid(scale, job.fmt, (n, k))[0]
-        in_block = job.fmt.math_block((n, k))
+        n, k = job.spec.shape
         quantize = job.action is Action.QUANTIZE
+        packed, decode, requant = job.fmt.kind in PACKED, None, None
+        if packed and quantize:
+            ob = job.out_block or (1, k)
+            requant = band_quantizer(job.fmt, scale, global_scale, self.backend, ob, self.fp8_max)
+        elif packed:
+            decode = band_decoder(job.fmt, scale, global_scale, self.backend)
+        grid = scale if packed else scale_grid(scale, job.fmt, (n, k))[0]
+        in_block = job.fmt.math_block((n, k))
+        counts: list[tuple[int, int]] = []  # packed to FP8: exact and all output blocks, per band
         rows = self._band_rows(job, entry)
         starts = list(range(0, n, rows))
         out_dtype = torch_dtype(job.spec.dtype)
@@ -173,16 +198,22 @@ class BandStreamer:
 
         def compute(w: torch.Tensor, band: torch.Tensor, r0: int) -> Future[None]:
             """One band's arithmetic; hands its write to the writer and returns that."""
+            fp8 = w.view(torch.float8_e4m3fn)  # packed: the bytes, read by the decoder
             g0, g1 = r0 // in_block[0], -(-(r0 + w.shape[1]) // in_block[0])
             if quantize:
                 assert new_scale is not None
                 ob = job.out_block or (1, k)
                 o0, o1 = r0 // ob[0], -(-(r0 + w.shape[1]) // ob[0])
                 band_scale = torch.empty((1, o1 - o0, new_scale.shape[-1]), dtype=torch.float32)
-                self.backend.requantize_blocks(w, grid[g0:g1][None], in_block, ob, self.fp8_max, band, band_scale)
+                if requant is not None:
+                    counts.append(requant(w, r0, band, band_scale))
+                else:
+                    self.backend.requantize_blocks(fp8, grid[g0:g1][None], in_block, ob, self.fp8_max, band, band_scale)
                 new_scale.view(-1, new_scale.shape[-1])[o0:o1] = band_scale[0]  # rows of its own
+            elif decode is not None:
+                decode(w, r0, band)
             else:
-                self.backend.dequantize_blocks(w, grid[g0:g1][None], in_block, band)
+                self.backend.dequantize_blocks(fp8, grid[g0:g1][None], in_block, band)
             return self.writer.submit(out.write_part, job.spec.name, r0 * k * out_size, band)
 
         pending = self._pending  # on an error the caller's flush() waits for these
@@ -205,6 +236,9 @@ class BandStreamer:
             self._computing.append(done)
         while self._computing:  # every band's arithmetic, before the new scale is read
             self._computing.popleft().result()
+        if exactness is not None and counts:
+            exactness[0] += sum(e for e, _ in counts)
+            exactness[1] += sum(t for _, t in counts)
         if new_scale is not None:  # after the bands, in the writer's order
             self._scales.append(self.writer.submit(out.write_tensor, job.outputs[1].name, new_scale))
         return new_scale

@@ -36,7 +36,6 @@ from .shard_source import HubShardSource, ShardSource
 from .source import Checkpoint, open_checkpoint, open_with_headers
 from .writer import write_file_atomic
 
-DEFAULT_AHEAD = 1
 HEADERS_FILE = Path(".fp8conv") / "input-headers.json"
 SINGLE_FILE = "model.safetensors"
 

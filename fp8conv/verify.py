@@ -26,7 +26,8 @@ from .formats import PACKED, classify
 from .index import INDEX_NAME, CheckpointIndex
 from .json_file import read_json_object
 from .manifest import MANIFEST, Manifest, load_manifest
-from .plan import Action, ConversionPlan, ConvertOptions, Job, ShardPlan, plan_conversion
+from .options import ConvertOptions
+from .plan import Action, ConversionPlan, Job, ShardPlan, plan_conversion
 from .rewrite.dequant import dequantize
 from .rewrite.jobs import run_job
 from .rewrite.pad import pad_to
@@ -51,8 +52,8 @@ def _sampled(name: str, fraction: float) -> bool:
 def verify(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str],
-    *,
     options: ConvertOptions | None = None,
+    *,
     sample: float = 1.0,
     max_failures: int = 20,
 ) -> VerifyResult:

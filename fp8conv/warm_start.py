@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from .direct_io import ALIGN, open_direct
 
 if TYPE_CHECKING:
-    from .plan import ConvertOptions
+    from .options import ConvertOptions
     from .safetensors_file import TensorEntry
 
 TORCH_HINT_THREADS = 4  # the import reads its files one at a time; several hints keep the disk busy

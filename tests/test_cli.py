@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli import main
 
 from .helpers import load_dir
@@ -183,7 +184,10 @@ def test_progress_bar_on_a_terminal(tiny, tmp_path):
 def test_library_progress_callback(tiny, tmp_path):
     seen = []
     result = fp8conv.convert(
-        tiny.path, tmp_path / "o", to="bf16", progress=lambda done, total: seen.append((done, total))
+        tiny.path,
+        tmp_path / "o",
+        ConvertOptions(to="bf16"),
+        run=RunOptions(progress=lambda done, total: seen.append((done, total))),
     )
     assert seen[-1] == (result.bytes_written, result.bytes_written)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli import main
 from fp8conv.errors import CheckpointError, OptionsError
 from fp8conv.writer import TEMP_SUFFIX
@@ -30,7 +31,7 @@ def test_every_fp8_weight_is_one_rounding_of_the_float32_product(tiny, tmp_path)
     moved = tiny.moved_scale
     assert index[moved] != index[moved.removesuffix("_scale_inv")]  # a scale in another shard
     out = tmp_path / "out"
-    result = fp8conv.convert(tiny.path, out, to="bf16")
+    result = fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
     got = load_dir(out)
     assert result.tensors_converted == len(tiny.fp8_weights) == 48
     for name in tiny.fp8_weights:
@@ -44,7 +45,7 @@ def test_every_fp8_weight_is_one_rounding_of_the_float32_product(tiny, tmp_path)
 
 def test_everything_else_passes_through_byte_identical(tiny, tmp_path):
     src = load_dir(tiny.path)
-    fp8conv.convert(tiny.path, tmp_path / "out", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     plain = [n for n in src if n not in tiny.fp8_weights and not n.endswith("_scale_inv")]
     assert "model.layers.1.mlp.gate.weight" in plain and "model.layers.2.eh_proj.weight" in plain
@@ -56,7 +57,7 @@ def test_everything_else_passes_through_byte_identical(tiny, tmp_path):
 
 def test_shards_index_and_metadata(tiny, tmp_path):
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to="bf16")
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
     in_index = json.loads((tiny.path / "model.safetensors.index.json").read_text())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert sorted(p.name for p in out.glob("*.safetensors")) == tiny.shards
@@ -75,7 +76,7 @@ def test_shards_index_and_metadata(tiny, tmp_path):
 
 def test_config_rewrite_golden(tiny, tmp_path):
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to="bf16")
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
     before = json.loads((tiny.path / "config.json").read_text())
     after = json.loads((out / "config.json").read_text())
     expected = dict(before)
@@ -96,7 +97,7 @@ def test_nested_text_config_and_dtype_key(make_tiny, tmp_path):
         "text_config": {**config, "dtype": "bfloat16", "quantization_config": qc},
     }
     (ckpt.path / "config.json").write_text(json.dumps(config))
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16", dtype="float16")
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16", dtype="float16"))
     after = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in after["text_config"] and "quantization_config" not in after
     assert after["dtype"] == "float16" and after["text_config"]["dtype"] == "float16"
@@ -105,7 +106,7 @@ def test_nested_text_config_and_dtype_key(make_tiny, tmp_path):
 
 def test_other_files_copied_unchanged(tiny, tmp_path):
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to="bf16")
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
     src_files, out_files = dir_snapshot(tiny.path), dir_snapshot(out)
     for rel in [
         "tokenizer.json",
@@ -127,7 +128,7 @@ def test_other_files_copied_unchanged(tiny, tmp_path):
 @pytest.mark.parametrize(("dtype", "torch_dtype"), [("float16", torch.float16), ("float32", torch.float32)])
 def test_other_dtypes(tiny, tmp_path, dtype, torch_dtype):
     src = load_dir(tiny.path)
-    fp8conv.convert(tiny.path, tmp_path / "out", to="bf16", dtype=dtype)
+    fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16", dtype=dtype))
     got = load_dir(tmp_path / "out")
     name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
     assert same_bits(got[name], dequant_block_reference(src[name], src[name + "_scale_inv"], (128, 128), torch_dtype))
@@ -137,7 +138,7 @@ def test_other_dtypes(tiny, tmp_path, dtype, torch_dtype):
 def test_odd_block_size_from_config(make_tiny, tmp_path):
     ckpt = make_tiny(block=(64, 96))
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16")
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     for name in ckpt.fp8_weights:
         assert same_bits(got[name], dequant_block_reference(src[name], src[name + "_scale_inv"], (64, 96))), name
@@ -146,7 +147,7 @@ def test_odd_block_size_from_config(make_tiny, tmp_path):
 def test_single_file_and_unindexed_directory(make_tiny, tmp_path):
     single = make_tiny(num_shards=1, with_index=False)
     src = load_dir(single.path)
-    fp8conv.convert(single.path / "model.safetensors", tmp_path / "a", to="bf16")
+    fp8conv.convert(single.path / "model.safetensors", tmp_path / "a", ConvertOptions(to="bf16"))
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".fp8conv", "config.json", "model.safetensors"]
     name = single.fp8_weights[0]
     assert same_bits(
@@ -155,14 +156,14 @@ def test_single_file_and_unindexed_directory(make_tiny, tmp_path):
     )
 
     multi = make_tiny(num_shards=2, with_index=False)
-    fp8conv.convert(multi.path, tmp_path / "b", to="bf16")
+    fp8conv.convert(multi.path, tmp_path / "b", ConvertOptions(to="bf16"))
     index = json.loads((tmp_path / "b" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(multi.shards)  # several shards need an index to load
 
 
 def test_input_is_never_modified(tiny, tmp_path):
     before = dir_snapshot(tiny.path)
-    fp8conv.convert(tiny.path, tmp_path / "out", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     assert dir_snapshot(tiny.path) == before
 
 
@@ -259,7 +260,7 @@ def test_inspect_reads_no_tensor_bytes_at_the_system_call_level(tiny, tmp_path):
 
 def test_inspect_estimate_matches_the_real_bf16_output(tiny, tmp_path):
     estimate = fp8conv.inspect(tiny.path).estimated_output_bytes["bf16"]
-    fp8conv.convert(tiny.path, tmp_path / "out", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert estimate == index["metadata"]["total_size"]
 
@@ -270,7 +271,7 @@ def test_inspect_estimate_matches_the_real_bf16_output(tiny, tmp_path):
 def _refused(ckpt_path, out, match, **kwargs):
     kwargs.setdefault("to", "bf16")
     with pytest.raises((CheckpointError, OptionsError)) as info:
-        fp8conv.convert(ckpt_path, out, **kwargs)
+        fp8conv.convert(ckpt_path, out, ConvertOptions(**kwargs))
     assert match in str(info.value), str(info.value)
     return str(info.value)
 
@@ -319,7 +320,7 @@ def test_block_size_never_guessed_without_config(make_tiny, tmp_path):
     assert "--block-size 128,128" in msg
     assert fp8conv.inspect(ckpt.path).format == "unverified"
     # asserting the right block size makes it convertible, and exact
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16", block_size=(128, 128))
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16", block_size=(128, 128)))
     src, got = load_dir(ckpt.path), load_dir(tmp_path / "out")
     name = "model.layers.0.mlp.gate_proj.weight"
     assert same_bits(got[name], dequant_block_reference(src[name], src[name + "_scale_inv"], (128, 128)))
@@ -330,7 +331,7 @@ def test_no_config_at_all_is_unverified(make_tiny, tmp_path):
     _refused(ckpt.path, tmp_path / "out", "no weight_block_size confirms")
     # a wrong assertion is caught by the grids
     _refused(ckpt.path, tmp_path / "out2", "need [", block_size=(112, 128))
-    result = fp8conv.convert(ckpt.path, tmp_path / "out3", to="bf16", block_size=(128, 128))
+    result = fp8conv.convert(ckpt.path, tmp_path / "out3", ConvertOptions(to="bf16", block_size=(128, 128)))
     assert any("no config.json" in w for w in result.warnings)
 
 
@@ -350,7 +351,7 @@ def test_non_empty_output_needs_overwrite(tiny, tmp_path):
     (out / "something").write_text("x")
     _refused(tiny.path, out, "--overwrite")
     (out / "model-00009-of-00009.safetensors").write_text("stale")
-    fp8conv.convert(tiny.path, out, to="bf16", overwrite=True)
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(overwrite=True))
     assert not (out / "model-00009-of-00009.safetensors").exists()  # a stale shard would mislead loaders
     assert (out / "config.json").exists()
 
@@ -363,7 +364,7 @@ def _data_bytes(shard) -> int:
 
 def test_interrupted_run_does_not_look_complete(tiny, tmp_path):
     # Where shard 2 starts and ends, in output bytes, from an uninterrupted run's files
-    fp8conv.convert(tiny.path, tmp_path / "whole", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="bf16"))
     first, second = (_data_bytes(tmp_path / "whole" / name) for name in tiny.shards[:2])
     seen: list[int] = []
 
@@ -374,7 +375,7 @@ def test_interrupted_run_does_not_look_complete(tiny, tmp_path):
 
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        fp8conv.convert(tiny.path, out, to="bf16", progress=interrupt_inside_shard_two)
+        fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(progress=interrupt_inside_shard_two))
     assert first in seen and first < seen[-1] < first + second, "the interrupt must land inside shard 2"
     assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
     assert not list(out.glob(f".*{TEMP_SUFFIX}"))  # the partial shard is removed
@@ -387,9 +388,9 @@ def test_pickles_are_never_read(tmp_path):
     d.mkdir()
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     with pytest.raises(CheckpointError, match="never unpickles"):
-        fp8conv.convert(d, tmp_path / "out", to="bf16")
+        fp8conv.convert(d, tmp_path / "out", ConvertOptions(to="bf16"))
     with pytest.raises(CheckpointError, match="never unpickles"):  # a pickle given as a file, too
-        fp8conv.convert(d / "pytorch_model.bin", tmp_path / "out", to="bf16")
+        fp8conv.convert(d / "pytorch_model.bin", tmp_path / "out", ConvertOptions(to="bf16"))
     assert not (tmp_path / "out").exists()
 
 
@@ -397,7 +398,7 @@ def test_other_weight_files_are_not_copied(tiny, tmp_path):
     shutil.copy(tiny.path / tiny.shards[0], tiny.path / "consolidated.safetensors")
     (tiny.path / "pytorch_model.bin").write_bytes(b"old weights")
     (tiny.path / "training_args.bin").write_bytes(b"args")
-    result = fp8conv.convert(tiny.path, tmp_path / "out", to="bf16")
+    result = fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     skipped = dict(result.files_skipped)
     assert "consolidated.safetensors" in skipped and "pytorch_model.bin" in skipped
     assert not (tmp_path / "out" / "consolidated.safetensors").exists()
@@ -415,14 +416,14 @@ def test_options_that_do_not_fit_the_target_are_refused(tiny, tmp_path):
 def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, monkeypatch):
     import fp8conv.stream as stream
 
-    fp8conv.convert(tiny.path, tmp_path / "whole", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="bf16"))
     streamed = []
     real_run = stream.BandStreamer.run
     monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
     monkeypatch.setattr(
         stream.BandStreamer, "run", lambda self, job, *a: streamed.append(job) or real_run(self, job, *a)
     )
-    fp8conv.convert(tiny.path, tmp_path / "bands", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "bands", ConvertOptions(to="bf16"))
     assert len(streamed) == len(tiny.fp8_weights)
     assert dir_snapshot(tmp_path / "whole") == dir_snapshot(tmp_path / "bands")
 

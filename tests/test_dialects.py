@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fp8conv
+from fp8conv import ConvertOptions
 
 from .helpers import load_dir
 from .reference import dequant_reference, quantize_reference, same_bits, scale_values, within_fp8_bound
@@ -41,7 +42,7 @@ def _truth(src: dict[str, torch.Tensor], name: str, dialect: str) -> torch.Tenso
 def test_to_bf16(make_tiny, tmp_path, dialect):
     ckpt = make_tiny(dialect=dialect)
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16")
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     for name in ckpt.linear_weights:
         assert same_bits(got[name], _truth(src, name, dialect).to(torch.bfloat16)), name
@@ -54,7 +55,7 @@ def test_to_bf16(make_tiny, tmp_path, dialect):
 def test_to_channel(make_tiny, tmp_path, dialect):
     ckpt = make_tiny(dialect=dialect)
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="channel")
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel"))
     got = load_dir(tmp_path / "out")
     for name in ckpt.linear_weights:
         ref = _truth(src, name, dialect)
@@ -100,7 +101,7 @@ def test_to_channel(make_tiny, tmp_path, dialect):
 def test_to_block(make_tiny, tmp_path, dialect):
     ckpt = make_tiny(dialect=dialect)
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="block")
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="block"))
     got = load_dir(tmp_path / "out")
     for name in ckpt.linear_weights:
         ref = _truth(src, name, dialect)
@@ -130,7 +131,7 @@ def test_to_block(make_tiny, tmp_path, dialect):
 def test_block_passthrough_is_bit_identical(make_tiny, tmp_path):
     ckpt = make_tiny()
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="block")
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="block"))
     got = load_dir(tmp_path / "out")
     assert set(got) == set(src)
     assert all(same_bits(got[n], src[n]) for n in src)
@@ -141,7 +142,7 @@ def test_per_tensor_is_never_read_as_blocks(make_tiny, tmp_path):
     ckpt = make_tiny(dialect="per-tensor")
     report = fp8conv.inspect(ckpt.path)
     assert report.format == "per-tensor-fp8" and report.block_size is None
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16")
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     name = "model.layers.0.mlp.down_proj.weight"
     assert got[name].abs().max() < 10  # the raw FP8 values reach 448
@@ -150,7 +151,7 @@ def test_per_tensor_is_never_read_as_blocks(make_tiny, tmp_path):
 def test_gaudi2_range(make_tiny, tmp_path):
     ckpt = make_tiny()
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", to="channel", fp8_max=240.0)
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel", fp8_max=240.0))
     got = load_dir(tmp_path / "out")
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     ref = dequant_reference(src, name)
@@ -168,7 +169,7 @@ def test_zero_rows_stay_zero_with_finite_scales(tmp_path):
     w[5] = 0.5
     path = write_checkpoint(tmp_path / "c", {"x.weight": w}, None)
     for target in ("channel", "block"):
-        fp8conv.convert(path, tmp_path / target, to=target)
+        fp8conv.convert(path, tmp_path / target, ConvertOptions(to=target))
         got = load_dir(tmp_path / target)
         scale = got["x.weight_scale" if target == "channel" else "x.weight_scale_inv"]
         assert torch.isfinite(scale).all() and (scale > 0).all()
@@ -203,7 +204,7 @@ def test_fused_3d_experts(tmp_path, scale, layout):
         refs.append(dequant_reference({"w": per_expert[f"e{e}"], "w_scale_inv": s}, "w"))
     ref = torch.stack(refs)
     for target in ("bf16", "channel", "block"):
-        fp8conv.convert(path, tmp_path / target, to=target)
+        fp8conv.convert(path, tmp_path / target, ConvertOptions(to=target))
         got = load_dir(tmp_path / target)
         name = "model.layers.1.mlp.experts.w13.weight"
         if target == "bf16":
@@ -244,9 +245,9 @@ def test_fused_modules_share_one_scheme(make_tiny, tmp_path):
         save_file(rest, str(scale_shard))
     (ckpt.path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(fp8conv.CheckpointError, match="engines fuse them") as info:
-        fp8conv.convert(ckpt.path, tmp_path / "out", to="channel")
+        fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel"))
     assert "model.layers.0.mlp.up_proj.weight" in str(info.value)
-    fp8conv.convert(ckpt.path, tmp_path / "bf16", to="bf16")  # dequantizing everything is fine
+    fp8conv.convert(ckpt.path, tmp_path / "bf16", ConvertOptions(to="bf16"))  # dequantizing everything is fine
 
 
 def test_modules_listed_as_not_converted_stay_unquantized_and_listed(make_tiny, tmp_path):
@@ -264,7 +265,7 @@ def test_modules_listed_as_not_converted_stay_unquantized_and_listed(make_tiny, 
     config["quantization_config"]["ignored_layers"] = ["lm_head", "model.layers.1.self_attn.o_proj"]
     (ckpt.path / "config.json").write_text(json.dumps(config))
     for target, key in (("channel", "ignore"), ("block", "modules_to_not_convert")):
-        fp8conv.convert(ckpt.path, tmp_path / target, to=target)
+        fp8conv.convert(ckpt.path, tmp_path / target, ConvertOptions(to=target))
         got = load_dir(tmp_path / target)
         assert same_bits(got[name], tensors[name]) and name + "_scale" not in got
         qc = json.loads((tmp_path / target / "config.json").read_text())["quantization_config"]

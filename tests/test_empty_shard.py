@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.manifest import MANIFEST
 
 from .helpers import fp8, fp8_block_config, load_dir
@@ -40,7 +41,7 @@ def _shards(folder):
 def test_a_shard_of_scales_only_leaves_no_empty_output_shard(tmp_path):
     src = _scales_apart(tmp_path / "in")
     out = tmp_path / "out"
-    result = fp8conv.convert(src, out, to="bf16", verify_after=True)
+    result = fp8conv.convert(src, out, ConvertOptions(to="bf16"), run=RunOptions(verify_after=True))
     assert result.verified is not None and result.verified.ok, result.verified
     expected = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert _shards(out) == expected == result.shards
@@ -49,19 +50,19 @@ def test_a_shard_of_scales_only_leaves_no_empty_output_shard(tmp_path):
     assert set(json.loads((out / MANIFEST).read_text())["shards"]) == set(expected)
     assert len(load_dir(out)) == 5
     # every output scale travels with its weight, so --to block leaves the third shard empty too
-    fp8conv.convert(src, tmp_path / "block", to="block")
+    fp8conv.convert(src, tmp_path / "block", ConvertOptions(to="block"))
     assert _shards(tmp_path / "block") == expected
 
 
 def test_resume_and_parts_use_the_same_names(tmp_path):
     src = _scales_apart(tmp_path / "in")
     single = tmp_path / "single"
-    fp8conv.convert(src, single, to="bf16")
-    fp8conv.convert(src, single, to="bf16", resume=True)  # every shard kept, none stale
+    fp8conv.convert(src, single, ConvertOptions(to="bf16"))
+    fp8conv.convert(src, single, ConvertOptions(to="bf16"), run=RunOptions(resume=True))  # every shard kept, none stale
     assert _shards(single) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     parted = tmp_path / "parted"
     for i in (1, 2):
-        fp8conv.convert(src, parted, to="bf16", part=(i, 2))
+        fp8conv.convert(src, parted, ConvertOptions(to="bf16"), run=RunOptions(part=(i, 2)))
     assert _shards(parted) == _shards(single)
     for name in _shards(single):
         assert (parted / name).read_bytes() == (single / name).read_bytes()
@@ -71,7 +72,7 @@ def test_resume_and_parts_use_the_same_names(tmp_path):
 def test_verify_fails_on_a_shard_the_index_does_not_list(tmp_path):
     src = _scales_apart(tmp_path / "in")
     out = tmp_path / "out"
-    fp8conv.convert(src, out, to="bf16")
+    fp8conv.convert(src, out, ConvertOptions(to="bf16"))
     save_file({}, str(out / "model-00003-of-00003.safetensors"))  # what earlier versions left behind
     result = fp8conv.verify(src, out)
     assert not result.ok

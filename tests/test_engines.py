@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fp8conv
+from fp8conv import ConvertOptions
 
 from .helpers import load_dir
 from .reference import dequant_reference, same_bits
@@ -44,7 +45,7 @@ def _logits(path, dtype=torch.bfloat16, **kwargs):
 
 def test_transformers_loads_bf16_output(tiny, tmp_path):
     out = tmp_path / "bf16"
-    fp8conv.convert(tiny.path, out, to="bf16")
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
     src = load_dir(tiny.path)
     reference = {
         n: (dequant_reference(src, n).to(torch.bfloat16) if n in tiny.fp8_weights else t)
@@ -60,7 +61,7 @@ def test_transformers_loads_bf16_output(tiny, tmp_path):
 def test_transformers_with_compressed_tensors_loads_channel_output(tiny, tmp_path):
     pytest.importorskip("compressed_tensors")
     out = tmp_path / "channel"
-    fp8conv.convert(tiny.path, out, to="channel")
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="channel"))
     got = load_dir(out)
     reference = {}
     for name, t in got.items():
@@ -79,8 +80,8 @@ def test_transformers_with_compressed_tensors_loads_channel_output(tiny, tmp_pat
 
 
 def test_padded_block_output_computes_the_same_function(tiny, tmp_path):
-    fp8conv.convert(tiny.path, tmp_path / "block", to="block")
-    fp8conv.convert(tiny.path, tmp_path / "padded", to="block", pad_for_tp=4)
+    fp8conv.convert(tiny.path, tmp_path / "block", ConvertOptions(to="block"))
+    fp8conv.convert(tiny.path, tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=4))
     config = json.loads((tmp_path / "padded" / "config.json").read_text())
     assert config["intermediate_size"] == 512 and config["moe_intermediate_size"] == 512  # 448, 192 before
     assert fp8conv.inspect(tmp_path / "padded").tp_indivisible["4"] == []
@@ -100,7 +101,7 @@ def test_padded_block_output_computes_the_same_function(tiny, tmp_path):
     assert padded[down].shape == (320, 512) and (padded[down][:, 192:].view(torch.uint8) == 0).all()
 
     for name in ("block", "padded"):
-        fp8conv.convert(tmp_path / name, tmp_path / f"{name}-bf16", to="bf16")
+        fp8conv.convert(tmp_path / name, tmp_path / f"{name}-bf16", ConvertOptions(to="bf16"))
     assert same_bits(_logits(tmp_path / "padded-bf16"), _logits(tmp_path / "block-bf16"))
     # float32: the matmuls reduce over 512 instead of 448 columns, in another order (about 1e-6 apart)
     padded32, plain32 = (
@@ -112,9 +113,9 @@ def test_padded_block_output_computes_the_same_function(tiny, tmp_path):
 
 def test_padded_mlp_is_the_same_function_in_plain_torch(tiny, tmp_path):
     """silu(0) * 0 = 0 and zero down columns add nothing: the dense MLP, by hand, before and after."""
-    fp8conv.convert(tiny.path, tmp_path / "plain", to="bf16")
-    fp8conv.convert(tiny.path, tmp_path / "padded", to="block", pad_for_tp=8)
-    fp8conv.convert(tmp_path / "padded", tmp_path / "padded-bf16", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "plain", ConvertOptions(to="bf16"))
+    fp8conv.convert(tiny.path, tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=8))
+    fp8conv.convert(tmp_path / "padded", tmp_path / "padded-bf16", ConvertOptions(to="bf16"))
     a, b = load_dir(tmp_path / "plain"), load_dir(tmp_path / "padded-bf16")
     x = torch.randn(5, 320, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
@@ -128,8 +129,8 @@ def test_padded_mlp_is_the_same_function_in_plain_torch(tiny, tmp_path):
 
 def test_padding_from_bf16_quantizes_the_padded_weight(make_tiny, tmp_path):
     ckpt = make_tiny(dialect="bf16")
-    fp8conv.convert(ckpt.path, tmp_path / "block", to="block")
-    fp8conv.convert(ckpt.path, tmp_path / "padded", to="block", pad_for_tp=2)
+    fp8conv.convert(ckpt.path, tmp_path / "block", ConvertOptions(to="block"))
+    fp8conv.convert(ckpt.path, tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=2))
     plain, padded = load_dir(tmp_path / "block"), load_dir(tmp_path / "padded")
     name = "model.layers.0.mlp.down_proj.weight"
     assert padded[name].shape == (320, 512)
@@ -142,5 +143,5 @@ def test_padding_refuses_when_config_and_tensors_disagree(tiny, tmp_path):
     config["moe_intermediate_size"] = 256
     config_path.write_text(json.dumps(config))
     with pytest.raises(fp8conv.CheckpointError, match="moe_intermediate_size") as info:
-        fp8conv.convert(tiny.path, tmp_path / "out", to="block", pad_for_tp=4)
+        fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=4))
     assert "mlp.experts." in str(info.value) and not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fp8conv
+from fp8conv import ConvertOptions
 from fp8conv.formats import Kind, classify
 from fp8conv.source import open_checkpoint
 
@@ -72,7 +73,7 @@ def test_per_tensor_and_channel_convert_exactly(tmp_path):
         {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
     )
     src = load_dir(path)
-    fp8conv.convert(path, tmp_path / "out", to="bf16")
+    fp8conv.convert(path, tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     assert set(got) == {"t.weight", "c.weight"}  # weight and activation scales consumed
     assert same_bits(got["t.weight"], (src["t.weight"].float() * scale_t).to(torch.bfloat16))
@@ -137,7 +138,7 @@ def test_unsupported_formats_are_named_never_guessed(tmp_path, tensors, reason):
     assert cls.checkpoint_format == "unsupported"
     assert any(reason in p.one_line() for p in cls.problems), [p.one_line() for p in cls.problems]
     with pytest.raises(fp8conv.CheckpointError, match="unsupported"):
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
 
 
 def test_unknown_quant_method_is_refused(tmp_path):

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fp8conv
+from fp8conv import ConvertOptions
 from fp8conv.errors import Fp8ConvError
 from fp8conv.writer import TEMP_SUFFIX
 
@@ -57,7 +58,9 @@ def test_mutated_checkpoint_converts_or_is_refused_cleanly(pristine, tmp_path_fa
     victim.write_bytes(bytes(raw))
     out = work / "out"
     try:
-        fp8conv.convert(ckpt, out, to=data.draw(st.sampled_from(["bf16", "channel", "block"]), label="to"))
+        fp8conv.convert(
+            ckpt, out, ConvertOptions(to=data.draw(st.sampled_from(["bf16", "channel", "block"]), label="to"))
+        )
     except Fp8ConvError as exc:
         assert "\n" not in str(exc)  # one line
         if out.exists():  # refused mid-run: nothing that looks complete

@@ -77,7 +77,7 @@ def test_every_input_json_file_is_refused_alike(tmp_path, name, fix):
     good = (path / name).read_bytes() if (path / name).exists() else b'{"dim": 8}'
     (path / name).write_bytes(good[: len(good) // 2])
     with pytest.raises(CheckpointError) as info:
-        fp8conv.convert(path, tmp_path / "out", to="bf16")
+        fp8conv.convert(path, tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
     line = info.value.one_line()
     assert line.startswith(f"in {name}: is not valid JSON (") and "truncated" in line and line.endswith(fix), line
     assert not (tmp_path / "out").exists()
@@ -87,7 +87,7 @@ def test_verify_names_a_damaged_output_document_instead_of_crashing(tmp_path):
     """An output config.json or index that holds an array was an AttributeError in verify."""
     path = _checkpoint(tmp_path)
     out = tmp_path / "out"
-    fp8conv.convert(path, out, to="channel")
+    fp8conv.convert(path, out, fp8conv.ConvertOptions(to="channel"))
     assert fp8conv.verify(path, out).ok
     (out / "config.json").write_text("[]")
     (out / "model.safetensors.index.json").write_text('{"weight_map": {')
@@ -99,7 +99,7 @@ def test_verify_names_a_damaged_output_document_instead_of_crashing(tmp_path):
 def test_a_damaged_run_manifest_is_one_named_refusal(tmp_path):
     path = _checkpoint(tmp_path)
     out = tmp_path / "out"
-    fp8conv.convert(path, out, to="bf16")
+    fp8conv.convert(path, out, fp8conv.ConvertOptions(to="bf16"))
     manifest = out / ".fp8conv" / "manifest.json"
     for raw, problem in [(b"{", "is not valid JSON"), (b"{}", "lacks fp8conv_version, options, input")]:
         manifest.write_bytes(raw)

@@ -16,7 +16,7 @@ from .helpers import fp8_block_config, write_checkpoint
 MEASURE = """
 import sys
 import fp8conv
-fp8conv.convert(sys.argv[1], sys.argv[2], to="bf16")
+fp8conv.convert(sys.argv[1], sys.argv[2], fp8conv.ConvertOptions(to="bf16"))
 status = open("/proc/self/status").read()
 print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
 """
@@ -55,7 +55,9 @@ def test_peak_memory_does_not_grow_with_checkpoint_size(tmp_path):
 CAPPED = """
 import sys
 import fp8conv
-fp8conv.convert(sys.argv[1], sys.argv[2], to="channel", max_memory=int(sys.argv[3]))
+fp8conv.convert(
+    sys.argv[1], sys.argv[2], fp8conv.ConvertOptions(to="channel"), run=fp8conv.RunOptions(max_memory=int(sys.argv[3]))
+)
 status = open("/proc/self/status").read()
 print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
 """
@@ -87,14 +89,15 @@ def test_max_memory_caps_peak_rss(tmp_path):
 
 def test_max_memory_refusals_come_before_any_work(tmp_path, make_tiny):
     import fp8conv
+    from fp8conv import ConvertOptions, RunOptions
     from fp8conv.errors import OptionsError
 
     ckpt = make_tiny()
     with pytest.raises(OptionsError, match="below what a run needs"):
-        fp8conv.convert(ckpt.path, tmp_path / "out", to="bf16", max_memory=100 * 2**20)
+        fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(max_memory=100 * 2**20))
     w = torch.zeros(4096, 4096, dtype=torch.bfloat16)
     src = write_checkpoint(tmp_path / "bf16", {"model.layers.0.mlp.up_proj.weight": w}, None)
     with pytest.raises(OptionsError, match="rewritten whole and needs") as info:
-        fp8conv.convert(src, tmp_path / "out2", to="block", max_memory=280 * 2**20)
+        fp8conv.convert(src, tmp_path / "out2", ConvertOptions(to="block"), run=RunOptions(max_memory=280 * 2**20))
     assert "model.layers.0.mlp.up_proj.weight" in str(info.value)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()

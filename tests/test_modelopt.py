@@ -100,7 +100,7 @@ def test_modelopt_nvfp4_forms_to_bf16_load_in_transformers(tmp_path, form):
     # the MLP widths are checked against the unpacked [N, K], not the uint8 container's [N, K/2]
     assert report.problems == [] and report.formats == {"nvfp4-modelopt": 14, "unquantized": 7}, report
     before = dir_snapshot(tmp_path / "c")
-    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
     assert dir_snapshot(tmp_path / "c") == before
     assert result.tensors_converted == 14  # 7 Linears x 2 layers
 
@@ -128,7 +128,7 @@ def test_modelopt_nvfp4_forms_to_bf16_load_in_transformers(tmp_path, form):
 def test_modelopt_nvfp4_to_channel_drops_input_scales(tmp_path):
     """FP8_DYNAMIC quantizes activations per token: ModelOpt's static input_scale has no place there."""
     reference = build_modelopt(tmp_path / "c", None, {"producer": PRODUCER, "quantization": NESTED})
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="channel")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", fp8conv.ConvertOptions(to="channel"))
     got = load_dir(tmp_path / "out")
     assert not [n for n in got if n.endswith((".input_scale", ".weight_scale_2"))]
     assert got["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
@@ -162,7 +162,7 @@ def test_modelopt_nvfp4_to_channel_drops_input_scales(tmp_path):
 def test_modelopt_forms_fp8conv_does_not_read_are_refused_naming_the_file(tmp_path, qconfig, sidecar, file, message):
     build_modelopt(tmp_path / "c", qconfig, sidecar)
     with pytest.raises(fp8conv.CheckpointError, match=message) as err:
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
     assert str(err.value).startswith(f"in {file}: "), err.value
     assert not (tmp_path / "out").exists()
 
@@ -170,7 +170,7 @@ def test_modelopt_forms_fp8conv_does_not_read_are_refused_naming_the_file(tmp_pa
 def test_modelopt_weights_without_any_quantization_description_are_refused_not_read_as_bf16(tmp_path):
     build_modelopt(tmp_path / "c", None, None)
     with pytest.raises(fp8conv.CheckpointError, match="does not declare it") as err:
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
     assert "_proj.weight" in str(err.value) and "hf_quant_config.json" in str(err.value)
     assert not (tmp_path / "out").exists()
 
@@ -179,6 +179,6 @@ def test_unreadable_hf_quant_config_json_is_refused_by_name(tmp_path):
     build_modelopt(tmp_path / "c", None, None)
     (tmp_path / "c" / "hf_quant_config.json").write_text('{"quantization": ')
     with pytest.raises(fp8conv.CheckpointError, match=r"^in hf_quant_config.json: is not valid JSON") as err:
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
     assert str(err.value).endswith("fix or re-download hf_quant_config.json")
     assert not (tmp_path / "out").exists()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.formats import Kind, classify
 from fp8conv.source import open_checkpoint
 
@@ -114,7 +115,9 @@ def test_v4_tensors_are_classified_by_dtype_companion_and_config(tmp_path):
 
 def test_v4_to_bf16_dequantizes_every_expert_once_in_float32(tmp_path):
     src, truth = build_v4(tmp_path / "c")
-    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16", verify_after=True)
+    result = fp8conv.convert(
+        tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(verify_after=True)
+    )
     assert result.verified is not None and result.verified.ok, result.verified
     got = load_dir(tmp_path / "out")
     for name, value in truth.items():
@@ -130,7 +133,7 @@ def test_v4_to_bf16_dequantizes_every_expert_once_in_float32(tmp_path):
 @pytest.mark.parametrize("to", ["block", "channel"])
 def test_v4_to_fp8_requantizes_experts_and_counts_exact_blocks(tmp_path, to):
     _, truth = build_v4(tmp_path / "c", scale_low=100)
-    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", to=to, verify_after=True)
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to=to), run=RunOptions(verify_after=True))
     assert result.verified is not None and result.verified.ok, result.verified
     assert any(f"{result.packed_blocks_exact} of {result.packed_blocks_total}" in w for w in result.warnings)
     got = load_dir(tmp_path / "out")
@@ -169,7 +172,7 @@ def test_v4_without_expert_dtype_fp4_is_refused_not_guessed(tmp_path):
     del config["expert_dtype"]
     build_v4(tmp_path / "c", config=config)
     with pytest.raises(fp8conv.CheckpointError, match="does not declare it") as err:
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     assert "ffn.experts" in str(err.value) and "expert_dtype 'fp4'" in str(err.value)
     assert not (tmp_path / "out").exists()
 
@@ -178,7 +181,7 @@ def test_v41_expert_dtype_inside_quantization_config_is_read(tmp_path):
     config = v4_config()
     config["quantization_config"]["expert_dtype"] = config.pop("expert_dtype")
     _, truth = build_v4(tmp_path / "c", config=config, layers=1, experts=1)
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     name = "layers.0.ffn.experts.0.w2.weight"
     assert same_bits(got[name], truth[name].to(torch.float32).to(torch.bfloat16))
@@ -190,7 +193,7 @@ def test_v41_expert_dtype_inside_quantization_config_is_read(tmp_path):
 def test_trap_one_byte_tensors_are_not_fp8(tmp_path):
     """A tool that treats every one-byte tensor as FP8 reads the int8 experts as e4m3 bytes."""
     src, truth = build_v4(tmp_path / "c", layers=1, experts=1)
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     name = "layers.0.ffn.experts.0.w1.weight"
     assert got[name].shape == (96, 320)  # two values per byte, not one
@@ -213,7 +216,7 @@ def test_trap_e8m0_is_read_by_its_bits(tmp_path):
     tensors = {"layers.0.ffn.experts.0.w1.weight": pack_nibbles(codes).view(torch.int8)}
     tensors["layers.0.ffn.experts.0.w1.scale"] = scale.view(torch.float8_e8m0fnu)
     write_checkpoint(tmp_path / "c", tensors, v4_config())
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")["layers.0.ffn.experts.0.w1.weight"].float()
     assert torch.equal(got[:, :32], torch.full((4, 32), 2.0**-7))
     assert torch.equal(got[:, 32:], torch.full((4, 32), 2.0**-3))
@@ -225,7 +228,7 @@ def test_nibble_order_is_low_first(tmp_path):
     tensors = {"layers.0.ffn.experts.0.w1.weight": row.view(torch.int8)}
     tensors["layers.0.ffn.experts.0.w1.scale"] = torch.full((1, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     write_checkpoint(tmp_path / "c", tensors, v4_config())
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")["layers.0.ffn.experts.0.w1.weight"].float()
     assert got[0, :4].tolist() == [-2.0, 1.0, -2.0, 1.0]
     # compressed-tensors' INT4 words: element 8g+j in bits [4j, 4j+4)
@@ -247,7 +250,7 @@ def test_nan_e8m0_scale_byte_is_refused_by_name(tmp_path):
     scale[1, 1] = 255
     _v4_expert(tmp_path, (4, 64), scale)
     with pytest.raises(fp8conv.CheckpointError, match="NaN") as err:
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     assert "layers.0.ffn.experts.0.w1.scale" in str(err.value)
     assert not (tmp_path / "out").exists()
 
@@ -255,7 +258,7 @@ def test_nan_e8m0_scale_byte_is_refused_by_name(tmp_path):
 def test_scale_grid_disagreeing_with_k_is_refused(tmp_path):
     _v4_expert(tmp_path, (4, 64), torch.full((4, 3), 127, dtype=torch.uint8))  # K = 64 needs 2 per row
     with pytest.raises(fp8conv.CheckpointError, match=r"K = 64 in groups of 32 needs \[4, 2\]") as err:
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     assert "layers.0.ffn.experts.0.w1.weight" in str(err.value)
     assert not (tmp_path / "out").exists()
 
@@ -263,7 +266,7 @@ def test_scale_grid_disagreeing_with_k_is_refused(tmp_path):
 def test_k_not_a_multiple_of_the_group_is_refused(tmp_path):
     _v4_expert(tmp_path, (4, 48), torch.full((4, 2), 127, dtype=torch.uint8))  # K = 48
     with pytest.raises(fp8conv.CheckpointError, match="not a multiple of the group size 32"):
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     assert not (tmp_path / "out").exists()
 
 
@@ -306,7 +309,7 @@ def test_int4_pack_quantized_matches_compressed_tensors(tmp_path):
     src, truth = build_int4(tmp_path / "c", shapes)
     ckpt = open_checkpoint(tmp_path / "c")
     assert {w.kind for w in classify(ckpt.index, ckpt.config).weights.values()} == {Kind.INT4}
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**INT4_WEIGHTS))
     for base in shapes:
@@ -325,7 +328,7 @@ def test_int4_weight_shape_that_disagrees_is_refused(tmp_path):
     src["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([8, 61], dtype=torch.int32)
     write_checkpoint(tmp_path / "c", src, _ct_config("pack-quantized", INT4_WEIGHTS))
     with pytest.raises(fp8conv.CheckpointError, match=r"unpacked weight is \[8, 61\]") as err:
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     assert "model.layers.0.mlp.down_proj.weight_shape" in str(err.value)
     assert not (tmp_path / "out").exists()
 
@@ -370,7 +373,7 @@ def test_nvfp4_compressed_tensors(tmp_path, global_scale):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     src, truth = build_nvfp4(tmp_path / "c", NVFP4_SHAPES, global_scale)
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**NVFP4_WEIGHTS))
     for base in NVFP4_SHAPES:
@@ -387,12 +390,12 @@ def test_nvfp4_compressed_tensors(tmp_path, global_scale):
 
 def test_nvfp4_modelopt(tmp_path):
     _, truth = build_nvfp4(tmp_path / "c", NVFP4_SHAPES, 1 / 2688.0, modelopt=True)
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     for name, value in truth.items():
         # e2m1 * e4m3 is exact, so one float32 rounding by weight_scale_2 is the float64 value rounded once
         assert same_bits(got[name], value.to(torch.float32).to(torch.bfloat16)), name
-    fp8conv.convert(tmp_path / "c", tmp_path / "ch", to="channel")
+    fp8conv.convert(tmp_path / "c", tmp_path / "ch", ConvertOptions(to="channel"))
     out = load_dir(tmp_path / "ch")
     for name, value in truth.items():
         q_ref, s_ref = quantize_reference(value.to(torch.float32), None)
@@ -404,7 +407,7 @@ def test_int8_weight_with_float_scale_is_not_taken_for_nvfp4(tmp_path):
     qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
     write_checkpoint(tmp_path / "c", tensors, {"quantization_config": qc})
     with pytest.raises(fp8conv.CheckpointError, match="are int8, not FP8 or packed FP4"):
-        fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+        fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
 
 
 # --- the CPU backend's table-driven decode is the reference's, bit for bit -------------------------------
@@ -499,7 +502,7 @@ def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path):
     ckpt = open_checkpoint(tmp_path / "c")
     assert classify(ckpt.index, ckpt.config).kind_counts()["mxfp4-gpt-oss"] == 4
 
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     for i in range(cfg.num_hidden_layers):
         for proj in ("gate_up_proj", "down_proj"):
@@ -520,7 +523,7 @@ def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path):
     assert ours.abs().max() > 0 and same_bits(ours, expected)
 
     with pytest.raises(fp8conv.CheckpointError, match="gpt-oss MXFP4 experts have no FP8 layout"):
-        fp8conv.convert(tmp_path / "c", tmp_path / "fp8", to="block")
+        fp8conv.convert(tmp_path / "c", tmp_path / "fp8", ConvertOptions(to="block"))
     assert not (tmp_path / "fp8").exists()
 
 
@@ -549,7 +552,7 @@ def test_kimi_style_int4_experts_to_bf16_load_in_transformers_deepseek_v3(make_t
         "ignore": ignore
     }
     write_checkpoint(tmp_path / "c", packed, config, shards=3)
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     got = load_dir(tmp_path / "out")
     assert sorted(got) == sorted(reference)
     assert all(same_bits(got[n], reference[n]) for n in reference)

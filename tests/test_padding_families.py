@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fp8conv
+from fp8conv import ConvertOptions
 from fp8conv.errors import CheckpointError
 
 from .families import FAMILIES, build_family
@@ -122,8 +123,8 @@ def _logits(folder, fixture):
 def test_padded_family_computes_the_same_function(built, family, tmp_path):
     fixture = built(family)
     tp = (2, 4, 8)[CONVERTED.index(family) % 3]
-    fp8conv.convert(fixture.path, tmp_path / "block", to="block")
-    fp8conv.convert(fixture.path, tmp_path / "padded", to="block", pad_for_tp=tp)
+    fp8conv.convert(fixture.path, tmp_path / "block", ConvertOptions(to="block"))
+    fp8conv.convert(fixture.path, tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=tp))
 
     before, after = _text(fixture.config), _text(json.loads((tmp_path / "padded" / "config.json").read_text()))
     unit = tp * 128
@@ -163,7 +164,7 @@ def test_padded_family_computes_the_same_function(built, family, tmp_path):
 
 def test_pad_roles_leaves_the_routed_experts_alone(built, tmp_path):
     fixture = built("qwen2-moe")  # no dense layer: shared and routed experts
-    fp8conv.convert(fixture.path, tmp_path / "out", to="block", pad_for_tp=4, pad_roles=("shared",))
+    fp8conv.convert(fixture.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=4, pad_roles=("shared",)))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["shared_expert_intermediate_size"] == 512 and config["moe_intermediate_size"] == 136
     tensors = load_dir(tmp_path / "out")
@@ -183,7 +184,9 @@ def test_pad_roles_refuses_to_split_a_shared_width_key(built, tmp_path):
     would give the routed experts a config width their tensors do not have."""
     fixture = built("deepseek-v3")
     with pytest.raises(fp8conv.OptionsError, match=r"share config\.json's moe_intermediate_size"):
-        fp8conv.convert(fixture.path, tmp_path / "out", to="block", pad_for_tp=4, pad_roles=("dense", "shared"))
+        fp8conv.convert(
+            fixture.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=4, pad_roles=("dense", "shared"))
+        )
     assert not (tmp_path / "out").exists()
     assert set(fp8conv.inspect(fixture.path).padded_output_bytes["4"]) == {"dense,shared,routed", "dense"}
 
@@ -191,7 +194,7 @@ def test_pad_roles_refuses_to_split_a_shared_width_key(built, tmp_path):
 def test_mixtral_widths_follow_their_tensors(built, tmp_path):
     """The bug this guards: intermediate_size 512 written while every w1/w3 stayed [330, 200]."""
     fixture = built("mixtral-autofp8")
-    fp8conv.convert(fixture.path, tmp_path / "out", to="block", pad_for_tp=4)
+    fp8conv.convert(fixture.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=4))
     tensors = load_dir(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["intermediate_size"] == 512
     for name, t in tensors.items():
@@ -217,14 +220,14 @@ def test_a_name_no_role_claims_is_refused_by_pad_for_tp(built, tmp_path):
     index["weight_map"]["model.layers.0.mlp.extra_proj.weight"] = shard
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="plays no role the family table knows") as info:
-        fp8conv.convert(src, tmp_path / "out", to="block", pad_for_tp=2)
+        fp8conv.convert(src, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=2))
     assert "model.layers.0.mlp.extra_proj.weight" in str(info.value) and shard in str(info.value)
-    fp8conv.convert(src, tmp_path / "unpadded", to="block")  # without padding the name is no problem
+    fp8conv.convert(src, tmp_path / "unpadded", ConvertOptions(to="block"))  # without padding the name is no problem
 
 
 def test_config_disagreeing_with_tensors_is_refused_everywhere(built, tmp_path):
     fixture = built("mixtral-autofp8")
-    fp8conv.convert(fixture.path, tmp_path / "good", to="block")
+    fp8conv.convert(fixture.path, tmp_path / "good", ConvertOptions(to="block"))
     # the input: plan refuses, inspect lists it
     bad_in = tmp_path / "bad-in"
     bad_in.mkdir()
@@ -234,7 +237,7 @@ def test_config_disagreeing_with_tensors_is_refused_everywhere(built, tmp_path):
     config["intermediate_size"] = 512
     (bad_in / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"config\.json's intermediate_size says 512") as info:
-        fp8conv.convert(bad_in, tmp_path / "out", to="bf16")
+        fp8conv.convert(bad_in, tmp_path / "out", ConvertOptions(to="bf16"))
     assert "block_sparse_moe.experts." in str(info.value) and not (tmp_path / "out").exists()
     problems = fp8conv.inspect(bad_in).problems
     assert any("intermediate_size says 512" in p and ".w2.weight" in p for p in problems)
@@ -275,8 +278,8 @@ def _fused_model(kind: str, folder):
 @pytest.mark.parametrize(("kind", "tp"), [("qwen3_vl_moe", 2), ("llama4", 8)])
 def test_fused_3d_experts_are_padded_half_by_half(kind, tp, tmp_path):
     model_class = _fused_model(kind, tmp_path / "in")
-    fp8conv.convert(tmp_path / "in", tmp_path / "block", to="block")
-    fp8conv.convert(tmp_path / "in", tmp_path / "padded", to="block", pad_for_tp=tp)
+    fp8conv.convert(tmp_path / "in", tmp_path / "block", ConvertOptions(to="block"))
+    fp8conv.convert(tmp_path / "in", tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=tp))
     plain, padded = _dequantized(tmp_path / "block"), _dequantized(tmp_path / "padded")
     width = -(-136 // (tp * 128)) * tp * 128
     fused = [n for n in plain if n.endswith("experts.gate_up_proj")]
@@ -317,7 +320,7 @@ def test_fused_fp8_experts_with_whole_block_halves_keep_their_bytes(tmp_path):
     tensors = {prefix + "gate_up_proj": gate_up, prefix + "gate_up_proj_scale_inv": gu_scale}
     tensors |= {prefix + "down_proj": down, prefix + "down_proj_scale_inv": d_scale}
     write_checkpoint(tmp_path / "in", tensors, config, shards=2)
-    fp8conv.convert(tmp_path / "in", tmp_path / "out", to="block", pad_for_tp=4)
+    fp8conv.convert(tmp_path / "in", tmp_path / "out", ConvertOptions(to="block", pad_for_tp=4))
     out = load_dir(tmp_path / "out")
     w, s = out[prefix + "gate_up_proj"], out[prefix + "gate_up_proj_scale_inv"]
     assert w.shape == (2, 1024, 200) and s.shape == (2, 8, 2)

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli import main
 from fp8conv.errors import OptionsError
 from fp8conv.parts import assign_parts, parse_part
@@ -27,7 +28,7 @@ from .helpers import dir_snapshot
 @pytest.mark.parametrize(("to", "count"), [("bf16", 2), ("channel", 3), ("block", 4)])
 def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count):
     ckpt = make_tiny(num_shards=4, dialect="ue8m0-u8" if to == "block" else "block")
-    fp8conv.convert(ckpt.path, tmp_path / "single", to=to)
+    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to=to))
     out = tmp_path / "fanout"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     procs = [
@@ -62,11 +63,11 @@ def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count):
 
 def test_finalize_waits_for_every_part_and_checks_hashes(tiny, tmp_path):
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to="bf16", part=(1, 2))
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(1, 2)))
     assert not (out / "config.json").exists()  # part 2 has not run: not finalized
     with pytest.raises(OptionsError, match="parts 2/2 have not finished"):
         fp8conv.finalize(out)
-    fp8conv.convert(tiny.path, out, to="bf16", part=(2, 2))
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(2, 2)))
     assert (out / "config.json").exists()  # the last part finalized
     (out / "config.json").unlink()
     first = sorted(out.glob("model-*.safetensors"))[0]
@@ -93,7 +94,7 @@ def test_part_assignment_is_balanced_and_deterministic():
 
 def test_jobs_flag_runs_worker_processes(make_tiny, tmp_path):
     ckpt = make_tiny(num_shards=4)
-    fp8conv.convert(ckpt.path, tmp_path / "single", to="bf16")
+    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to="bf16"))
     out = tmp_path / "jobs"
     cmd = [
         sys.executable,
@@ -126,8 +127,8 @@ def test_finalize_rereads_only_shards_touched_since_their_part_wrote_them(tiny, 
     import fp8conv.manifest as manifest_module
 
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to="bf16", part=(1, 2))
-    fp8conv.convert(tiny.path, out, to="bf16", part=(2, 2))
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(1, 2)))
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(2, 2)))
     final = json.loads((out / ".fp8conv" / "manifest.json").read_text())
     assert all(set(entry) == {"size", "sha256"} for entry in final["shards"].values())
     hashed: list[str] = []
@@ -153,23 +154,28 @@ def _without_part_records(path) -> dict[str, bytes]:
 def test_parts_resume_in_every_order_and_after_finalize(make_tiny, tmp_path):
     """--part I/N --resume is what a retried task runs: it must work whatever the other parts have done."""
     ckpt = make_tiny(num_shards=4)
-    fp8conv.convert(ckpt.path, tmp_path / "single", to="channel")
+    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to="channel"))
     single = dir_snapshot(tmp_path / "single")
     for order in itertools.permutations((1, 2, 3)):
         out = tmp_path / "-".join(map(str, order))
-        results = [fp8conv.convert(ckpt.path, out, to="channel", part=(i, 3), resume=True) for i in order]
+        results = [
+            fp8conv.convert(ckpt.path, out, ConvertOptions(to="channel"), run=RunOptions(part=(i, 3), resume=True))
+            for i in order
+        ]
         assert [r.finalized for r in results] == [False, False, True]
         assert not any(r.shards_kept for r in results)
-        again = fp8conv.convert(ckpt.path, out, to="channel", part=(order[0], 3), resume=True)  # after finalize
+        again = fp8conv.convert(
+            ckpt.path, out, ConvertOptions(to="channel"), run=RunOptions(part=(order[0], 3), resume=True)
+        )  # after finalize
         assert again.finalized and again.shards_kept == again.shards and again.tensors_converted == 0
         assert _without_part_records(out) == single, order
     # a retry between the others: the first part again, before the last has run
     out = tmp_path / "retry-between"
-    fp8conv.convert(ckpt.path, out, to="channel", part=(2, 3), resume=True)
-    retry = fp8conv.convert(ckpt.path, out, to="channel", part=(2, 3), resume=True)
+    fp8conv.convert(ckpt.path, out, ConvertOptions(to="channel"), run=RunOptions(part=(2, 3), resume=True))
+    retry = fp8conv.convert(ckpt.path, out, ConvertOptions(to="channel"), run=RunOptions(part=(2, 3), resume=True))
     assert retry.shards_kept == retry.shards and not retry.finalized
     for i in (3, 1):
-        fp8conv.convert(ckpt.path, out, to="channel", part=(i, 3), resume=True)
+        fp8conv.convert(ckpt.path, out, ConvertOptions(to="channel"), run=RunOptions(part=(i, 3), resume=True))
     assert _without_part_records(out) == single
 
 
@@ -178,13 +184,18 @@ import sys, time
 import fp8conv
 def slow(done, total):
     time.sleep(0.05)  # after each tensor: slow enough to be killed mid-shard
-fp8conv.convert(sys.argv[1], sys.argv[2], to="channel", part=(2, 2), resume=True, progress=slow)
+fp8conv.convert(
+    sys.argv[1],
+    sys.argv[2],
+    fp8conv.ConvertOptions(to="channel"),
+    run=fp8conv.RunOptions(part=(2, 2), resume=True, progress=slow),
+)
 """
 
 
 def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_path):
     ckpt = make_tiny(num_shards=4)
-    fp8conv.convert(ckpt.path, tmp_path / "single", to="channel")
+    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to="channel"))
     out = tmp_path / "out"
     record = out / ".fp8conv" / "part-2-of-2.json"
 
@@ -206,7 +217,7 @@ def test_part_killed_mid_shard_then_retried_is_byte_identical(make_tiny, tmp_pat
     assert len(done) == 1 and any(out.glob(".*.fp8conv-partial")), "the test must kill part 2 mid-shard"
     kept = (out / done[0]).stat()
     kept_file = (kept.st_ino, kept.st_mtime_ns)  # an inode alone may be reused by a rewrite
-    other = fp8conv.convert(ckpt.path, out, to="channel", part=(1, 2), resume=True)
+    other = fp8conv.convert(ckpt.path, out, ConvertOptions(to="channel"), run=RunOptions(part=(1, 2), resume=True))
     assert not other.finalized and not (out / "config.json").exists()  # part 2 is not complete
     cmd = [sys.executable, "-m", "fp8conv", "convert", str(ckpt.path), "--to", "channel", "-o", str(out)]
     retry = subprocess.run([*cmd, "--part", "2/2", "--resume"], capture_output=True, text=True, timeout=300)
@@ -234,25 +245,29 @@ def test_part_summary_describes_the_part(make_tiny, tmp_path):
 def test_parts_refuse_another_split_other_options_or_a_foreign_directory(make_tiny, tmp_path):
     ckpt = make_tiny(num_shards=4)
     out = tmp_path / "out"
-    fp8conv.convert(ckpt.path, out, to="bf16", part=(1, 3))
+    fp8conv.convert(ckpt.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(1, 3)))
     with pytest.raises(OptionsError, match=r"holds part 1/3 of a split into 3 parts; this is --part 2/4"):
-        fp8conv.convert(ckpt.path, out, to="bf16", part=(2, 4), resume=True)
+        fp8conv.convert(ckpt.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(2, 4), resume=True))
     with pytest.raises(OptionsError, match=r"part 1/3 there differs: option dtype was 'bfloat16', now 'float16'"):
-        fp8conv.convert(ckpt.path, out, to="bf16", dtype="float16", part=(2, 3), resume=True)
+        fp8conv.convert(
+            ckpt.path, out, ConvertOptions(to="bf16", dtype="float16"), run=RunOptions(part=(2, 3), resume=True)
+        )
     with pytest.raises(OptionsError, match=r"cannot resume .*option to was 'bf16', now 'channel'"):
-        fp8conv.convert(ckpt.path, out, to="channel", part=(1, 3), resume=True)  # its own record
+        fp8conv.convert(
+            ckpt.path, out, ConvertOptions(to="channel"), run=RunOptions(part=(1, 3), resume=True)
+        )  # its own record
     assert sorted(p.name for p in (out / ".fp8conv").iterdir()) == ["part-1-of-3.json"]  # nothing written
     with pytest.raises(OptionsError, match=r"holds parts of a fan-out: resume each with --part I/N --resume"):
-        fp8conv.convert(ckpt.path, out, to="bf16", resume=True)
+        fp8conv.convert(ckpt.path, out, ConvertOptions(to="bf16"), run=RunOptions(resume=True))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("x")
     with pytest.raises(OptionsError, match=r"not empty and holds no fp8conv output"):
-        fp8conv.convert(ckpt.path, foreign, to="bf16", part=(1, 2), resume=True)
+        fp8conv.convert(ckpt.path, foreign, ConvertOptions(to="bf16"), run=RunOptions(part=(1, 2), resume=True))
     # --overwrite starts a new split: the records of the old one go, the result is a single run's
     for i in (1, 2):
-        fp8conv.convert(ckpt.path, out, to="bf16", part=(i, 2), overwrite=True)
-    fp8conv.convert(ckpt.path, tmp_path / "single", to="bf16")
+        fp8conv.convert(ckpt.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(i, 2), overwrite=True))
+    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to="bf16"))
     assert _without_part_records(out) == dir_snapshot(tmp_path / "single")
     assert sorted(p.name for p in (out / ".fp8conv").glob("part-*")) == ["part-1-of-2.json", "part-2-of-2.json"]
 
@@ -301,10 +316,10 @@ def _finalize_cli(out) -> tuple[int, str]:
 
 def _fanned_out(tiny, tmp_path):
     """A single run and a finished 2-part fan-out of the same checkpoint."""
-    fp8conv.convert(tiny.path, tmp_path / "single", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "single", ConvertOptions(to="bf16"))
     out = tmp_path / "out"
     for i in (1, 2):
-        fp8conv.convert(tiny.path, out, to="bf16", part=(i, 2))
+        fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(i, 2)))
     return out
 
 
@@ -331,7 +346,9 @@ def test_finalize_names_a_damaged_part_manifest_and_its_fix_works(tiny, tmp_path
         assert code == 1 and f"part manifest {part2}: {problem}" in line and why in line, err
         assert "run part 2/2 again with --overwrite" in line and "Traceback" not in err
         assert not (out / "config.json").exists()
-    fp8conv.convert(tiny.path, out, to="bf16", part=(2, 2), overwrite=True)  # the fix the message gives
+    fp8conv.convert(
+        tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(2, 2), overwrite=True)
+    )  # the fix the message gives
     assert (out / "config.json").exists()  # the last part to finish finalized
     fanned = {k: v for k, v in dir_snapshot(out).items() if not k.startswith(".fp8conv/part-")}
     assert fanned == dir_snapshot(tmp_path / "single")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fp8conv
+from fp8conv import ConvertOptions
 from fp8conv.errors import CheckpointError
 from fp8conv.safetensors_file import read_header, read_tensor
 
@@ -77,7 +78,7 @@ def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct
 
 
 def _convert(path, tmp_path):
-    return fp8conv.convert(path, tmp_path / "out", to="bf16")
+    return fp8conv.convert(path, tmp_path / "out", ConvertOptions(to="bf16"))
 
 
 @pytest.mark.parametrize(

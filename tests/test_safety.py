@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli import main
 from fp8conv.errors import CheckpointError, OutputError
 from fp8conv.writer import TEMP_SUFFIX
@@ -36,10 +37,12 @@ def test_nonfinite_scale_is_refused_by_name_unless_allowed(tiny, tmp_path, value
     name = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"
     _set_scale_value(tiny, name, value)
     with pytest.raises(CheckpointError, match="NaN/Inf") as info:
-        fp8conv.convert(tiny.path, tmp_path / "out", to="bf16")
+        fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     assert name in str(info.value) and "--allow-nonfinite" in str(info.value)
     assert not (tmp_path / "out").exists()
-    result = fp8conv.convert(tiny.path, tmp_path / "out", to="bf16", allow_nonfinite=True)
+    result = fp8conv.convert(
+        tiny.path, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(allow_nonfinite=True)
+    )
     assert any(name in w for w in result.warnings)
     weight = load_dir(tmp_path / "out")[name.removesuffix("_scale_inv")]
     assert not torch.isfinite(weight[128:256, :128].float()).all()
@@ -50,7 +53,7 @@ def test_zero_or_negative_scale_is_refused(tiny, tmp_path, value):
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
     _set_scale_value(tiny, name, value)
     with pytest.raises(CheckpointError, match="zero or negative") as info:
-        fp8conv.convert(tiny.path, tmp_path / "out", to="channel", allow_nonfinite=True)
+        fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="channel"), run=RunOptions(allow_nonfinite=True))
     assert name in str(info.value) and not (tmp_path / "out").exists()
 
 
@@ -111,9 +114,9 @@ def test_not_enough_space_is_refused_with_both_numbers(tiny, tmp_path, monkeypat
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(OutputError, match=r"needs \d+ bytes .* has 1000 bytes") as info:
-        fp8conv.convert(tiny.path, tmp_path / "out", to="bf16")
+        fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     assert "--no-space-check" in str(info.value) and not (tmp_path / "out").exists()
-    fp8conv.convert(tiny.path, tmp_path / "out", to="bf16", space_check=False)
+    fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(space_check=False))
 
 
 FSIZE_LIMITED = """

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import fp8conv
+from fp8conv import ConvertOptions
 from fp8conv.errors import CheckpointError
 
 from .helpers import dir_snapshot
@@ -53,7 +54,7 @@ def test_hub_id_through_an_offline_cache(tiny, tmp_path):
     assert '"format": "block-fp8"' in inspected.stdout
     done = _cli(["convert", "acme/tiny-fp8", "--revision", COMMIT, "--to", "bf16", "-o", str(tmp_path / "hub")], cache)
     assert done.returncode == 0, done.stderr
-    fp8conv.convert(tiny.path, tmp_path / "local", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "local", ConvertOptions(to="bf16"))
     hub, local = dir_snapshot(tmp_path / "hub"), dir_snapshot(tmp_path / "local")
     # provenance differs (the model card note and the manifest's source); everything else is the same bytes
     provenance = {"README.md", ".fp8conv/manifest.json"}
@@ -72,7 +73,7 @@ def test_hub_id_through_an_offline_cache(tiny, tmp_path):
 
 def test_a_cache_snapshot_path_works_directly(tiny, tmp_path):
     snap = lay_out_hf_cache(tiny.path, tmp_path / "cache", "acme/tiny-fp8")
-    result = fp8conv.convert(snap, tmp_path / "out", to="bf16")
+    result = fp8conv.convert(snap, tmp_path / "out", ConvertOptions(to="bf16"))
     assert result.files_skipped == [] and "tokenizer.json" in result.files_copied
 
 
@@ -81,7 +82,7 @@ def test_symlinks_out_of_a_checkpoint_are_not_followed(tiny, tmp_path):
     outside.mkdir()
     (outside / "secret.txt").write_text("not part of the model")
     (tiny.path / "tokenizer_extra.txt").symlink_to(outside / "secret.txt")
-    result = fp8conv.convert(tiny.path, tmp_path / "out", to="bf16")
+    result = fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     assert ("tokenizer_extra.txt", "a symlink out of the checkpoint, not followed") in result.files_skipped
     assert not (tmp_path / "out" / "tokenizer_extra.txt").exists()
     shard = tiny.path / tiny.shards[1]
@@ -89,7 +90,7 @@ def test_symlinks_out_of_a_checkpoint_are_not_followed(tiny, tmp_path):
     shard.rename(moved)
     shard.symlink_to(moved)
     with pytest.raises(CheckpointError, match="outside the checkpoint") as info:
-        fp8conv.convert(tiny.path, tmp_path / "out2", to="bf16")
+        fp8conv.convert(tiny.path, tmp_path / "out2", ConvertOptions(to="bf16"))
     assert tiny.shards[1] in str(info.value)
 
 

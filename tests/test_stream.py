@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli import main
 from fp8conv.errors import CheckpointError, OptionsError, OutputError, PlanRefused
 from fp8conv.shard_source import LocalShardSource, evict_cached_file
@@ -54,8 +55,13 @@ def test_stream_through_an_offline_hub_cache_evicts_what_it_converted(tiny, tmp_
     other.symlink_to(os.path.relpath(shared.resolve(), other.parent))
     blobs = {name: (snap / name).resolve() for name in tiny.shards}
 
-    result = fp8conv.convert(REPO, tmp_path / "out", to="bf16", stream=True, evict_input=True, verify_after=True)
-    fp8conv.convert(tiny.path, tmp_path / "local", to="bf16")
+    result = fp8conv.convert(
+        REPO,
+        tmp_path / "out",
+        ConvertOptions(to="bf16"),
+        run=RunOptions(stream=True, evict_input=True, verify_after=True),
+    )
+    fp8conv.convert(tiny.path, tmp_path / "local", ConvertOptions(to="bf16"))
     got = dir_snapshot(tmp_path / "out")
     assert without_provenance(got) == without_provenance(dir_snapshot(tmp_path / "local"))
     assert result.verified is not None and result.verified.ok and result.verified.tensors_sampled == 73
@@ -135,11 +141,11 @@ def test_stream_plans_from_remote_headers_before_any_download(tiny, tmp_path, hf
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("not empty")
     with pytest.raises(OptionsError, match="is not empty"):
-        fp8conv.convert(REPO, tmp_path / "busy", to="bf16", stream=True)
+        fp8conv.convert(REPO, tmp_path / "busy", ConvertOptions(to="bf16"), run=RunOptions(stream=True))
     assert downloads == []
-    fp8conv.convert(REPO, tmp_path / "out", to="channel", stream=True, evict_input=True)
+    fp8conv.convert(REPO, tmp_path / "out", ConvertOptions(to="channel"), run=RunOptions(stream=True, evict_input=True))
     assert downloads == tiny.shards
-    fp8conv.convert(tiny.path, tmp_path / "local", to="channel")
+    fp8conv.convert(tiny.path, tmp_path / "local", ConvertOptions(to="channel"))
     assert without_provenance(dir_snapshot(tmp_path / "out")) == without_provenance(dir_snapshot(tmp_path / "local"))
 
 
@@ -192,7 +198,12 @@ def test_stream_order_with_a_scale_in_another_shard(tiny, tmp_path, recorded_com
     s0, s1, s2 = tiny.shards
     assert tiny.moved_scale is not None
     source = RecordingSource(tiny.path, tmp_path / "staging", events, delay_s=0.3)
-    fp8conv.convert(tiny.path, tmp_path / "out", to="bf16", stream=source, evict_input=True, prefetch=1)
+    fp8conv.convert(
+        tiny.path,
+        tmp_path / "out",
+        ConvertOptions(to="bf16"),
+        run=RunOptions(stream=source, evict_input=True, prefetch=1),
+    )
     order = [e for e in events if e[0] != "fetch"]
     assert order.index(("commit", s0)) > order.index(("arrived", s1))  # the moved scale was there first
     assert order.index(("evict", s0)) > order.index(("commit", s0))
@@ -200,14 +211,19 @@ def test_stream_order_with_a_scale_in_another_shard(tiny, tmp_path, recorded_com
     assert order.index(("evict", s2)) > order.index(("commit", s2))
     assert events.index(("fetch", s2)) > events.index(("commit", s0))  # no further ahead than --prefetch 1
     assert source.peak == 2 and list(source.root.iterdir()) == []
-    fp8conv.convert(tiny.path, tmp_path / "local", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "local", ConvertOptions(to="bf16"))
     assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "local") | {
         ".fp8conv/manifest.json": (tmp_path / "out" / ".fp8conv" / "manifest.json").read_bytes()
     }
     # --prefetch 2: input 2 is downloaded while output 0 is converted
     events.clear()
     source = RecordingSource(tiny.path, tmp_path / "staging2", events, delay_s=0.3)
-    fp8conv.convert(tiny.path, tmp_path / "out2", to="bf16", stream=source, evict_input=True, prefetch=2)
+    fp8conv.convert(
+        tiny.path,
+        tmp_path / "out2",
+        ConvertOptions(to="bf16"),
+        run=RunOptions(stream=source, evict_input=True, prefetch=2),
+    )
     assert events.index(("fetch", s2)) < events.index(("commit", s0)) and source.peak == 3
 
 
@@ -215,20 +231,30 @@ def test_stream_disk_bound_is_refused_with_both_numbers(tiny, tmp_path, monkeypa
     import fp8conv.streaming as streaming
 
     sizes = [(tiny.path / s).stat().st_size for s in tiny.shards]
-    reference = fp8conv.convert(tiny.path, tmp_path / "ref", to="bf16")
+    reference = fp8conv.convert(tiny.path, tmp_path / "ref", ConvertOptions(to="bf16"))
     copied = sum((tiny.path / f).stat().st_size for f in reference.files_copied)
     output = reference.bytes_written + copied
     for evict, held in ((True, max(sizes[0] + sizes[1], sizes[1] + sizes[2])), (False, sum(sizes))):
         monkeypatch.setattr(streaming.shutil, "disk_usage", lambda p, n=output + held - 1: SimpleNamespace(free=n))
         source = LocalShardSource(tiny.path, tmp_path / f"staging-{evict}", log=tmp_path / f"log-{evict}")
         with pytest.raises(OutputError) as info:
-            fp8conv.convert(tiny.path, tmp_path / f"out-{evict}", to="bf16", stream=source, evict_input=evict)
+            fp8conv.convert(
+                tiny.path,
+                tmp_path / f"out-{evict}",
+                ConvertOptions(to="bf16"),
+                run=RunOptions(stream=source, evict_input=evict),
+            )
         message = info.value.one_line()
         assert f"the output needs {output} bytes" in message and f"the input {held} bytes" in message
         assert f"{output + held} bytes" in message and f"has {output + held - 1} bytes" in message
         assert not (tmp_path / f"out-{evict}").exists() and not (tmp_path / f"log-{evict}").exists()  # nothing fetched
         monkeypatch.setattr(streaming.shutil, "disk_usage", lambda p, n=output + held: SimpleNamespace(free=n))
-        fp8conv.convert(tiny.path, tmp_path / f"out-{evict}", to="bf16", stream=source, evict_input=evict)
+        fp8conv.convert(
+            tiny.path,
+            tmp_path / f"out-{evict}",
+            ConvertOptions(to="bf16"),
+            run=RunOptions(stream=source, evict_input=evict),
+        )
 
 
 def test_stream_checks_each_shard_as_it_arrives(make_tiny, tmp_path):
@@ -245,7 +271,7 @@ def test_stream_checks_each_shard_as_it_arrives(make_tiny, tmp_path):
     save_file(tensors, str(last), metadata={"format": "pt"})
     source = LocalShardSource(tiny.path, tmp_path / "staging")
     with pytest.raises(PlanRefused) as info:
-        fp8conv.convert(tiny.path, tmp_path / "out", to="bf16", stream=source)
+        fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(stream=source))
     assert scale in str(info.value) and tiny.shards[2] in str(info.value)
     assert not (tmp_path / "out" / "config.json").exists()
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
@@ -260,7 +286,12 @@ def test_a_shard_that_differs_from_the_plan_is_refused(tiny, tmp_path):
             return path
 
     with pytest.raises(CheckpointError, match="differs from the header the plan was made from") as info:
-        fp8conv.convert(tiny.path, tmp_path / "out", to="bf16", stream=Swapped(tiny.path, tmp_path / "st"))
+        fp8conv.convert(
+            tiny.path,
+            tmp_path / "out",
+            ConvertOptions(to="bf16"),
+            run=RunOptions(stream=Swapped(tiny.path, tmp_path / "st")),
+        )
     assert tiny.shards[1] in str(info.value)
 
 
@@ -271,7 +302,12 @@ import fp8conv
 from fp8conv.shard_source import LocalShardSource
 origin, staging, out, log = map(Path, sys.argv[1:5])
 source = LocalShardSource(origin, staging, delay_s=float(sys.argv[5]), log=log)
-fp8conv.convert(origin, out, to="channel", stream=source, evict_input=True, resume=len(sys.argv) > 6)
+fp8conv.convert(
+    origin,
+    out,
+    fp8conv.ConvertOptions(to="channel"),
+    run=fp8conv.RunOptions(stream=source, evict_input=True, resume=len(sys.argv) > 6),
+)
 """
 
 
@@ -304,7 +340,7 @@ def test_stream_resume_after_sigkill_refetches_only_what_is_missing(tiny, tmp_pa
     # fetching is not fetched twice
     assert set(refetched) <= needed and not on_disk & set(refetched)
     assert set(refetched) | (on_disk & needed) == needed and set(first_run) >= on_disk
-    fp8conv.convert(tiny.path, tmp_path / "ref", to="channel")
+    fp8conv.convert(tiny.path, tmp_path / "ref", ConvertOptions(to="channel"))
     got, ref = dir_snapshot(out), dir_snapshot(tmp_path / "ref")
     assert without_provenance(got) == without_provenance(ref) and got["README.md"] == ref["README.md"]
     assert json.loads(got[".fp8conv/manifest.json"])["shards"] == json.loads(ref[".fp8conv/manifest.json"])["shards"]
@@ -327,12 +363,12 @@ def test_evicting_a_cache_file_keeps_blobs_other_links_use(tmp_path):
 
 
 def test_model_card_note_replaces_an_old_one(tiny, tmp_path):
-    first = fp8conv.convert(tiny.path, tmp_path / "bf16", to="bf16").output
-    fp8conv.convert(first, tmp_path / "block", to="block")
+    first = fp8conv.convert(tiny.path, tmp_path / "bf16", ConvertOptions(to="bf16")).output
+    fp8conv.convert(first, tmp_path / "block", ConvertOptions(to="block"))
     card = (tmp_path / "block" / "README.md").read_text()
     assert card.count("## Converted with fp8conv") == 1 and "to block FP8 (128x128 blocks" in card
     assert "converted a local copy (folder `bf16`, revision unknown)" in card
-    fp8conv.convert(tiny.path, tmp_path / "kept", to="bf16", keep_model_card=True)
+    fp8conv.convert(tiny.path, tmp_path / "kept", ConvertOptions(to="bf16", keep_model_card=True))
     assert (tmp_path / "kept" / "README.md").read_bytes() == (tiny.path / "README.md").read_bytes()
 
 
@@ -355,28 +391,34 @@ def test_resume_after_eviction_plans_offline_from_the_saved_headers(tiny, tmp_pa
     monkeypatch.setattr(HubShardSource, "fetch", failing_fetch)
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match="network down"):
-        fp8conv.convert(REPO, out, to="bf16", stream=True, evict_input=True)
+        fp8conv.convert(REPO, out, ConvertOptions(to="bf16"), run=RunOptions(stream=True, evict_input=True))
     assert not (snap / tiny.shards[0]).exists() and (out / HEADERS_FILE).is_file()
     monkeypatch.setattr(HubShardSource, "fetch", real_fetch)
     headers = (out / HEADERS_FILE).read_bytes()
     (out / HEADERS_FILE).unlink()
     with pytest.raises(CheckpointError, match=r"shard\(s\) are not in the cache \(model-00001-of-00003") as info:
-        fp8conv.convert(REPO, out, to="bf16", stream=True, evict_input=True, resume=True)
+        fp8conv.convert(
+            REPO, out, ConvertOptions(to="bf16"), run=RunOptions(stream=True, evict_input=True, resume=True)
+        )
     assert "headers cannot be read remotely" in str(info.value)
     (out / HEADERS_FILE).write_bytes(headers)
-    result = fp8conv.convert(REPO, out, to="bf16", stream=True, evict_input=True, resume=True)
+    result = fp8conv.convert(
+        REPO, out, ConvertOptions(to="bf16"), run=RunOptions(stream=True, evict_input=True, resume=True)
+    )
     assert result.streamed is not None and tiny.shards[0] not in result.streamed["fetched"]
     assert not (out / HEADERS_FILE).exists()
-    fp8conv.convert(tiny.path, tmp_path / "local", to="bf16")
+    fp8conv.convert(tiny.path, tmp_path / "local", ConvertOptions(to="bf16"))
     assert without_provenance(dir_snapshot(out)) == without_provenance(dir_snapshot(tmp_path / "local"))
 
 
 def test_stream_a_single_file_repo_without_index(make_tiny, tmp_path, hf_cache):
     tiny = make_tiny(num_shards=1, with_index=False)
     snap = lay_out_hf_cache(tiny.path, hf_cache, REPO)
-    result = fp8conv.convert(REPO, tmp_path / "out", to="channel", stream=True, evict_input=True)
+    result = fp8conv.convert(
+        REPO, tmp_path / "out", ConvertOptions(to="channel"), run=RunOptions(stream=True, evict_input=True)
+    )
     assert result.shards == ["model.safetensors"] and not (snap / "model.safetensors").exists()
-    fp8conv.convert(tiny.path, tmp_path / "local", to="channel")
+    fp8conv.convert(tiny.path, tmp_path / "local", ConvertOptions(to="channel"))
     assert without_provenance(dir_snapshot(tmp_path / "out")) == without_provenance(dir_snapshot(tmp_path / "local"))
 
 
@@ -387,6 +429,6 @@ def test_stream_refuses_an_index_without_weight_map_by_name(tiny, tmp_path, hf_c
     index.unlink()
     index.write_text(json.dumps({"metadata": {}, "weights": {}}))
     with pytest.raises(CheckpointError, match="has no 'weight_map' object") as refused:
-        fp8conv.convert(REPO, tmp_path / "out", to="bf16", stream=True)
+        fp8conv.convert(REPO, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(stream=True))
     assert "model.safetensors.index.json" in refused.value.one_line()
     assert not (tmp_path / "out").exists()

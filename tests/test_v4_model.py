@@ -180,7 +180,7 @@ def fp8_linear(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.T
 
 def test_v4_release_to_bf16_runs_in_transformers_as_decoded_by_definition(tmp_path):
     reference = build_release(tmp_path / "c")
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", to="bf16")
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
 
     out = load_dir(tmp_path / "out")
     assert not [n for n in out if n.endswith(".scale")]

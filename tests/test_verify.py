@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import fp8conv
+from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli import main
 from fp8conv.errors import OptionsError
 from fp8conv.safetensors_file import read_header
@@ -36,7 +37,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 )
 def test_good_outputs_verify(tiny, tmp_path, options):
     out = tmp_path / "out"
-    result = fp8conv.convert(tiny.path, out, verify_after=True, **options)
+    result = fp8conv.convert(tiny.path, out, ConvertOptions(**options), run=RunOptions(verify_after=True))
     # the output is right by the test's own definitions, not by the plan and code verify shares with convert
     ref = dict(options, dtype=DTYPES[options.get("dtype", "bfloat16")])
     expected = expected_output(load_dir(tiny.path), tiny.fp8_weights, **ref)
@@ -106,7 +107,7 @@ def _corruptions(out: Path) -> dict[str, tuple[Callable[[Path], None], str]]:
 
 def test_each_corruption_of_a_good_output_is_reported(tiny, tmp_path):
     good = tmp_path / "good"
-    fp8conv.convert(tiny.path, good, to="channel")
+    fp8conv.convert(tiny.path, good, ConvertOptions(to="channel"))
     assert fp8conv.verify(tiny.path, good).ok
     for what, (corrupt, message) in _corruptions(good).items():
         out = tmp_path / what
@@ -126,7 +127,7 @@ def _flip_byte_of(path, tensor: str) -> None:
 @pytest.mark.parametrize("to", ["bf16", "channel", "block"])
 def test_a_flipped_byte_is_found(tiny, tmp_path, to):
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to=to)
+    fp8conv.convert(tiny.path, out, ConvertOptions(to=to))
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     _flip_byte_of(out / index["weight_map"][name], name)
@@ -136,7 +137,7 @@ def test_a_flipped_byte_is_found(tiny, tmp_path, to):
 
 def test_structure_index_and_config_are_checked(tiny, tmp_path):
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to="bf16")
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
     index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     index["metadata"]["total_size"] += 1
@@ -167,7 +168,7 @@ def test_cli_verify_exit_codes(tiny, tmp_path):
 
 def test_verify_without_manifest_says_what_to_do(tiny, tmp_path):
     out = tmp_path / "out"
-    fp8conv.convert(tiny.path, out, to="bf16")
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
     (out / ".fp8conv" / "manifest.json").unlink()
     with pytest.raises(OptionsError, match="pass the conversion options again"):
         fp8conv.verify(tiny.path, out)

@@ -116,7 +116,7 @@ def test_convert_cli_output_is_the_same_with_the_bytes_fetched_ahead(tmp_path, m
     assert any(served), "the CLI run took nothing from what was fetched ahead"
     assert warm_start.held_bytes() == 0
     served.clear()
-    convert(ckpt, lib_out, to=target)  # the library alone fetches nothing ahead
+    convert(ckpt, lib_out, ConvertOptions(to=target))  # the library alone fetches nothing ahead
     assert not any(served)
     names = sorted(p.name for p in lib_out.glob("*.safetensors"))
     assert names and names == sorted(p.name for p in cli_out.glob("*.safetensors"))

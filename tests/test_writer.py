@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import fp8conv
 import fp8conv.writer as writer_module
-from fp8conv import shard_reader
+from fp8conv import ConvertOptions, shard_reader
 from fp8conv.direct_io import aligned_empty
 from fp8conv.safetensors_file import TensorEntry, read_header
 from fp8conv.shard_reader import ShardReader, read_capacity
@@ -141,7 +141,7 @@ def test_layout_and_manifest_hash(tmp_path, to, shapes, in_production_order):
         tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(shape[1], dtype=torch.bfloat16)
     src = write_checkpoint(tmp_path / "in", tensors, fp8_block_config())
     out = tmp_path / "out"
-    fp8conv.convert(src, out, to=to)
+    fp8conv.convert(src, out, ConvertOptions(to=to))
     manifest = json.loads((out / ".fp8conv" / "manifest.json").read_text())
     for shard in out.glob("*.safetensors"):
         raw = shard.read_bytes()

@@ -8,6 +8,7 @@ compressed-tensors divides by weight_global_scale, ModelOpt multiplies by weight
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -20,6 +21,18 @@ from ..formats import Kind, WeightFormat
 # E2M1 code c: (-1)^(c >> 3) * [0, 0.5, 1, 1.5, 2, 3, 4, 6][c & 7]; INT4 (compressed-tensors): c - 8
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 INT4_VALUES = tuple(float(c - 8) for c in range(16))
+
+
+GLOBAL_SCALE_CHUNK = 1 << 18  # float32 values decoded at once before an NVFP4 band's global scale
+_scratch = threading.local()  # per band worker: float32 pieces reused (fresh ones cost page faults)
+
+
+def _float32_scratch(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    cache: dict[str, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    numel = math.prod(shape)
+    if key not in cache or cache[key].numel() < numel:
+        cache[key] = torch.empty(numel, dtype=torch.float32)
+    return cache[key][:numel].view(shape)
 
 
 def code_values(kind: Kind) -> torch.Tensor:
@@ -55,6 +68,79 @@ def unpack_to_float32(
     return out.view(shape) if out.dtype == dtype else out.view(shape).to(dtype)
 
 
+def band_decoder(
+    fmt: WeightFormat, stored_scale: torch.Tensor, global_scale: torch.Tensor | None, backend: Backend
+) -> Callable[[torch.Tensor, int, torch.Tensor], None]:
+    """For a 2-D packed weight written band by band: decode(codes, r0, out) writes rows r0.. of the
+    weight (codes: those rows' bytes, [1, rows, K/2] uint8) into out ([1, rows, K], any float dtype),
+    the bits unpack_to_float32 gives those rows."""
+    assert fmt.shape is not None and fmt.group is not None and len(fmt.shape) == 2
+    n, k = fmt.shape
+    group, values = fmt.group, code_values(fmt.kind)
+    if stored_scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        scale = stored_scale.contiguous().view(torch.uint8).reshape(n, k // group)
+    else:
+        scale = scale_to_float32(stored_scale).reshape(n, k // group)
+    g = None if global_scale is None else global_scale.to(torch.float32).reshape(())
+    divide = fmt.kind is Kind.NVFP4
+
+    def decode(codes: torch.Tensor, r0: int, out: torch.Tensor) -> None:
+        rows = codes.shape[1]
+        codes = codes.view(torch.uint8).view(1, rows, k // 2)
+        if g is None:
+            backend.decode_4bit(codes, values, scale[r0 : r0 + rows][None], group, out)
+            return
+        # float32 first, then the global scale, then one rounding: in cache-sized pieces, not a band
+        direct = out.dtype == torch.float32
+        step = rows if direct else max(1, GLOBAL_SCALE_CHUNK // max(k, 1))
+        for c0 in range(0, rows, step):
+            c1 = min(rows, c0 + step)
+            part = out[:, c0:c1] if direct else _float32_scratch("global", (1, c1 - c0, k))
+            backend.decode_4bit(codes[:, c0:c1], values, scale[r0 + c0 : r0 + c1][None], group, part)
+            if divide:
+                part.div_(g)
+            else:
+                part.mul_(g)
+            if not direct:
+                out[:, c0:c1].copy_(part)
+
+    return decode
+
+
+def band_quantizer(
+    fmt: WeightFormat,
+    stored_scale: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    backend: Backend,
+    out_block: tuple[int, int],
+    fp8_max: float,
+) -> Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], tuple[int, int]]:
+    """For a 2-D packed weight quantized to FP8 band by band (bands of whole output blocks):
+    quantize(codes, r0, q, scale) writes those rows' FP8 values into q ([1, rows, K]) and their output
+    blocks' scales into scale ([1, block rows, K blocks]), as quantize(unpack_to_float32(...)) does, and
+    returns (exact, total) output blocks as block_exactness counts them. The float32 values exist a
+    few blocks at a time, never a band."""
+    assert fmt.shape is not None
+    k = fmt.shape[1]
+    decode = band_decoder(fmt, stored_scale, global_scale, backend)
+    bn = out_block[0]
+    step = max(bn, GLOBAL_SCALE_CHUNK // max(k, 1) // bn * bn)
+
+    def quantize(codes: torch.Tensor, r0: int, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+        rows, exact, total = codes.shape[1], 0, 0
+        for c0 in range(0, rows, step):
+            c1 = min(rows, c0 + step)
+            w32 = _float32_scratch("w32", (1, c1 - c0, k))
+            decode(codes[:, c0:c1], r0 + c0, w32)
+            q_part, s_part = q[:, c0:c1], scale[:, c0 // bn : -(-c1 // bn)]
+            backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part)
+            e, t = block_exactness(w32, q_part, s_part, out_block, backend, _float32_scratch("back", w32.shape))
+            exact, total = exact + e, total + t
+        return exact, total
+
+    return quantize
+
+
 def dequantized_output(
     read: Callable[[str], torch.Tensor], fmt: WeightFormat, backend: Backend, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -80,13 +166,20 @@ def dequantized_output(
 
 
 def block_exactness(
-    w32: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], backend: Backend
+    w32: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    backend: Backend,
+    scratch: torch.Tensor | None = None,
 ) -> tuple[int, int]:
-    """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value."""
+    """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value.
+    scratch: float32 like w32, overwritten (else a fresh one)."""
     n, k = w32.shape[-2], w32.shape[-1]
     bn, bk = block
     gn, gk = math.ceil(n / bn), math.ceil(k / bk)
-    back = torch.empty((math.prod(w32.shape[:-2]), n, k), dtype=torch.float32)
+    shape = (math.prod(w32.shape[:-2]), n, k)
+    back = torch.empty(shape, dtype=torch.float32) if scratch is None else scratch.view(shape)
     backend.dequantize_blocks(q.reshape(back.shape), scale.reshape(-1, gn, gk), block, back)
     differs = back.ne_(w32.reshape(back.shape))  # in place: 1.0 where a value did not come back
     if n % bn or k % bk:  # zero-pad to whole blocks: padding never differs

@@ -1,0 +1,153 @@
+"""Options as values: what shapes the output (ConvertOptions) and how a run goes (RunOptions).
+
+Both are frozen and check themselves once, when made: a value that exists is valid, so convert, verify
+and the CLI never check an option again. Torch-free: the CLI builds them before torch is loaded.
+ConvertOptions is recorded in the output's manifest; to_dict/from_dict are that record and also what
+`convert -j N` hands its worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from .backends import DEVICES
+from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
+from .errors import OptionsError
+from .families import ROLE_GROUPS
+
+if TYPE_CHECKING:
+    from .shard_source import ShardSource
+
+TARGETS = ("bf16", "channel", "block")
+DEFAULT_BLOCK = (128, 128)  # the output block when neither --block-size nor the input says
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_DEVICE = "auto"
+DEFAULT_PREFETCH = 1  # --stream: output shards whose inputs are fetched ahead of the one converting
+# progress(bytes_written_so_far, total_bytes_planned)
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Everything that changes the output's bytes; recorded in the manifest, so resume, the parts of a
+    fan-out and verify see the same."""
+
+    to: str = "bf16"
+    dtype: str = DEFAULT_DTYPE  # --to bf16: the output dtype
+    block_size: tuple[int, int] | None = None  # asserts the input's block size; the output's for --to block
+    fp8_max: float = FP8_MAX_STANDARD  # 240: the Gaudi2 range (--to channel)
+    pad_for_tp: int | None = None  # --to block: pad MLP widths so each of N ranks holds whole blocks
+    pad_roles: tuple[str, ...] | None = None  # with pad_for_tp: the MLP roles padded (None: all)
+    keep_model_card: bool = False  # README.md copied unchanged (by default a "Converted with fp8conv" note is added)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.to not in TARGETS:
+            raise OptionsError(f"--to {self.to} is not one of {', '.join(TARGETS)}")
+        if self.dtype not in DEQUANT_TARGETS:
+            raise OptionsError(f"--dtype {self.dtype} is not one of {', '.join(DEQUANT_TARGETS)}")
+        if self.block_size is not None and (len(self.block_size) != 2 or min(self.block_size) < 1):
+            raise OptionsError(f"--block-size {self.block_size} is not two positive integers", fix="e.g. 128,128")
+        if self.fp8_max not in (FP8_MAX_STANDARD, FP8_MAX_GAUDI2):
+            raise OptionsError(f"--fp8-max {self.fp8_max:g} is not 448 (standard) or 240 (Gaudi2)")
+        if self.fp8_max != FP8_MAX_STANDARD and self.to != "channel":
+            raise OptionsError(
+                "--fp8-max 240 / --target gaudi2 applies to --to channel only",
+                fix="only the compressed-tensors config can tell vllm-gaudi the weights are pre-scaled",
+            )
+        if self.pad_for_tp is not None and (self.to != "block" or self.pad_for_tp < 1):
+            raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block only")
+        if self.pad_roles is not None:
+            if self.pad_for_tp is None:
+                raise OptionsError("--pad-roles applies with --pad-for-tp only")
+            unknown = [r for r in self.pad_roles if r not in ROLE_GROUPS] or ([] if self.pad_roles else ["(none)"])
+            if unknown:
+                raise OptionsError(f"--pad-roles {','.join(unknown)} is not a list of {', '.join(ROLE_GROUPS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's record. Options added since a field was introduced are left out at their
+        default, so manifests of runs without them stay as they were (and still resume)."""
+        d = asdict(self)
+        d["block_size"] = list(self.block_size) if self.block_size else None
+        if self.pad_roles is None:
+            d.pop("pad_roles")
+        else:
+            d["pad_roles"] = list(self.pad_roles)
+        if not self.keep_model_card:
+            d.pop("keep_model_card")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ConvertOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise OptionsError(
+                f"unknown conversion option(s) {', '.join(unknown)}", fix="use the fp8conv that wrote it"
+            )
+        opts = dict(d)
+        for key in ("block_size", "pad_roles"):
+            if opts.get(key) is not None:
+                opts[key] = tuple(opts[key])
+        return cls(**opts)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How one run goes; the output's bytes are the same whatever these say."""
+
+    overwrite: bool = False  # replace the checkpoint in a non-empty output directory
+    resume: bool = False  # keep the shards an interrupted run finished that still check out
+    part: tuple[int, int] | None = None  # (I, N): convert only the I-th of N parts of the shards
+    device: str = DEFAULT_DEVICE  # where the arithmetic runs (every backend writes the same bits)
+    allow_nonfinite: bool = False  # convert weights whose scales hold NaN/Inf instead of refusing
+    space_check: bool = True  # compare the planned output size with the free space first
+    verify_after: bool = False  # read the output back and check it
+    revision: str | None = None  # Hub branch, tag or commit
+    max_memory: int | None = None  # bytes; large weights stream in smaller bands
+    direct_io: bool = True  # large reads and all shard writes bypass the page cache where it is allowed
+    stream: bool | ShardSource = False  # a Hub ID's shards fetched `prefetch` ahead, or a ShardSource's
+    evict_input: bool = False  # --stream: each input shard removed once every output reading it is written
+    prefetch: int = DEFAULT_PREFETCH
+    progress: ProgressCallback | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.part is not None and (len(self.part) != 2 or not 1 <= self.part[0] <= self.part[1]):
+            raise OptionsError(f"--part {self.part} is not I/N with 1 <= I <= N", fix="e.g. --part 2/8")
+        if self.device not in DEVICES:
+            raise OptionsError(f"--device {self.device} is not one of {', '.join(DEVICES)}")
+        if self.evict_input and self.stream is False:
+            raise OptionsError("--evict-input needs --stream", fix="add --stream, or drop --evict-input")
+        if self.stream is not False and self.part is not None:
+            raise OptionsError(
+                "--stream converts in one process: do not combine it with -j or --part", fix="stream with one process"
+            )
+        if self.prefetch < 0:
+            raise OptionsError(f"--prefetch {self.prefetch} is negative", fix="give 0 or more shards")
+
+    def to_dict(self) -> dict[str, Any]:
+        """For another process (`convert -j N`'s workers): plain values only. A progress callback or a
+        ShardSource cannot cross, and is refused rather than dropped."""
+        if self.progress is not None or not isinstance(self.stream, bool):
+            raise OptionsError("a progress callback or a ShardSource cannot be sent to another process")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"}
+        d["part"] = list(self.part) if self.part else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunOptions:
+        known = {f.name for f in fields(cls)} - {"progress"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise OptionsError(f"unknown run option(s) {', '.join(unknown)}")
+        opts = dict(d)
+        if opts.get("part") is not None:
+            opts["part"] = tuple(opts["part"])
+        return cls(**opts)
