@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from . import warm_start
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
@@ -349,6 +350,9 @@ def convert_command(
 
             _report_verify(verify(checkpoint, output))
         return
+    warm_start.warm_torch()  # torch's import below then reads its files from the page cache
+    if not (run.stream or run.part or run.resume or run.max_memory):  # the first input is read while torch loads
+        warm_start.begin(checkpoint, options, direct=run.direct_io)
     from .pipeline import convert
 
     _set_threads(threads)

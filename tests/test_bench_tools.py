@@ -46,3 +46,25 @@ def test_io_floor_fails_on_a_read_error_instead_of_waiting(tmp_path: Path, mode:
     )
     assert done.returncode != 0
     assert "IsADirectoryError" in done.stderr
+
+
+def test_bench_table_sets_the_whole_process_against_the_floor_of_reads_and_writes_at_once() -> None:
+    sys.path.insert(0, str(FLOOR.parent))
+    import bench
+
+    def variant(seconds: float, **extra: float) -> dict:
+        return {"median_s": seconds, "times_s": [seconds], "peak_rss_bytes": 0, **extra}
+
+    v = {
+        "fp8conv --to bf16": variant(4.6, concurrent_floor_s=4.0, ratio_to_concurrent_floor=1.15, target_ratio=1.15),
+        "fp8conv --to channel": variant(3.6, concurrent_floor_s=2.5, ratio_to_concurrent_floor=1.44, target_ratio=1.35),
+        "fp8conv --to block": variant(3.0, concurrent_floor_s=2.5, ratio_to_concurrent_floor=1.2),
+        bench.STARTUP: variant(1.5),
+    }
+    for r in v.values():
+        r.setdefault("ratio_to_concurrent_floor_plus_startup", 0.9)
+    text = bench.markdown({"machine": "m", "runs": {"2 GiB": {"input_bytes": 2**31, "variants": v}}})
+    assert "| fp8conv --to bf16 | 4.60 | 4.00 | 1.15 | <= 1.15: met | 0.90 |" in text
+    assert "| fp8conv --to channel | 3.60 | 2.50 | 1.44 | <= 1.35: missed | 0.90 |" in text
+    assert "| fp8conv --to block | 3.00 | 2.50 | 1.20 | - | 0.90 |" in text
+    assert "Start-up alone (the CLI and torch imported): 1.50 s." in text

@@ -40,7 +40,12 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
     import fp8conv.stream as stream
 
     _, truth = BUILDERS[kind](tmp_path / "c")
-    whole = fp8conv.convert(tmp_path / "c", tmp_path / "whole", to=to, dtype=dtype, verify_after=True)
+    whole = fp8conv.convert(
+        tmp_path / "c",
+        tmp_path / "whole",
+        fp8conv.ConvertOptions(to=to, dtype=dtype),
+        run=fp8conv.RunOptions(verify_after=True),
+    )
     streamed = []
     real_run = stream.BandStreamer.run
     # bands of a few rows (of 128 for blocks), the last one short; float32 pieces smaller than a band
@@ -49,7 +54,12 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
     monkeypatch.setattr(
         stream.BandStreamer, "run", lambda self, job, *a: streamed.append(job.fmt.kind) or real_run(self, job, *a)
     )
-    bands = fp8conv.convert(tmp_path / "c", tmp_path / "bands", to=to, dtype=dtype, verify_after=True)
+    bands = fp8conv.convert(
+        tmp_path / "c",
+        tmp_path / "bands",
+        fp8conv.ConvertOptions(to=to, dtype=dtype),
+        run=fp8conv.RunOptions(verify_after=True),
+    )
     assert bands.verified is not None and bands.verified.ok, bands.verified
     packed = [name for name in truth if ".attn." not in name and "shared_experts" not in name]  # V4's FP8 ones
     assert len([k for k in streamed if k in PACKED]) == len(packed) > 0
@@ -96,7 +106,8 @@ def test_mxfp4_decode_is_the_definition_for_every_code_pair_and_scale_byte(dtype
 PACKED_CAPPED = """
 import sys
 import fp8conv
-fp8conv.convert(sys.argv[1], sys.argv[2], to=sys.argv[3], max_memory=int(sys.argv[4]))
+run = fp8conv.RunOptions(max_memory=int(sys.argv[4]))
+fp8conv.convert(sys.argv[1], sys.argv[2], fp8conv.ConvertOptions(to=sys.argv[3]), run=run)
 status = open("/proc/self/status").read()
 print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
 """

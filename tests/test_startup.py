@@ -56,6 +56,39 @@ def test_reading_classifying_and_planning_do_not_import_torch(tmp_path: Path) ->
     )
 
 
+def test_the_read_ahead_while_torch_loads_needs_no_torch(tmp_path: Path) -> None:
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt")
+    _fresh(
+        "from fp8conv import warm_start\n"
+        "from fp8conv.plan import ConvertOptions\n"
+        f"warm_start.begin({str(ckpt.path)!r}, ConvertOptions('bf16')).join()\n"
+        "assert warm_start.held_bytes() > 0\n"
+    )
+
+
+def test_torch_files_are_hinted_without_importing_torch() -> None:
+    _fresh(
+        "from fp8conv import warm_start\nthread = warm_start.warm_torch()\nassert thread is not None\nthread.join()\n"
+    )
+
+
+def test_the_command_process_ends_with_its_status_and_everything_said(tmp_path: Path) -> None:
+    """entry.run ends the process without Python's teardown: the status and the printed lines must survive."""
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt")
+    out = tmp_path / "out"
+
+    def fp8conv(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fp8conv", *args], capture_output=True, text=True, timeout=300)
+
+    done = fp8conv("convert", str(ckpt.path), "--to", "bf16", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {out}: ") and (out / "config.json").is_file()
+    again = fp8conv("convert", str(ckpt.path), "--to", "bf16", "-o", str(out))
+    assert again.returncode == 1 and again.stderr.startswith("error: output directory"), again.stderr
+    usage = fp8conv("convert", str(ckpt.path), "--to", "nope", "-o", str(out))
+    assert usage.returncode == 2 and "Invalid value for '--to'" in usage.stderr, usage.stderr
+
+
 def test_every_runtime_dependency_is_imported() -> None:
     """pyproject.toml's dependencies are packages fp8conv imports: none is installed for nothing (rich was)."""
     root = Path(__file__).resolve().parents[1]

@@ -1,0 +1,142 @@
+"""warm_start: the CLI reads the run's first input bytes while torch loads; the run takes them from memory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fp8conv import convert, warm_start
+from fp8conv.cli import main
+from fp8conv.formats import classify
+from fp8conv.plan import ConvertOptions, plan_conversion
+from fp8conv.shard_reader import ShardReader
+from fp8conv.source import open_checkpoint
+
+from .synthetic import build_tiny_deepseek
+
+PIECE = 4096
+
+
+@pytest.fixture(autouse=True)
+def _nothing_held():
+    warm_start.forget_all()
+    yield
+    warm_start.forget_all()
+
+
+def _fetch(path: Path, limit: int) -> None:
+    thread = warm_start.begin(str(path), ConvertOptions("bf16"), limit=limit)
+    assert thread is not None
+    thread.join()
+
+
+def _first_shard_reads(path: Path) -> list[tuple[Path, object, int, int]]:
+    """The reads a run makes of its first output shard's inputs, in 1000-byte steps (across pieces)."""
+    ckpt = open_checkpoint(path)
+    plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config), ConvertOptions("bf16"))
+    reads = []
+    for job in plan.shards[0].jobs:
+        entry = ckpt.index.entry(job.source)
+        shard = ckpt.index.root / ckpt.index.shard_of(job.source).name
+        reads += [
+            (shard, entry, o, min(1000, entry.start + entry.nbytes - o))
+            for o in range(entry.start, entry.start + entry.nbytes, 1000)
+        ]
+    return reads
+
+
+def _count_takes(monkeypatch) -> list[bool]:
+    """What each take() answered (True: served from memory)."""
+    answers: list[bool] = []
+    real_take = warm_start.take
+
+    def take(*args) -> bool:
+        answers.append(real_take(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(warm_start, "take", take)
+    return answers
+
+
+def test_reads_inside_the_fetched_bytes_come_from_memory_and_are_the_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    _fetch(ckpt, limit=6 * PIECE)
+    held = warm_start.held_bytes()
+    assert 0 < held <= 6 * PIECE
+    served = _count_takes(monkeypatch)
+    readers: dict[Path, ShardReader] = {}
+    for shard, entry, offset, n in _first_shard_reads(ckpt):
+        reader = readers.setdefault(shard, ShardReader(shard, direct=True))
+        with open(shard, "rb") as f:
+            f.seek(offset)
+            expected = f.read(n)
+        assert bytes(reader.read(entry, offset, n).numpy()) == expected, (shard.name, entry.name, offset)
+    assert sum(served) * 1000 >= held - 2 * PIECE  # nearly every fetched byte was taken from memory
+    assert warm_start.held_bytes() == 0  # each piece dropped once its bytes were taken
+    for reader in readers.values():
+        reader.close()
+
+
+def test_a_read_is_served_from_memory_not_the_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    _fetch(ckpt, limit=2 * PIECE)
+    shard, entry, offset, n = _first_shard_reads(ckpt)[0]
+    piece = next(iter(next(iter(warm_start._pieces.values())).values()))
+    piece.data[:] = b"\xab" * len(piece.data)  # what the disk holds differs from this now
+    reader = ShardReader(shard)
+    assert set(bytes(reader.read(entry, offset, n).numpy())) == {0xAB}
+    reader.close()
+    assert warm_start.held_bytes() == 0  # a closed reader's file is forgotten
+
+
+def test_a_file_changed_since_is_read_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    _fetch(ckpt, limit=2 * PIECE)
+    shard = _first_shard_reads(ckpt)[0][0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    reader = ShardReader(shard)
+    assert not warm_start.holds(reader.key)
+    reader.close()
+
+
+@pytest.mark.parametrize("target", ["bf16", "channel"])
+def test_convert_cli_output_is_the_same_with_the_bytes_fetched_ahead(tmp_path, monkeypatch, target):
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    served = _count_takes(monkeypatch)
+    cli_out, lib_out = tmp_path / "cli", tmp_path / "lib"
+    r = CliRunner().invoke(main, ["convert", str(ckpt), "--to", target, "-o", str(cli_out), "-q"])
+    assert r.exit_code == 0, r.output
+    assert any(served), "the CLI run took nothing from what was fetched ahead"
+    assert warm_start.held_bytes() == 0
+    served.clear()
+    convert(ckpt, lib_out, ConvertOptions(to=target))  # the library alone fetches nothing ahead
+    assert not any(served)
+    names = sorted(p.name for p in lib_out.glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in cli_out.glob("*.safetensors"))
+    for name in names:
+        assert (cli_out / name).read_bytes() == (lib_out / name).read_bytes(), name
+
+
+def test_nothing_is_fetched_for_a_missing_path(tmp_path):
+    assert warm_start.begin(str(tmp_path / "nope"), ConvertOptions("bf16")) is None
+
+
+def test_the_page_cache_probe_tells_cached_from_not(tmp_path):
+    """warm_torch hints nothing when torch's files are cached; the probe must see the difference."""
+    path = tmp_path / "file"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages, written back: dropped
+    os.close(fd)
+    assert not warm_start._cached(path)
+    path.read_bytes()
+    assert warm_start._cached(path)
+    assert not warm_start._cached(tmp_path / "missing")
