@@ -38,6 +38,7 @@ TARGETS = [
 def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypatch, kind, to, dtype):
     import fp8conv.rewrite.unpack as unpack
     import fp8conv.stream as stream
+    from fp8conv.rewrite.banded import BandedJob
 
     _, truth = BUILDERS[kind](tmp_path / "c")
     whole = fp8conv.convert(
@@ -47,12 +48,12 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
         run=fp8conv.RunOptions(verify_after=True),
     )
     streamed = []
-    real_run = stream.BandStreamer.run
+    real_init = BandedJob.__init__  # one per job the plan streams in bands
     # bands of a few rows (of 128 for blocks), the last one short; float32 pieces smaller than a band
     monkeypatch.setattr(stream, "BAND_ELEMENTS", 700)
     monkeypatch.setattr(unpack, "GLOBAL_SCALE_CHUNK", 200)
     monkeypatch.setattr(
-        stream.BandStreamer, "run", lambda self, job, *a: streamed.append(job.fmt.kind) or real_run(self, job, *a)
+        BandedJob, "__init__", lambda self, job, *a: streamed.append(job.fmt.kind) or real_init(self, job, *a)
     )
     bands = fp8conv.convert(
         tmp_path / "c",
