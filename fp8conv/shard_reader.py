@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import warm_start
+from . import preread
 from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
 from .dtypes import ELEMENT_BYTES, torch_dtype
 from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, pread_into
@@ -34,11 +34,11 @@ class ShardReader:
         self.fd = os.open(path, os.O_RDONLY)
         self.direct_fd = open_direct(path, os.O_RDONLY) if direct else None
         self.direct = self.direct_fd is not None  # False once the filesystem turns a direct read down
-        self.key = warm_start.file_key(self.fd)
+        self.key = preread.file_key(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
-            warm_start.forget(self.key)
+            preread.forget(self.key)
         for fd in (self.fd, self.direct_fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
@@ -51,7 +51,7 @@ class ShardReader:
             buffer = aligned_empty(read_capacity(nbytes))
         if buffer.numel() < read_capacity(nbytes) or buffer.data_ptr() % ALIGN:
             raise ValueError("read buffer is too small or not aligned")
-        if warm_start.holds(self.key) and warm_start.take(self.key, offset, as_writable_memoryview(buffer[:nbytes])):
+        if preread.holds(self.key) and preread.take(self.key, offset, as_writable_memoryview(buffer[:nbytes])):
             return buffer[:nbytes]  # read while torch was loading
         if not self.direct or nbytes < DIRECT_MIN_BYTES:
             out = buffer[:nbytes]

@@ -59,10 +59,10 @@ def test_reading_classifying_and_planning_do_not_import_torch(tmp_path: Path) ->
 def test_the_read_ahead_while_torch_loads_needs_no_torch(tmp_path: Path) -> None:
     ckpt = build_tiny_deepseek(tmp_path / "ckpt")
     _fresh(
-        "from fp8conv import warm_start\n"
+        "from fp8conv import preread, warm_start\n"
         "from fp8conv.plan import ConvertOptions\n"
         f"warm_start.begin({str(ckpt.path)!r}, ConvertOptions('bf16')).join()\n"
-        "assert warm_start.held_bytes() > 0\n"
+        "assert preread.held_bytes() > 0\n"
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fp8conv import convert, warm_start
+from fp8conv import convert, preread, warm_start
 from fp8conv.cli import main
 from fp8conv.formats import classify
 from fp8conv.plan import ConvertOptions, plan_conversion
@@ -22,9 +22,9 @@ PIECE = 4096
 
 @pytest.fixture(autouse=True)
 def _nothing_held():
-    warm_start.forget_all()
+    preread.forget_all()
     yield
-    warm_start.forget_all()
+    preread.forget_all()
 
 
 def _fetch(path: Path, limit: int) -> None:
@@ -51,21 +51,22 @@ def _first_shard_reads(path: Path) -> list[tuple[Path, object, int, int]]:
 def _count_takes(monkeypatch) -> list[bool]:
     """What each take() answered (True: served from memory)."""
     answers: list[bool] = []
-    real_take = warm_start.take
+    real_take = preread.take
 
     def take(*args) -> bool:
         answers.append(real_take(*args))
         return answers[-1]
 
-    monkeypatch.setattr(warm_start, "take", take)
+    monkeypatch.setattr(preread, "take", take)
     return answers
 
 
 def test_reads_inside_the_fetched_bytes_come_from_memory_and_are_the_files(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
     _fetch(ckpt, limit=6 * PIECE)
-    held = warm_start.held_bytes()
+    held = preread.held_bytes()
     assert 0 < held <= 6 * PIECE
     served = _count_takes(monkeypatch)
     readers: dict[Path, ShardReader] = {}
@@ -76,33 +77,35 @@ def test_reads_inside_the_fetched_bytes_come_from_memory_and_are_the_files(tmp_p
             expected = f.read(n)
         assert bytes(reader.read(entry, offset, n).numpy()) == expected, (shard.name, entry.name, offset)
     assert sum(served) * 1000 >= held - 2 * PIECE  # nearly every fetched byte was taken from memory
-    assert warm_start.held_bytes() == 0  # each piece dropped once its bytes were taken
+    assert preread.held_bytes() == 0  # each piece dropped once its bytes were taken
     for reader in readers.values():
         reader.close()
 
 
 def test_a_read_is_served_from_memory_not_the_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
     _fetch(ckpt, limit=2 * PIECE)
     shard, entry, offset, n = _first_shard_reads(ckpt)[0]
-    piece = next(iter(next(iter(warm_start._pieces.values())).values()))
+    piece = next(iter(next(iter(preread._pieces.values())).values()))
     piece.data[:] = b"\xab" * len(piece.data)  # what the disk holds differs from this now
     reader = ShardReader(shard)
     assert set(bytes(reader.read(entry, offset, n).numpy())) == {0xAB}
     reader.close()
-    assert warm_start.held_bytes() == 0  # a closed reader's file is forgotten
+    assert preread.held_bytes() == 0  # a closed reader's file is forgotten
 
 
 def test_a_file_changed_since_is_read_from_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
     _fetch(ckpt, limit=2 * PIECE)
     shard = _first_shard_reads(ckpt)[0][0]
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     reader = ShardReader(shard)
-    assert not warm_start.holds(reader.key)
+    assert not preread.holds(reader.key)
     reader.close()
 
 
@@ -114,7 +117,7 @@ def test_convert_cli_output_is_the_same_with_the_bytes_fetched_ahead(tmp_path, m
     r = CliRunner().invoke(main, ["convert", str(ckpt), "--to", target, "-o", str(cli_out), "-q"])
     assert r.exit_code == 0, r.output
     assert any(served), "the CLI run took nothing from what was fetched ahead"
-    assert warm_start.held_bytes() == 0
+    assert preread.held_bytes() == 0
     served.clear()
     convert(ckpt, lib_out, ConvertOptions(to=target))  # the library alone fetches nothing ahead
     assert not any(served)
