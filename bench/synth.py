@@ -19,7 +19,9 @@ RAGGED = [
 ]
 DENSE = [("mlp.gate_proj", (18432, 7168)), ("mlp.up_proj", (18432, 7168)), ("mlp.down_proj", (7168, 18432))]
 EXPERT = [("gate_proj", (2048, 7168)), ("up_proj", (2048, 7168)), ("down_proj", (7168, 2048))]
-ODD = [("mlp.shared_experts.gate_proj", (448, 7168)), ("mlp.shared_experts.down_proj", (7168, 448))]
+# one shared expert, as config.json's n_shared_experts says: --pad-for-tp checks its width against
+# moe_intermediate_size * n_shared_experts, so an odd width here would be (rightly) refused
+SHARED = [(f"mlp.shared_experts.{n}", s) for n, s in EXPERT]
 
 
 def layer_tensors(layer: int, ragged: bool) -> list[tuple[str, tuple[int, int]]]:
@@ -27,7 +29,7 @@ def layer_tensors(layer: int, ragged: bool) -> list[tuple[str, tuple[int, int]]]
     out = [(p + n + ".weight", s) for n, s in DENSE]
     out += [(p + f"mlp.experts.{e}.{n}.weight", s) for e in range(8) for n, s in EXPERT]
     if ragged:
-        out += [(p + n + ".weight", s) for n, s in RAGGED + ODD]
+        out += [(p + n + ".weight", s) for n, s in RAGGED + SHARED]
     return out
 
 
@@ -74,6 +76,7 @@ def build(path: Path, size_gib: float, shards: int = 4, ragged: bool = True, see
         "num_hidden_layers": layer,
         "intermediate_size": 18432,
         "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
         "quantization_config": {
             "quant_method": "fp8",
             "fmt": "e4m3",
