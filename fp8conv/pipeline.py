@@ -79,6 +79,8 @@ def convert(
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`: `options` say what the output is (the default:
     bf16), `run` how this run goes (see options.py). Raises Fp8ConvError subclasses on bad input."""
+    # Over 60 lines: the run's steps in the order they happen (refusals before anything is written, the
+    # scheduler, then config, index and manifest); the self-contained steps are the helpers below.
     started = time.monotonic()
     options = options or ConvertOptions()
     how = run or RunOptions()  # both checked themselves when made
@@ -129,16 +131,7 @@ def convert(
     _check_output(ckpt, out, overwrite or resume or part is not None)
     schedule = make_schedule(ckpt.index, plan, keep) if feed_source is not None else None
     if space_check:
-        copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
-        kept = sum((out / name).stat().st_size for name in keep)
-        mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
-        if feed_source is None or schedule is None:
-            check_free_space(out, mine_bytes + copied - kept)
-        else:
-            sizes = {s.name: s.header.file_size for s in ckpt.index.shards}
-            present = {name for name in sizes if feed_source.present(name)}
-            held, count = schedule.peak_input(sizes, prefetch, evict_input, present)
-            check_stream_space(out, mine_bytes + copied - kept, feed_source.root, held, count, prefetch, evict_input)
+        _check_space(ckpt, plan, out, keep, others, feed_source, schedule, how)
     _prepare_output(out, keep, others)
     if part is None or overwrite:  # records of another split (or of none: this run is whole) are stale
         drop_other_splits(out, part[1] if part else 0)
@@ -156,13 +149,13 @@ def convert(
             )
             stack.callback(feed.close)
             feed.start()
-        run = Scheduler(ckpt.index, plan, backend, readers, direct_io, progress).run(
+        totals = Scheduler(ckpt.index, plan, backend, readers, direct_io, progress).run(
             out, keep | others, feed.wait_for if feed else None, _on_commit(out, manifest, feed)
         )
         if feed is not None:
             feed.finish()
             streamed = {"fetched": feed.fetched, "evicted": feed.evicted, "waited_s": feed.waited_s}
-    exact, total = run.exactness
+    exact, total = totals.exactness
     if total:
         unit = "rows" if options.to == "channel" else f"{_out_block_text(plan)} blocks"
         plan.warnings.append(
@@ -173,26 +166,12 @@ def convert(
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
-        if not with_scale_fmt(config, plan.claims_ue8m0, run.all_scales_pow2):
+        if not with_scale_fmt(config, plan.claims_ue8m0, totals.all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
         finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, card_note)
         (out / HEADERS_FILE).unlink(missing_ok=True)  # --stream: only a resume needed them
     else:  # record what finalize needs; the last part to finish finalizes
-        manifest.extra = {
-            "complete": True,
-            "all_scales_pow2": run.all_scales_pow2,  # finalize decides scale_fmt from every part
-            "finalize": {
-                "planned_shards": sorted(s.name for s in plan.shards),
-                "copy_from": str(ckpt.root.resolve()),
-                "copy_files": plan.copy_files,
-                "json_files": plan.json_files,
-                "index": index,
-                "config": config,
-                "claims_ue8m0": plan.claims_ue8m0,
-                "model_card_note": card_note,
-            },
-            "source": record,
-        }
+        manifest.extra = _finalize_record(ckpt, plan, totals.all_scales_pow2, index, card_note, record)
         manifest.save(out)
         finalized = finalize(out, require_all=False) is not None
     verified = None
@@ -202,32 +181,85 @@ def convert(
     elif verify_after and part is None:
         verified = verify(ckpt.root, out, options=options)
     if verified is not None:  # provenance: the output says it was checked, and how that went
-        manifest.extra["verify"] = {
-            "ok": verified.ok,
-            "tensors_checked": verified.tensors_checked,
-            "tensors_sampled": verified.tensors_sampled,
-            "failures": verified.failures,
-        }
+        manifest.extra["verify"] = _verify_record(verified)
         manifest.save(out)
     return ConvertResult(
         output=out,
         target=plan.target,
         shards=[s.name for s in plan.shards if s.name not in others],
-        tensors_converted=run.converted,
-        tensors_copied=run.copied,
+        tensors_converted=totals.converted,
+        tensors_copied=totals.copied,
         bytes_written=sum(s.nbytes for s in plan.shards if s.name not in others | keep),
         seconds=time.monotonic() - started,
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
         warnings=plan.warnings,
         verified=verified,
-        packed_blocks_exact=run.exactness[0],
-        packed_blocks_total=run.exactness[1],
+        packed_blocks_exact=totals.exactness[0],
+        packed_blocks_total=totals.exactness[1],
         part=part,
         shards_kept=sorted(keep),
         finalized=finalized,
         streamed=streamed,
     )
+
+
+def _check_space(
+    ckpt: Checkpoint,
+    plan: ConversionPlan,
+    out: Path,
+    keep: set[str],
+    others: set[str],
+    feed_source: ShardSource | None,
+    schedule: Any,
+    how: RunOptions,
+) -> None:
+    """Refuse up front when this run's output (and, streaming, its input's peak) will not fit."""
+    copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
+    kept = sum((out / name).stat().st_size for name in keep)
+    mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
+    if feed_source is None or schedule is None:
+        check_free_space(out, mine_bytes + copied - kept)
+        return
+    sizes = {s.name: s.header.file_size for s in ckpt.index.shards}
+    present = {name for name in sizes if feed_source.present(name)}
+    held, count = schedule.peak_input(sizes, how.prefetch, how.evict_input, present)
+    check_stream_space(out, mine_bytes + copied - kept, feed_source.root, held, count, how.prefetch, how.evict_input)
+
+
+def _finalize_record(
+    ckpt: Checkpoint,
+    plan: ConversionPlan,
+    all_scales_pow2: bool,
+    index: dict[str, Any] | None,
+    card_note: str | None,
+    record: dict[str, Any],
+) -> dict[str, Any]:
+    """A part's manifest: what `finalize` needs to write config, index and copies once all parts are done."""
+    return {
+        "complete": True,
+        "all_scales_pow2": all_scales_pow2,  # finalize decides scale_fmt from every part
+        "finalize": {
+            "planned_shards": sorted(s.name for s in plan.shards),
+            "copy_from": str(ckpt.root.resolve()),
+            "copy_files": plan.copy_files,
+            "json_files": plan.json_files,
+            "index": index,
+            "config": plan.config,
+            "claims_ue8m0": plan.claims_ue8m0,
+            "model_card_note": card_note,
+        },
+        "source": record,
+    }
+
+
+def _verify_record(verified: VerifyResult) -> dict[str, Any]:
+    return {
+        "ok": verified.ok,
+        "tensors_checked": verified.tensors_checked,
+        "tensors_sampled": verified.tensors_sampled,
+        "failures": verified.failures,
+    }
 
 
 def _stream_feed(
