@@ -39,6 +39,10 @@ class QuantSettings:
     packed: dict[str, int] = field(default_factory=dict)
     expert_dtype: str | None = None  # DeepSeek-V4: "fp4" (MXFP4 routed experts) or "fp8"
 
+    def refuse(self, message: str, fix: str) -> None:
+        """Record a problem with the quantization config, naming the file and section it came from."""
+        self.problems.append(CheckpointError(message, file=self.file, key=self.key, fix=fix))
+
     @property
     def where(self) -> str:
         """For messages and inspect: "config.json", "config.json:text_config" or "hf_quant_config.json"."""
@@ -77,23 +81,15 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
     elif isinstance(method, str) and method.lower().startswith("modelopt"):  # vLLM's test; also modelopt_fp4
         _read_modelopt(qconfig, settings)
     elif isinstance(method, str) and method.lower() in FOUR_BIT_METHODS:
-        settings.problems.append(
-            CheckpointError(
-                f"quantization_config.quant_method {method!r} is {FOUR_BIT_METHODS[method.lower()]} packed 4-bit "
-                "weights, not FP8",
-                file=settings.file,
-                key=key,
-                fix="fp8conv converts FP8 checkpoints only; packed 4-bit input is not supported",
-            )
+        settings.refuse(
+            f"quantization_config.quant_method {method!r} is {FOUR_BIT_METHODS[method.lower()]} packed 4-bit "
+            "weights, not FP8",
+            fix="fp8conv converts FP8 checkpoints only; packed 4-bit input is not supported",
         )
     else:
-        settings.problems.append(
-            CheckpointError(
-                f"quantization_config.quant_method {method!r} is not supported",
-                file=settings.file,
-                key=key,
-                fix="fp8conv reads FP8 checkpoints: quant_method 'fp8' or compressed-tensors float-quantized",
-            )
+        settings.refuse(
+            f"quantization_config.quant_method {method!r} is not supported",
+            fix="fp8conv reads FP8 checkpoints: quant_method 'fp8' or compressed-tensors float-quantized",
         )
     return settings
 
@@ -106,9 +102,7 @@ def _read_fp8(q: dict[str, Any], s: QuantSettings) -> None:
             s.problems.append(exc)
     fmt_problem = _fmt_problem(q.get("fmt", "e4m3"))
     if fmt_problem:
-        s.problems.append(
-            CheckpointError(fmt_problem, file=s.file, key=s.key, fix="fp8conv reads e4m3 (float8_e4m3fn) FP8 only")
-        )
+        s.refuse(fmt_problem, fix="fp8conv reads e4m3 (float8_e4m3fn) FP8 only")
     # fbgemm_fp8 quantizes activations per token at run time (bounded by activation_scale_ub): dynamic
     s.activation_scheme = q.get("activation_scheme", "dynamic" if s.method in FP8_ALIASES else None)
     s.scale_fmt = q.get("scale_fmt")
@@ -133,11 +127,7 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
     top_format = q.get("format")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        s.problems.append(
-            CheckpointError(
-                "compressed-tensors config has no config_groups", file=s.file, key=s.key, fix="fix config.json"
-            )
-        )
+        s.refuse("compressed-tensors config has no config_groups", fix="fix config.json")
         return
     blocks = set()
     for gname, group in groups.items():
@@ -150,14 +140,10 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
             s.packed[packed[0]] = packed[1]
             continue
         if weights.get("type") != "float" or weights.get("num_bits") != 8 or fmt not in FLOAT_QUANTIZED_FORMATS:
-            s.problems.append(
-                CheckpointError(
-                    f"compressed-tensors group {gname!r} is {fmt} {weights.get('type')}"
-                    f"{weights.get('num_bits')} weights, not FP8",
-                    file=s.file,
-                    key=s.key,
-                    fix="fp8conv converts FP8 (float-quantized, 8-bit float) checkpoints only",
-                )
+            s.refuse(
+                f"compressed-tensors group {gname!r} is {fmt} {weights.get('type')}"
+                f"{weights.get('num_bits')} weights, not FP8",
+                fix="fp8conv converts FP8 (float-quantized, 8-bit float) checkpoints only",
             )
             continue
         if weights.get("strategy") == "block":
@@ -169,13 +155,9 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
         if isinstance(acts, dict):
             s.activation_scheme = "dynamic" if acts.get("dynamic") else "static"
     if len(blocks) > 1:
-        s.problems.append(
-            CheckpointError(
-                f"config groups use different block structures {sorted(blocks)}",
-                file=s.file,
-                key=s.key,
-                fix="fp8conv needs one block size per checkpoint",
-            )
+        s.refuse(
+            f"config groups use different block structures {sorted(blocks)}",
+            fix="fp8conv needs one block size per checkpoint",
         )
     elif blocks:
         s.block = blocks.pop()
@@ -193,13 +175,9 @@ def _read_expert_dtype(config: dict[str, Any], q: dict[str, Any], s: QuantSettin
     if value == "fp4":
         s.packed["mxfp4"] = MXFP4_GROUP
     elif value != "fp8":
-        s.problems.append(
-            CheckpointError(
-                f"expert_dtype {value!r} is neither 'fp4' nor 'fp8'",
-                file=s.file,
-                key=s.key,
-                fix="fp8conv reads DeepSeek-V4 experts in MXFP4 (fp4) or block FP8 (fp8)",
-            )
+        s.refuse(
+            f"expert_dtype {value!r} is neither 'fp4' nor 'fp8'",
+            fix="fp8conv reads DeepSeek-V4 experts in MXFP4 (fp4) or block FP8 (fp8)",
         )
 
 
@@ -218,13 +196,9 @@ def _read_modelopt(q: dict[str, Any], s: QuantSettings) -> None:
     section = nested if isinstance(nested, dict) else q
     algo, group = section.get("quant_algo"), section.get("group_size")
     if str(algo).upper() not in MODELOPT_NVFP4_ALGOS or group not in (None, NVFP4_GROUP):
-        s.problems.append(
-            CheckpointError(
-                f"ModelOpt quant_algo {algo!r} with group_size {group!r} is not supported",
-                file=s.file,
-                key=s.key,
-                fix=f"fp8conv reads ModelOpt {' and '.join(MODELOPT_NVFP4_ALGOS)} weights (group_size 16) only",
-            )
+        s.refuse(
+            f"ModelOpt quant_algo {algo!r} with group_size {group!r} is not supported",
+            fix=f"fp8conv reads ModelOpt {' and '.join(MODELOPT_NVFP4_ALGOS)} weights (group_size 16) only",
         )
         return
     s.packed["nvfp4-modelopt"] = NVFP4_GROUP
@@ -244,34 +218,19 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
         return None
     group = w.get("group_size")
     if not ok or not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 2:
-        s.problems.append(
-            CheckpointError(
-                f"compressed-tensors group {gname!r} is {fmt} with strategy {w.get('strategy')!r}, "
-                f"symmetric {w.get('symmetric')!r}, group_size {group!r}",
-                file=s.file,
-                key=s.key,
-                fix="fp8conv reads symmetric group-wise INT4 and NVFP4 (tensor_group) packed weights only",
-            )
+        s.refuse(
+            f"compressed-tensors group {gname!r} is {fmt} with strategy {w.get('strategy')!r}, "
+            f"symmetric {w.get('symmetric')!r}, group_size {group!r}",
+            fix="fp8conv reads symmetric group-wise INT4 and NVFP4 (tensor_group) packed weights only",
         )
         return None
     if kind == "nvfp4" and group != NVFP4_GROUP:
-        s.problems.append(
-            CheckpointError(
-                f"NVFP4 group {gname!r} has group_size {group}, not 16",
-                file=s.file,
-                key=s.key,
-                fix="fix config.json",
-            )
-        )
+        s.refuse(f"NVFP4 group {gname!r} has group_size {group}, not 16", fix="fix config.json")
         return None
     if s.packed.get(kind, group) != group:
-        s.problems.append(
-            CheckpointError(
-                f"config groups use different {kind} group sizes ({s.packed[kind]} and {group})",
-                file=s.file,
-                key=s.key,
-                fix="fp8conv needs one group size per packed format",
-            )
+        s.refuse(
+            f"config groups use different {kind} group sizes ({s.packed[kind]} and {group})",
+            fix="fp8conv needs one group size per packed format",
         )
         return None
     return kind, group
