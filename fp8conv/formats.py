@@ -86,45 +86,14 @@ def classify(
 ) -> Classification:
     """Classify every tensor. `block_size` is the user's --block-size assertion, if any."""
     settings = read_quant_settings(config)
-    where = settings.where
-    problems: list[CheckpointError] = list(settings.problems)
-    warnings: list[str] = []
-    if block_size is not None and settings.block is not None and block_size != settings.block:
-        problems.append(
-            CheckpointError(
-                f"the block size is {list(settings.block)} but --block-size asserts {list(block_size)}",
-                file=CONFIG_NAME,
-                key=settings.key,
-                fix="drop --block-size, or fix config.json if you know it is wrong",
-            )
-        )
-    block, block_source = (block_size, "--block-size") if block_size else (settings.block, where)
-    if block is None:
-        block_source = None
+    problems: list[CheckpointError] = list(settings.problems)  # every step below adds to this one list
+    block, block_source = _block_size(settings, block_size, problems)
     ctx = _Context(index, block, block_source, problems, settings)
-
-    names = set(index.locations)
-    weights: dict[str, WeightFormat] = {}
-    consumed: set[str] = set()
-    for name in index.locations:
-        fmt = _classify_one(ctx, name, names)
-        if fmt is not None:
-            weights[name] = fmt
-            consumed.update(fmt.consumed)
-    for name in index.locations:
-        if name in weights or name in consumed:
-            continue
-        if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
-            problems.append(
-                CheckpointError(
-                    f"is a scale but there is no FP8 weight {_weight_of(name)!r} for it",
-                    tensor=name,
-                    shard=ctx.shard(name),
-                    fix="the checkpoint is incomplete: re-download the shard that holds the weight",
-                )
-            )
+    weights, consumed = _classify_weights(ctx)
+    problems += _orphan_scales(ctx, weights, consumed)
     plain = [n for n in index.locations if n not in weights and n not in consumed]
     plain = [n for n in plain if not n.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES)]
+    warnings: list[str] = []
     for fmt in weights.values():
         if fmt.kind in (Kind.UNVERIFIED, Kind.UNSUPPORTED):
             problems.append(
@@ -137,9 +106,9 @@ def classify(
             )
         elif fmt.kind in CONVERTIBLE | PACKED and module_matches(module_of(fmt.weight), settings.not_converted):
             what = "FP8" if fmt.kind in CONVERTIBLE else str(fmt.kind)
-            warnings.append(f"{fmt.weight} is {what} although {where} lists its module as not converted")
+            warnings.append(f"{fmt.weight} is {what} although {settings.where} lists its module as not converted")
     if settings.method is not None and not weights:
-        warnings.append(f"{where} declares quant_method {settings.method!r} but no tensor is FP8")
+        warnings.append(f"{settings.where} declares quant_method {settings.method!r} but no tensor is FP8")
     return Classification(
         weights=weights,
         plain=plain,
@@ -149,6 +118,55 @@ def classify(
         block_source=block_source,
         settings=settings,
     )
+
+
+def _block_size(
+    settings: QuantSettings, asserted: tuple[int, int] | None, problems: list[CheckpointError]
+) -> tuple[tuple[int, int] | None, str | None]:
+    """(block size, where it comes from): --block-size when given (refused when config.json disagrees),
+    else config.json's."""
+    if asserted is not None and settings.block is not None and asserted != settings.block:
+        problems.append(
+            CheckpointError(
+                f"the block size is {list(settings.block)} but --block-size asserts {list(asserted)}",
+                file=CONFIG_NAME,
+                key=settings.key,
+                fix="drop --block-size, or fix config.json if you know it is wrong",
+            )
+        )
+    block, block_source = (asserted, "--block-size") if asserted else (settings.block, settings.where)
+    return block, None if block is None else block_source
+
+
+def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]:
+    """Every quantized (or refused) weight by name, and the companions (scales ...) they consume."""
+    names = set(ctx.index.locations)
+    weights: dict[str, WeightFormat] = {}
+    consumed: set[str] = set()
+    for name in ctx.index.locations:
+        fmt = _classify_one(ctx, name, names)
+        if fmt is not None:
+            weights[name] = fmt
+            consumed.update(fmt.consumed)
+    return weights, consumed
+
+
+def _orphan_scales(ctx: _Context, weights: dict[str, WeightFormat], consumed: set[str]) -> list[CheckpointError]:
+    """Scales no weight consumes: the shard holding their weight is missing."""
+    problems = []
+    for name in ctx.index.locations:
+        if name in weights or name in consumed:
+            continue
+        if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
+            problems.append(
+                CheckpointError(
+                    f"is a scale but there is no FP8 weight {_weight_of(name)!r} for it",
+                    tensor=name,
+                    shard=ctx.shard(name),
+                    fix="the checkpoint is incomplete: re-download the shard that holds the weight",
+                )
+            )
+    return problems
 
 
 def module_of(weight_name: str) -> str:
@@ -178,39 +196,58 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
     if scales and entry.dtype in ("I8", "U8"):  # never by element size: by the scale and config.json
         return classify_packed(ctx.index, ctx.settings, name, names, _companions(base, names) if base else ())
     if entry.dtype != FP8_E4M3:
-        if entry.dtype.startswith("F8_"):
-            return WeightFormat(
-                name,
-                Kind.UNSUPPORTED,
-                scale=scales[0] if scales else None,
-                companions=_companions(base, names) if base else (),
-                reason=f"{entry.dtype} weights are not float8_e4m3fn",
-                fix="fp8conv reads e4m3fn FP8 only",
-            )
-        if scales:
-            ctx.problems.append(
-                CheckpointError(
-                    f"has a scale ({scales[0]}) but the weight is {entry.dtype}, not FP8",
-                    tensor=name,
-                    shard=ctx.shard(name),
-                    fix="the checkpoint is inconsistent: remove the stray scale or re-download",
-                )
-            )
-            return WeightFormat(name, Kind.UNQUANTIZED, scale=scales[0])
-        return None
-    # float8_e4m3fn from here on
+        return _not_fp8(ctx, entry, base, scales, names)
     if base is None:
-        # transformers 5 saves fused MoE experts as bare parameters: `experts.gate_up_proj` [E, 2I, H]
-        # with `experts.gate_up_proj_scale_inv` [E, gn, gk] (its FineGrainedFP8 layout)
-        bare = [name + s for s in BARE_SCALE_SUFFIXES if name + s in names]
-        if len(bare) == 1 and len(entry.shape) == 3:
-            return _classify_scaled(ctx, entry, ctx.index.entry(bare[0]), ())
+        return _bare_fp8(ctx, entry, names)
+    return _fp8_weight(ctx, entry, base, scales, names)
+
+
+def _not_fp8(
+    ctx: _Context, entry: TensorEntry, base: str | None, scales: list[str], names: set[str]
+) -> WeightFormat | None:
+    """A tensor that is not float8_e4m3fn: another FP8 refused, a float one with a stray scale flagged."""
+    name = entry.name
+    if entry.dtype.startswith("F8_"):
         return WeightFormat(
             name,
             Kind.UNSUPPORTED,
-            reason="an FP8 tensor that is not a '.weight' has no known scale",
-            fix="fp8conv converts FP8 linear weights with their scales",
+            scale=scales[0] if scales else None,
+            companions=_companions(base, names) if base else (),
+            reason=f"{entry.dtype} weights are not float8_e4m3fn",
+            fix="fp8conv reads e4m3fn FP8 only",
         )
+    if scales:
+        ctx.problems.append(
+            CheckpointError(
+                f"has a scale ({scales[0]}) but the weight is {entry.dtype}, not FP8",
+                tensor=name,
+                shard=ctx.shard(name),
+                fix="the checkpoint is inconsistent: remove the stray scale or re-download",
+            )
+        )
+        return WeightFormat(name, Kind.UNQUANTIZED, scale=scales[0])
+    return None
+
+
+def _bare_fp8(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightFormat:
+    """An FP8 tensor not named `.weight`: transformers 5 saves fused MoE experts as bare parameters,
+    `experts.gate_up_proj` [E, 2I, H] with `experts.gate_up_proj_scale_inv` [E, gn, gk] (its
+    FineGrainedFP8 layout); anything else has no known scale."""
+    name = entry.name
+    bare = [name + s for s in BARE_SCALE_SUFFIXES if name + s in names]
+    if len(bare) == 1 and len(entry.shape) == 3:
+        return _classify_scaled(ctx, entry, ctx.index.entry(bare[0]), ())
+    return WeightFormat(
+        name,
+        Kind.UNSUPPORTED,
+        reason="an FP8 tensor that is not a '.weight' has no known scale",
+        fix="fp8conv converts FP8 linear weights with their scales",
+    )
+
+
+def _fp8_weight(ctx: _Context, entry: TensorEntry, base: str, scales: list[str], names: set[str]) -> WeightFormat:
+    """An FP8 `.weight`: exactly one scale, whose shape then says the layout."""
+    name = entry.name
     if len(scales) > 1:
         return WeightFormat(
             name,

@@ -8,6 +8,8 @@ times for int32), and the scale grid must be exactly K / group along K, or the t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .dtypes import FP8_E4M3
 from .index import CheckpointIndex
 from .quant_config import QuantSettings
@@ -33,13 +35,8 @@ def classify_packed(
     companions: tuple[str, ...],
 ) -> WeightFormat:
     """`name` is a packed weight (X.weight_packed, X_blocks) or an int8/uint8 X.weight with a scale."""
-    declared = settings.packed if settings is not None else {}
-    where = settings.where if settings is not None else "config.json"
     entry = index.entry(name)
-
-    def refuse(reason: str, fix: str, kind: Kind = Kind.UNSUPPORTED, scale: str | None = None) -> WeightFormat:
-        return WeightFormat(name, kind, scale=scale, companions=companions, reason=reason, fix=fix)
-
+    refuse = _refuser(name, companions)
     if name.endswith("_blocks"):
         kind, base, out_name = Kind.MXFP4_GPT_OSS, name[: -len("_blocks")], name[: -len("_blocks")]
         scale, global_scale, shape_tensor = base + "_scales", None, None
@@ -70,6 +67,34 @@ def classify_packed(
                 "fp8conv converts FP8 and packed 4-bit (MXFP4, NVFP4, INT4) weights only",
                 scale=found[0],
             )
+    return _confirmed(index, settings, name, names, companions, kind, out_name, scale, global_scale, shape_tensor)
+
+
+def _refuser(name: str, companions: tuple[str, ...]) -> Callable[..., WeightFormat]:
+    def refuse(reason: str, fix: str, kind: Kind = Kind.UNSUPPORTED, scale: str | None = None) -> WeightFormat:
+        return WeightFormat(name, kind, scale=scale, companions=companions, reason=reason, fix=fix)
+
+    return refuse
+
+
+def _confirmed(
+    index: CheckpointIndex,
+    settings: QuantSettings | None,
+    name: str,
+    names: set[str],
+    companions: tuple[str, ...],
+    kind: Kind,
+    out_name: str,
+    scale: str,
+    global_scale: str | None,
+    shape_tensor: str | None,
+) -> WeightFormat:
+    """The names classify_packed found, confirmed: the scale there, the format declared by config.json,
+    every shape fitting it; then the weight's unpacked shape."""
+    declared = settings.packed if settings is not None else {}
+    where = settings.where if settings is not None else "config.json"
+    entry = index.entry(name)
+    refuse = _refuser(name, companions)
     if scale not in names:
         return refuse(f"is packed 4-bit but has no scale {scale}", "re-download the shard that holds the scale")
     if kind not in declared:

@@ -9,14 +9,15 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .backends.scales import E8M0_NAN, scale_to_float32
 from .errors import CheckpointError, OutputError
 from .formats import CONVERTIBLE, PACKED, Classification, WeightFormat
 from .safetensors_file import read_tensor
 from .source import Checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_scales(
@@ -28,66 +29,83 @@ def check_scales(
     problems: list[CheckpointError] = []
     warnings: list[str] = []
     fds: dict[str, int] = {}
+
+    def read(name: str) -> torch.Tensor:
+        shard = ckpt.index.shard_of(name)
+        if shard.name not in fds:
+            fds[shard.name] = os.open(ckpt.index.root / shard.name, os.O_RDONLY)
+        return read_tensor(fds[shard.name], ckpt.index.entry(name), shard.name)
+
     try:
         for fmt in cls.weights.values():
             if fmt.kind not in CONVERTIBLE | PACKED or fmt.scale is None:
                 continue
             if only_weights is not None and fmt.weight not in only_weights:
                 continue
-
-            def read(name: str) -> torch.Tensor:
-                shard = ckpt.index.shard_of(name)
-                if shard.name not in fds:
-                    fds[shard.name] = os.open(ckpt.index.root / shard.name, os.O_RDONLY)
-                return read_tensor(fds[shard.name], ckpt.index.entry(name), shard.name)
-
             shard = ckpt.index.shard_of(fmt.scale)
             if fmt.kind in PACKED:
                 problems += _packed_companion_problems(fmt, read, ckpt)
-            stored = read(fmt.scale)
-            if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):
-                # E8M0 by its bits: 2^(b-127) is positive, byte 255 is NaN (refused below by the scale's
-                # name); counted on the bytes, ~10x faster than through float32 (MXFP4 has 1 per 32 weights)
-                scale = None
-                nonfinite = int((stored.view(torch.uint8) == E8M0_NAN).sum())
-            else:
-                scale = scale_to_float32(stored)
-                nonfinite = int((~torch.isfinite(scale)).sum())
-            if nonfinite:
-                what = f"has {nonfinite} NaN/Inf value(s) of {stored.numel()}"
-                if allow_nonfinite:
-                    warnings.append(f"{fmt.scale} {what}: the weight is converted with them (--allow-nonfinite)")
-                else:
-                    problems.append(
-                        CheckpointError(
-                            what,
-                            tensor=fmt.scale,
-                            shard=shard.name,
-                            fix="the checkpoint is damaged: re-download it, or convert anyway with --allow-nonfinite",
-                        )
-                    )
-            if scale is None:
-                continue
-            finite = scale[torch.isfinite(scale)]
-            # a 4-bit group of zeros legitimately has scale 0 (NVFP4 writes amax / 6 = 0)
-            bad = int((finite < 0).sum() if fmt.kind in PACKED else (finite <= 0).sum())
-            if bad:
-                problems.append(
-                    CheckpointError(
-                        f"has {bad} zero or negative value(s); scales multiply the weights and must be positive",
-                        tensor=fmt.scale,
-                        shard=shard.name,
-                        fix="the checkpoint is damaged; re-download it",
-                    )
-                )
+            found, noted = _scale_problems(fmt, read(fmt.scale), shard.name, allow_nonfinite)
+            problems += found
+            warnings += noted
     finally:
         for fd in fds.values():
             os.close(fd)
     return problems, warnings
 
 
+def _scale_problems(
+    fmt: WeightFormat, stored: torch.Tensor, shard: str, allow_nonfinite: bool
+) -> tuple[list[CheckpointError], list[str]]:
+    """One weight's scale: its NaN/Inf values (a warning with allow_nonfinite), then its zero or negative ones."""
+    import torch  # here, not at the top: planning and --dry-run never load torch
+
+    from .backends.scales import E8M0_NAN, scale_to_float32
+
+    problems: list[CheckpointError] = []
+    warnings: list[str] = []
+    if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        # E8M0 by its bits: 2^(b-127) is positive, byte 255 is NaN (refused below by the scale's
+        # name); counted on the bytes, ~10x faster than through float32 (MXFP4 has 1 per 32 weights)
+        scale = None
+        nonfinite = int((stored.view(torch.uint8) == E8M0_NAN).sum())
+    else:
+        scale = scale_to_float32(stored)
+        nonfinite = int((~torch.isfinite(scale)).sum())
+    if nonfinite:
+        what = f"has {nonfinite} NaN/Inf value(s) of {stored.numel()}"
+        if allow_nonfinite:
+            warnings.append(f"{fmt.scale} {what}: the weight is converted with them (--allow-nonfinite)")
+        else:
+            problems.append(
+                CheckpointError(
+                    what,
+                    tensor=fmt.scale,
+                    shard=shard,
+                    fix="the checkpoint is damaged: re-download it, or convert anyway with --allow-nonfinite",
+                )
+            )
+    if scale is None:
+        return problems, warnings
+    finite = scale[torch.isfinite(scale)]
+    # a 4-bit group of zeros legitimately has scale 0 (NVFP4 writes amax / 6 = 0)
+    bad = int((finite < 0).sum() if fmt.kind in PACKED else (finite <= 0).sum())
+    if bad:
+        problems.append(
+            CheckpointError(
+                f"has {bad} zero or negative value(s); scales multiply the weights and must be positive",
+                tensor=fmt.scale,
+                shard=shard,
+                fix="the checkpoint is damaged; re-download it",
+            )
+        )
+    return problems, warnings
+
+
 def _packed_companion_problems(fmt: WeightFormat, read, ckpt: Checkpoint) -> list[CheckpointError]:
     """NVFP4's global scale finite and positive; compressed-tensors' weight_shape equal to the unpacked shape."""
+    import torch  # here, not at the top: planning and --dry-run never load torch
+
     problems = []
     if fmt.global_scale is not None:
         g = read(fmt.global_scale).to(torch.float32).reshape(-1)

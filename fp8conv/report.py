@@ -73,12 +73,7 @@ def inspect(
 
         scale_problems = list(check_scales(ckpt, cls, allow_nonfinite=False)[0])
     layers = _num_hidden_layers(ckpt.config)
-    partial = []
-    for fmt in cls.weights.values():
-        shape = ckpt.index.entry(fmt.weight).shape
-        if has_partial_blocks(fmt, shape) and fmt.block:
-            grid = [math.ceil(shape[-2] / fmt.block[0]), math.ceil(shape[-1] / fmt.block[1])]
-            partial.append(PartialBlockTensor(fmt.weight, list(shape), list(fmt.block), grid))
+    partial = _partial_block_tensors(ckpt, cls)
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
     block = cls.block_size or DEFAULT_BLOCK
     tp_bad = tp_report(ckpt.config, block, names=ckpt.index.locations)
@@ -86,14 +81,7 @@ def inspect(
     widths = width_disagreements(
         ckpt.config, cls.input_shapes(ckpt.index), "config.json and the tensors disagree: correct config.json"
     )
-    warnings = list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files]
-    if scales and cls.problems:
-        warnings.append("--scales: the scales are not read while the headers show problems; fix those first")
-    if family is None and ckpt.config is not None:
-        warnings.append(
-            f"model_type {model_type_of(ckpt.config)!r} is not in the family table: MLP widths are not checked "
-            "against the tensors and --pad-for-tp refuses it"
-        )
+    warnings = _warnings(ckpt, cls, scales, family is None)
     return InspectReport(
         source=str(source),
         format=cls.checkpoint_format,
@@ -118,6 +106,29 @@ def inspect(
         warnings=warnings,
         scales_read=scales and not cls.problems,
     )
+
+
+def _partial_block_tensors(ckpt: Checkpoint, cls: Classification) -> list[PartialBlockTensor]:
+    """Block FP8 weights whose edge blocks are partial (a shape not a multiple of the block)."""
+    partial = []
+    for fmt in cls.weights.values():
+        shape = ckpt.index.entry(fmt.weight).shape
+        if has_partial_blocks(fmt, shape) and fmt.block:
+            grid = [math.ceil(shape[-2] / fmt.block[0]), math.ceil(shape[-1] / fmt.block[1])]
+            partial.append(PartialBlockTensor(fmt.weight, list(shape), list(fmt.block), grid))
+    return partial
+
+
+def _warnings(ckpt: Checkpoint, cls: Classification, scales: bool, no_family: bool) -> list[str]:
+    warnings = list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files]
+    if scales and cls.problems:
+        warnings.append("--scales: the scales are not read while the headers show problems; fix those first")
+    if no_family and ckpt.config is not None:
+        warnings.append(
+            f"model_type {model_type_of(ckpt.config)!r} is not in the family table: MLP widths are not checked "
+            "against the tensors and --pad-for-tp refuses it"
+        )
+    return warnings
 
 
 def inspect_invocation(block_size: tuple[int, int] | None, revision: str | None, scales: bool = False) -> str:
