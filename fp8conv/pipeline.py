@@ -11,37 +11,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backends import get_backend
+from .backends import Backend, get_backend
 from .config import CONFIG_NAME
-from .errors import OptionsError, PlanRefused
+from .errors import PlanRefused
 from .formats import classify
-from .hub import looks_like_repo_id
 from .index import INDEX_NAME
-from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
+from .manifest import Manifest
 from .options import ConvertOptions, RunOptions
-from .parts import assign_parts, check_part, drop_other_splits, finalize, finish, part_path, with_scale_fmt
-from .plan import ConversionPlan, Strategy, plan_conversion
-from .preflight import check_free_space, check_scales
-from .provenance import model_card_note, source_record
-from .report import inspect_invocation
-from .scheduler import InputReaders, Scheduler
+from .parts import drop_other_splits, finalize, finish, with_scale_fmt
+from .plan import ConversionPlan
+from .preflight import check_scales
+from .prepare import PreparedRun, prepare
+from .scheduler import InputReaders, RunTotals, Scheduler
 from .shard_source import ShardSource
-from .source import Checkpoint, open_checkpoint
-from .strategy import choose_strategies
-from .stream import BASE_BYTES, MIN_BAND_BYTES, band_elements_for, whole_tensor_bytes
-from .streaming import (
-    HEADERS_FILE,
-    Schedule,
-    StreamFeed,
-    adopt_local_header,
-    check_stream_space,
-    make_schedule,
-    open_stream,
-    save_input_headers,
-    stream_identity,
-)
+from .source import Checkpoint
+from .streaming import HEADERS_FILE, Schedule, StreamFeed, adopt_local_header, save_input_headers
 from .verify import OutputCheck, VerifyResult, verify
-from .version import __version__
 from .writer import TEMP_SUFFIX, temp_target
 
 
@@ -69,7 +54,6 @@ class ConvertResult:
     streamed: dict[str, Any] | None = None  # --stream: shards fetched and evicted, seconds waited for them
 
 
-# over 60 lines: a run's steps in their order, each one call; the execution itself is Scheduler.run
 def convert(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -79,117 +63,27 @@ def convert(
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`: `options` say what the output is (the default:
     bf16), `run` how this run goes (see options.py). Raises Fp8ConvError subclasses on bad input."""
-    # Over 60 lines: the run's steps in the order they happen (refusals before anything is written, the
-    # scheduler, then config, index and manifest); the self-contained steps are the helpers below.
     started = time.monotonic()
     options = options or ConvertOptions()
     how = run or RunOptions()  # both checked themselves when made
-    block_size, keep_model_card = options.block_size, options.keep_model_card
-    overwrite, resume, part, device, revision = how.overwrite, how.resume, how.part, how.device, how.revision
-    allow_nonfinite, space_check, verify_after = how.allow_nonfinite, how.space_check, how.verify_after
-    max_memory, direct_io, progress = how.max_memory, how.direct_io, how.progress
-    stream, evict_input, prefetch = how.stream, how.evict_input, how.prefetch
-    backend = get_backend(device)
-    feed_source: ShardSource | None = None
-    if stream is not False:
-        ckpt, feed_source = open_stream(source, revision, stream, Path(output) if resume else None)
-    else:
-        ckpt = open_checkpoint(source, revision=revision)
-    cls = classify(ckpt.index, ckpt.config, block_size)
-    if cls.problems:
-        raise PlanRefused(cls.problems, listed_by=inspect_invocation(block_size, revision))
-    plan = plan_conversion(ckpt, cls, options)
-    # --stream: an output shard's scales are checked once its inputs are there (the data is not here yet)
-    scale_problems, scale_warnings = check_scales(ckpt, cls, allow_nonfinite) if feed_source is None else ([], [])
-    if plan.problems or scale_problems:  # a plan's problems depend on the options: no inspect lists them
-        raise PlanRefused(
-            plan.problems + scale_problems,
-            listed_by=None if plan.problems else inspect_invocation(block_size, revision, scales=True),
-        )
-    plan.warnings += scale_warnings
-    choose_strategies(plan, ckpt.index, band_elements_for(max_memory))  # how each job executes, once
-    _check_memory_cap(ckpt, plan, max_memory)
-    streamed: dict[str, Any] | None = None
-    out = Path(output)
-    identity = input_identity(ckpt) if feed_source is None else stream_identity(ckpt, feed_source)
-    manifest = Manifest(__version__, Manifest.options_dict(options), identity)
-    is_hub_id = isinstance(source, str) and looks_like_repo_id(source)
-    record = feed_source.provenance() if feed_source is not None else {}
-    record = record or source_record(source, ckpt.root, revision, is_hub_id)
-    if feed_source is not None:
-        record["stream"] = {"prefetch": prefetch, "evict_input": evict_input}
-    manifest.extra["source"] = record
-    card_note = None if keep_model_card else model_card_note(record, plan)
-    others: set[str] = set()  # shards other parts of a fan-out convert
-    if part is not None:
-        mine = assign_parts(plan.shards, part[1])[part[0] - 1]
-        others = {s.name for s in plan.shards} - set(mine)
-        manifest.path = part_path(out, part).relative_to(out)
-        manifest.record_stat = True
-        check_part(out, part, manifest, overwrite=overwrite)
-    keep = _resumable_shards(out, plan, manifest, part) if resume else set()
-    _check_output(ckpt, out, overwrite or resume or part is not None)
-    schedule = make_schedule(ckpt.index, plan, keep) if feed_source is not None else None
-    if space_check:
-        _check_space(ckpt, plan, out, keep, others, feed_source, schedule, how)
-    _prepare_output(out, keep, others)
-    if part is None or overwrite:  # records of another split (or of none: this run is whole) are stale
-        drop_other_splits(out, part[1] if part else 0)
-    manifest.save(out)
-    if feed_source is not None:
-        save_input_headers(out, ckpt, feed_source)
-    readers = InputReaders(ckpt.index, direct_io)
-    stream_check = OutputCheck(ckpt.index, plan, out, 1.0, 20) if verify_after and schedule is not None else None
-    with ExitStack() as stack:
-        stack.callback(readers.close_all)
-        feed: StreamFeed | None = None
-        if feed_source is not None and schedule is not None:
-            feed = _stream_feed(
-                ckpt, plan, readers, feed_source, schedule, prefetch, evict_input, allow_nonfinite, stream_check
-            )
-            stack.callback(feed.close)
-            feed.start()
-        totals = Scheduler(ckpt.index, plan, backend, readers, direct_io, progress).run(
-            out, keep | others, feed.wait_for if feed else None, _on_commit(out, manifest, feed)
-        )
-        if feed is not None:
-            feed.finish()
-            streamed = {"fetched": feed.fetched, "evicted": feed.evicted, "waited_s": feed.waited_s}
-    exact, total = totals.exactness
-    if total:
-        unit = "rows" if options.to == "channel" else f"{_out_block_text(plan)} blocks"
-        plan.warnings.append(
-            f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
-            "(their amax / 448 scales put 4-bit values between FP8 steps)"
-        )
-    finalized = True
-    config = plan.config
-    index = plan.index_document() if plan.write_index else None
-    if part is None:
-        if not with_scale_fmt(config, plan.claims_ue8m0, totals.all_scales_pow2):
-            plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, card_note)
-        (out / HEADERS_FILE).unlink(missing_ok=True)  # --stream: only a resume needed them
-    else:  # record what finalize needs; the last part to finish finalizes
-        manifest.extra = _finalize_record(ckpt, plan, totals.all_scales_pow2, index, card_note, record)
-        manifest.save(out)
-        finalized = finalize(out, require_all=False) is not None
-    verified = None
-    if stream_check is not None:  # each shard was checked as it was committed, before its inputs went
-        stream_check.documents()
-        verified = stream_check.result(stream_check.seconds)
-    elif verify_after and part is None:
-        verified = verify(ckpt.root, out, options=options)
-    if verified is not None:  # provenance: the output says it was checked, and how that went
-        manifest.extra["verify"] = _verify_record(verified)
-        manifest.save(out)
+    backend = get_backend(how.device)
+    prep = prepare(source, output, options, how)  # every refusal, before anything is written
+    _start_output(prep, how)
+    stream_check = None
+    if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
+        stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
+    totals, streamed = _execute(prep, backend, how, stream_check)
+    _exactness_warning(prep.plan, totals.exactness)
+    finalized = _finish_output(prep, totals.all_scales_pow2, how.part)
+    verified = _verified(prep, options, how, stream_check)
+    plan, others = prep.plan, prep.others
     return ConvertResult(
-        output=out,
+        output=prep.out,
         target=plan.target,
         shards=[s.name for s in plan.shards if s.name not in others],
         tensors_converted=totals.converted,
         tensors_copied=totals.copied,
-        bytes_written=sum(s.nbytes for s in plan.shards if s.name not in others | keep),
+        bytes_written=sum(s.nbytes for s in plan.shards if s.name not in others | prep.keep),
         seconds=time.monotonic() - started,
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
@@ -197,34 +91,92 @@ def convert(
         verified=verified,
         packed_blocks_exact=totals.exactness[0],
         packed_blocks_total=totals.exactness[1],
-        part=part,
-        shards_kept=sorted(keep),
+        part=how.part,
+        shards_kept=sorted(prep.keep),
         finalized=finalized,
         streamed=streamed,
     )
 
 
-def _check_space(
-    ckpt: Checkpoint,
-    plan: ConversionPlan,
-    out: Path,
-    keep: set[str],
-    others: set[str],
-    feed_source: ShardSource | None,
-    schedule: Any,
-    how: RunOptions,
-) -> None:
-    """Refuse up front when this run's output (and, streaming, its input's peak) will not fit."""
-    copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
-    kept = sum((out / name).stat().st_size for name in keep)
-    mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
-    if feed_source is None or schedule is None:
-        check_free_space(out, mine_bytes + copied - kept)
-        return
-    sizes = {s.name: s.header.file_size for s in ckpt.index.shards}
-    present = {name for name in sizes if feed_source.present(name)}
-    held, count = schedule.peak_input(sizes, how.prefetch, how.evict_input, present)
-    check_stream_space(out, mine_bytes + copied - kept, feed_source.root, held, count, how.prefetch, how.evict_input)
+def _start_output(prep: PreparedRun, how: RunOptions) -> None:
+    """The first writes: the directory cleaned of what would make a failed run look complete, then the
+    manifest naming the options and input the shards to come are of."""
+    out, part = prep.out, how.part
+    _prepare_output(out, prep.keep, prep.others)
+    if part is None or how.overwrite:  # records of another split (or of none: this run is whole) are stale
+        drop_other_splits(out, part[1] if part else 0)
+    prep.manifest.save(out)
+    if prep.feed_source is not None:
+        save_input_headers(out, prep.ckpt, prep.feed_source)
+
+
+def _execute(
+    prep: PreparedRun, backend: Backend, how: RunOptions, stream_check: OutputCheck | None
+) -> tuple[RunTotals, dict[str, Any] | None]:
+    """The scheduler's run of the plan (with --stream, inside the feed that fetches and evicts shards);
+    its totals and, streaming, what was fetched, evicted and waited for."""
+    ckpt, plan, out = prep.ckpt, prep.plan, prep.out
+    readers = InputReaders(ckpt.index, how.direct_io)
+    streamed: dict[str, Any] | None = None
+    with ExitStack() as stack:
+        stack.callback(readers.close_all)
+        feed: StreamFeed | None = None
+        if prep.feed_source is not None and prep.schedule is not None:
+            feed = _stream_feed(ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check)
+            stack.callback(feed.close)
+            feed.start()
+        totals = Scheduler(ckpt.index, plan, backend, readers, how.direct_io, how.progress).run(
+            out, prep.keep | prep.others, feed.wait_for if feed else None, _on_commit(out, prep.manifest, feed)
+        )
+        if feed is not None:
+            feed.finish()
+            streamed = {"fetched": feed.fetched, "evicted": feed.evicted, "waited_s": feed.waited_s}
+    return totals, streamed
+
+
+def _exactness_warning(plan: ConversionPlan, exactness: tuple[int, int]) -> None:
+    """Packed 4-bit weights requantized to FP8: how many output blocks (rows) kept every 4-bit value."""
+    exact, total = exactness
+    if total:
+        unit = "rows" if plan.options.to == "channel" else f"{_out_block_text(plan)} blocks"
+        plan.warnings.append(
+            f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
+            "(their amax / 448 scales put 4-bit values between FP8 steps)"
+        )
+
+
+def _finish_output(prep: PreparedRun, all_scales_pow2: bool, part: tuple[int, int] | None) -> bool:
+    """The files that make the output complete (config, index, copies, manifest), written last; a part
+    records what they need instead, and the last part to finish writes them. False: parts unfinished."""
+    ckpt, plan, out, manifest = prep.ckpt, prep.plan, prep.out, prep.manifest
+    config = plan.config
+    index = plan.index_document() if plan.write_index else None
+    if part is None:
+        if not with_scale_fmt(config, plan.claims_ue8m0, all_scales_pow2):
+            plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, prep.card_note)
+        (out / HEADERS_FILE).unlink(missing_ok=True)  # --stream: only a resume needed them
+        return True
+    # a part records what finalize needs; the last part to finish finalizes
+    manifest.extra = _finalize_record(ckpt, plan, all_scales_pow2, index, prep.card_note, prep.record)
+    manifest.save(out)
+    return finalize(out, require_all=False) is not None
+
+
+def _verified(
+    prep: PreparedRun, options: ConvertOptions, how: RunOptions, stream_check: OutputCheck | None
+) -> VerifyResult | None:
+    """--verify: the output read back and checked, and the manifest saying so (provenance)."""
+    verified = None
+    if stream_check is not None:  # each shard was checked as it was committed, before its inputs went
+        stream_check.documents()
+        verified = stream_check.result(stream_check.seconds)
+    elif how.verify_after and how.part is None:
+        verified = verify(prep.ckpt.root, prep.out, options=options)
+    if verified is not None:  # provenance: the output says it was checked, and how that went
+        prep.manifest.extra["verify"] = _verify_record(verified)
+        prep.manifest.save(prep.out)
+    return verified
 
 
 def _finalize_record(
@@ -268,9 +220,7 @@ def _stream_feed(
     readers: InputReaders,
     source: ShardSource,
     schedule: Schedule,
-    prefetch: int,
-    evict: bool,
-    allow_nonfinite: bool,
+    how: RunOptions,
     check: OutputCheck | None,
 ) -> StreamFeed:
     """The hooks --stream adds to a run: a shard's arrival (its own header checked and adopted), an
@@ -284,7 +234,7 @@ def _stream_feed(
 
     def ready(output: str) -> None:
         weights = {job.source for job in by_name[output].jobs}
-        problems, warnings = check_scales(ckpt, cls, allow_nonfinite, only_weights=weights)
+        problems, warnings = check_scales(ckpt, cls, how.allow_nonfinite, only_weights=weights)
         if problems:
             raise PlanRefused(problems)
         plan.warnings.extend(warnings)
@@ -296,8 +246,8 @@ def _stream_feed(
     return StreamFeed(
         source,
         schedule,
-        ahead=prefetch,
-        evict=evict,
+        ahead=how.prefetch,
+        evict=how.evict_input,
         arrived=arrived,
         before_evict=readers.close,
         after_commit=after_commit,
@@ -319,76 +269,6 @@ def _on_commit(out: Path, manifest: Manifest, feed: StreamFeed | None) -> Callab
 def _out_block_text(plan: ConversionPlan) -> str:
     block = next((j.out_block for s in plan.shards for j in s.jobs if j.out_block), None)
     return f"{block[0]}x{block[1]}" if block else ""
-
-
-def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
-    src = ckpt.root.resolve()
-    dst = out.resolve()
-    # a single-file input only owns its folder's top level; a directory input owns everything below it
-    inside = dst == src or (not ckpt.single_file and src in dst.parents)
-    if inside:
-        raise OptionsError(
-            f"output {out} is inside the input checkpoint {src}",
-            fix="choose an output directory outside the input (the input is never modified)",
-        )
-    if dst in src.parents:
-        raise OptionsError(
-            f"output {out} contains the input checkpoint {src}",
-            fix="choose an output directory that does not contain the input",
-        )
-    if dst.exists() and not dst.is_dir():
-        raise OptionsError(f"output {out} exists and is not a directory", fix="choose another path")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise OptionsError(
-            f"output directory {out} is not empty",
-            fix="choose an empty directory, or pass --overwrite to replace its checkpoint",
-        )
-
-
-def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | None) -> None:
-    """Refuses, before anything is written, a --max-memory cap that cannot hold the run or a tensor the
-    plan rewrites whole (padded, 3-D, or quantized from bf16) that would not fit under it."""
-    if max_memory is None:
-        return
-    if max_memory < BASE_BYTES + MIN_BAND_BYTES:
-        raise OptionsError(
-            f"--max-memory {max_memory} bytes is below what a run needs ({BASE_BYTES + MIN_BAND_BYTES} bytes)",
-            fix="raise --max-memory",
-        )
-    budget = max_memory - BASE_BYTES
-    for shard in plan.shards:
-        for job in shard.jobs:
-            if job.strategy is not Strategy.WHOLE:  # copied file to file, or streamed in bands
-                continue
-            entry = ckpt.index.entry(job.source)
-            if whole_tensor_bytes(job, entry) > budget:
-                raise OptionsError(
-                    f"tensor {job.source} is rewritten whole and needs ~{whole_tensor_bytes(job, entry)} bytes, "
-                    f"over --max-memory {max_memory} minus ~{BASE_BYTES} for the process",
-                    fix="raise --max-memory",
-                )
-
-
-def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None) -> set[str]:
-    """Shards an interrupted run finished that still check out; refuses other options or input. A part
-    resumes from its own record only: the other parts may not have started, or be running."""
-    if not (out / manifest.path).is_file():
-        if part is None and out.is_dir() and any(out.iterdir()):
-            fanout = any((out / MANIFEST.parent).glob("part-*-of-*.json"))
-            raise OptionsError(
-                f"{out} has no {MANIFEST} to resume from",
-                fix="it holds parts of a fan-out: resume each with --part I/N --resume, or run fp8conv finalize"
-                if fanout
-                else "convert into an empty directory, or use --overwrite",
-            )
-        return set()
-    old = load_manifest(out, manifest.path)
-    mismatch = resume_mismatch(old, manifest)
-    if mismatch:
-        raise OptionsError(f"cannot resume {out}: {mismatch}", fix="convert again with --overwrite")
-    keep = {s.name for s in plan.shards if old.shard_intact(out, s.name)}
-    manifest.shards = {name: old.shards[name] for name in keep}
-    return keep
 
 
 def _prepare_output(out: Path, keep: set[str], others: set[str]) -> None:

@@ -63,14 +63,14 @@ def test_the_default_band_keeps_tiny_weights_whole(tiny):
 def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatch):
     """The scheduler reads the plan's choice: force every job WHOLE and nothing is streamed or copied
     file to file, yet the output is the same bytes."""
-    import fp8conv.pipeline as pipeline
+    import fp8conv.prepare as prepare
     import fp8conv.stream as stream
     from fp8conv.rewrite.banded import BandedJob
     from fp8conv.writer import ShardWriter
 
     monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
     fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))
-    chosen = pipeline.choose_strategies
+    chosen = prepare.choose_strategies
 
     def all_whole(plan, index, band_elements):
         chosen(plan, index, band_elements)
@@ -78,7 +78,7 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
             shard.jobs[:] = [replace(j, strategy=Strategy.WHOLE) for j in shard.jobs]
 
     banded, copied = [], []
-    monkeypatch.setattr(pipeline, "choose_strategies", all_whole)
+    monkeypatch.setattr(prepare, "choose_strategies", all_whole)
     monkeypatch.setattr(BandedJob, "__init__", lambda *a: banded.append(a))
     monkeypatch.setattr(ShardWriter, "copy_range", lambda *a: copied.append(a))
     fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="block", pad_for_tp=8))
