@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -25,6 +26,7 @@ from .parts import finalize, parse_part
 from .report import InspectReport, inspect
 
 if TYPE_CHECKING:
+    from .dry_run import PlanSummary
     from .pipeline import ConvertResult
     from .verify import VerifyResult
 
@@ -277,7 +279,15 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     is_flag=True,
     help="Copy README.md unchanged instead of appending a 'Converted with fp8conv' section.",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Plan and check as a run would, print the plan (per output shard: tensors, bytes, how each job "
+    "executes) and write nothing.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as one JSON object.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+# over 60 lines: its signature is click's 28 options, one a line; the body is ~37 lines
 def convert_command(
     checkpoint: str,
     target: str,
@@ -304,23 +314,23 @@ def convert_command(
     evict_input: bool,
     prefetch: int,
     keep_model_card: bool,
+    dry_run: bool,
+    as_json: bool,
     quiet: bool,
 ) -> None:
     """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
-
-    ranges = {"gaudi2": FP8_MAX_GAUDI2, "gaudi3": FP8_MAX_STANDARD, "generic": FP8_MAX_STANDARD}
-    implied = f"{ranges[hardware]:g}" if hardware else None
-    if fp8_max and implied and fp8_max != implied:
-        raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
+    fp8_range = _fp8_range(fp8_max, hardware)
     if jobs > 1 and part_text is not None:
         raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
+    if as_json and not dry_run:
+        raise click.UsageError("--json prints the plan of --dry-run: add --dry-run, or drop --json")
     roles = tuple(r.strip() for r in pad_roles.split(",") if r.strip()) if pad_roles is not None else None
-    try:  # the parameters become the two values, which check themselves: misfits are usage errors (exit 2)
+    with _usage_errors():  # the parameters become the two values, which check themselves
         options = ConvertOptions(
             to=target,
             dtype=dtype,
             block_size=block_size,
-            fp8_max=float(fp8_max or implied or FP8_MAX_STANDARD),
+            fp8_max=fp8_range,
             pad_for_tp=pad_for_tp,
             pad_roles=roles,
             keep_model_card=keep_model_card,
@@ -341,15 +351,51 @@ def convert_command(
             prefetch=prefetch,
         )
         workers = [replace(run, part=(i, jobs), verify_after=False) for i in range(1, jobs + 1)] if jobs > 1 else []
+    if dry_run:
+        _print_plan(checkpoint, output, options, run, jobs, as_json)
+    elif workers:
+        _convert_with_workers(checkpoint, output, options, workers, threads, quiet, verify_after)
+    else:
+        _convert_here(checkpoint, output, options, run, threads, quiet)
+
+
+def _fp8_range(fp8_max: str | None, hardware: str | None) -> float:
+    """--fp8-max, or what --target implies; the two must agree."""
+    ranges = {"gaudi2": FP8_MAX_GAUDI2, "gaudi3": FP8_MAX_STANDARD, "generic": FP8_MAX_STANDARD}
+    implied = f"{ranges[hardware]:g}" if hardware else None
+    if fp8_max and implied and fp8_max != implied:
+        raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
+    return float(fp8_max or implied or FP8_MAX_STANDARD)
+
+
+@contextmanager
+def _usage_errors() -> Iterator[None]:
+    """Option values that do not fit together are usage errors (exit 2), not bad input (exit 1)."""
+    try:
+        yield
     except OptionsError as exc:
         raise click.UsageError(exc.one_line()) from None
-    if workers:
-        _run_workers(checkpoint, output, options, workers, threads or 1, quiet)
-        if verify_after:
-            from .verify import verify
 
-            _report_verify(verify(checkpoint, output))
-        return
+
+def _convert_with_workers(
+    checkpoint: str,
+    output: str,
+    options: ConvertOptions,
+    workers: list[RunOptions],
+    threads: int | None,
+    quiet: bool,
+    verify_after: bool,
+) -> None:
+    _run_workers(checkpoint, output, options, workers, threads or 1, quiet)
+    if verify_after:
+        from .verify import verify
+
+        _report_verify(verify(checkpoint, output))
+
+
+def _convert_here(
+    checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int | None, quiet: bool
+) -> None:
     warm_start.warm_torch()  # torch's import below then reads its files from the page cache
     if not (run.stream or run.part or run.resume or run.max_memory):  # the first input is read while torch loads
         warm_start.begin(checkpoint, options, direct=run.direct_io)
@@ -362,6 +408,55 @@ def convert_command(
     finally:
         close()
     _report_convert(result, quiet)
+
+
+def _print_plan(
+    checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, jobs: int, as_json: bool
+) -> None:
+    """--dry-run: planned and checked as the run would be (its refusals exit 1 as they would), printed."""
+    from .dry_run import dry_run
+
+    summary = dry_run(checkpoint, output, options, run=run, parts=jobs if jobs > 1 else None)
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+        return
+    for w in summary.warnings:
+        click.echo(f"warning: {w}", err=True)
+    for path, why in summary.files_skipped:
+        click.echo(f"warning: {path} would not be copied: {why}", err=True)
+    click.echo(_render_plan(summary))
+
+
+def _strategy_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in counts.items()) or "no jobs"
+
+
+def _render_plan(p: PlanSummary) -> str:
+    converted = [s for s in p.shards if s.state == "convert"]
+    lines = [
+        f"plan for {p.output} (--to {p.target}), nothing written (--dry-run): {len(converted)} shard(s) to write, "
+        f"{p.tensors} tensor(s), {_gib(p.nbytes)} ({p.nbytes} bytes)"
+    ]
+    width = max((len(s.name) for s in p.shards), default=0)
+    for s in p.shards:
+        where = f"  part {s.part}" if s.part is not None else ""
+        state = "" if s.state == "convert" else f"  ({s.state}, not written by this run)"
+        jobs = _strategy_text(s.strategies)
+        lines.append(f"  {s.name:<{width}}  {s.tensors} tensor(s)  {_gib(s.nbytes)}  {jobs}{where}{state}")
+    lines.append(f"jobs by strategy: {_strategy_text(p.strategies)}")
+    memory = [f"~{_gib(p.process_bytes)} for the process"]
+    if p.band_bytes:
+        memory.append(f"~{_gib(p.band_bytes)} of bands of {p.band_elements} elements")
+    if p.largest_whole:
+        memory.append(f"~{_gib(p.largest_whole[1])} for the largest tensor rewritten whole, {p.largest_whole[0]}")
+    cap = f"; --max-memory {_gib(p.max_memory)}" if p.max_memory else ""
+    lines.append("memory (what --max-memory is checked against, not a peak): " + ", ".join(memory) + cap)
+    lines.append(
+        f"other files: {len(p.files_copied)} copied, {len(p.files_rewritten)} rewritten, "
+        f"{len(p.files_skipped)} not copied; config.json and the index written last"
+    )
+    lines.append("not checked by --dry-run: " + "; ".join(p.not_checked))
+    return "\n".join(lines)
 
 
 def _set_threads(threads: int | None) -> None:

@@ -1,0 +1,172 @@
+"""`convert --dry-run`: the plan a run would execute, each output shard's jobs by strategy, refused as the
+run would be, with nothing written and torch never imported. The expected strategies are worked out here
+from the input's own headers (read with safetensors) and the rules the docs state, not from fp8conv."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import fp8conv
+from fp8conv import ConvertOptions, RunOptions
+from fp8conv.cli import main
+from fp8conv.dry_run import dry_run
+
+from .helpers import dir_snapshot, fp8, fp8_block_config, write_checkpoint
+from .test_startup import _fresh
+
+MLP_PROJ = re.compile(r"\.mlp\..*(gate|up|down)_proj\.weight$")
+SHARD_LINE = re.compile(r"^  (\S+\.safetensors)\s+(\d+) tensor\(s\)\s+\S+ \S+\s+(.*?)(?:  part (\d+))?$")
+
+
+def _printed_shards(stdout: str) -> dict[str, tuple[int, dict[str, int], int | None]]:
+    """Output shard -> (tensors, jobs by strategy, part) as the dry run printed them."""
+    found = {}
+    for line in stdout.splitlines():
+        m = SHARD_LINE.match(line)
+        if m:
+            counts = {k: int(v) for k, v in (item.rsplit(" ", 1) for item in m.group(3).split(", "))}
+            found[m.group(1)] = (int(m.group(2)), counts, int(m.group(4)) if m.group(4) else None)
+    return found
+
+
+def _expected_padded_block(ckpt: Path) -> dict[str, tuple[int, dict[str, int]]]:
+    """--to block --pad-for-tp 8 of the tiny DeepSeek: its MLP widths (448, 192) are not 8 whole 128-blocks,
+    so every MLP projection is padded, and padded tensors are rewritten whole; every other FP8 weight keeps
+    its bytes (its block is already 128x128), with a new scale; every float tensor is copied file to file.
+    A weight's scale travels with it: one job, two output tensors."""
+    expected = {}
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        jobs: Counter[str] = Counter()
+        tensors = 0
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open has keys(), no iteration)
+                if name.endswith("_scale_inv"):
+                    continue
+                dtype = f.get_slice(name).get_dtype()
+                if dtype == "F8_E4M3":
+                    jobs["whole" if MLP_PROJ.search(name) else "keep-weight-bytes"] += 1
+                    tensors += 2
+                else:
+                    jobs["copy-file"] += 1
+                    tensors += 1
+        expected[shard.name] = (tensors, dict(jobs))
+    return expected
+
+
+def test_dry_run_prints_each_shards_strategies_and_writes_nothing(tiny, tmp_path):
+    out = tmp_path / "out"
+    before = dir_snapshot(tiny.path)
+    args = ["convert", str(tiny.path), "--to", "block", "--pad-for-tp", "8", "-o", str(out), "--dry-run"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert not out.exists()  # not even the directory
+    assert dir_snapshot(tiny.path) == before
+    printed = _printed_shards(r.stdout)
+    expected = _expected_padded_block(tiny.path)
+    assert {name: (t, jobs) for name, (t, jobs, _) in printed.items()} == expected
+    assert all(jobs.get("whole") and jobs.get("copy-file") for _, jobs in expected.values())  # the test bites
+    total = sum((Counter(jobs) for _, jobs in expected.values()), Counter())
+    assert f"jobs by strategy: {', '.join(f'{k} {total[k]}' for k in ('copy-file', 'keep-weight-bytes', 'whole'))}" in (
+        r.stdout
+    )
+    assert "nothing written (--dry-run)" in r.stdout and "not checked by --dry-run: scale values" in r.stdout
+
+
+def _one_big_weight(tmp_path: Path) -> Path:
+    """Two shards: a 1024x1024 FP8 weight (1M elements: one band by default, several under the smallest
+    --max-memory) with its 8x8 block scale, and a bf16 norm."""
+    tensors = {
+        "model.layers.0.self_attn.o_proj.weight": fp8((1024, 1024)),
+        "model.norm.weight": torch.ones(1024, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.o_proj.weight_scale_inv": torch.rand(8, 8) + 0.5,
+    }  # dealt round-robin: the weight and its scale in the first shard, the norm in the second
+    return write_checkpoint(tmp_path / "big", tensors, fp8_block_config(), shards=2)
+
+
+def test_max_memory_changes_the_banding_the_dry_run_shows(tmp_path):
+    ckpt = _one_big_weight(tmp_path)
+    out = tmp_path / "out"
+    base = ["convert", str(ckpt), "--to", "bf16", "-o", str(out), "--dry-run"]
+    default = CliRunner().invoke(main, base)
+    capped = CliRunner().invoke(main, [*base, "--max-memory", "272M"])  # 256 MiB process + 16 MiB of bands
+    assert default.exit_code == 0 and capped.exit_code == 0, default.output + capped.output
+    weight_shard, norm_shard = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    assert _printed_shards(default.stdout) == {
+        weight_shard: (1, {"whole": 1}, None),
+        norm_shard: (1, {"copy-file": 1}, None),
+    }
+    assert _printed_shards(capped.stdout)[weight_shard] == (1, {"banded": 1}, None)
+    assert "of bands of" in capped.stdout and "of bands of" not in default.stdout
+    assert not out.exists()
+
+
+def test_the_dry_run_is_the_plan_the_run_executes(tmp_path):
+    """Library: dry_run() returns the plan as a value; convert() with the same values then writes exactly
+    its shards, its bytes and its jobs."""
+    ckpt = _one_big_weight(tmp_path)
+    run = RunOptions(max_memory=272 * 2**20)
+    summary = dry_run(ckpt, tmp_path / "out", ConvertOptions(to="bf16"), run=run)
+    assert summary.strategies == {"copy-file": 1, "banded": 1}
+    assert not (tmp_path / "out").exists()
+    result = fp8conv.convert(ckpt, tmp_path / "out", ConvertOptions(to="bf16"), run=run)
+    assert result.shards == [s.name for s in summary.shards]
+    assert result.bytes_written == summary.nbytes
+    assert result.tensors_converted + result.tensors_copied == sum(summary.strategies.values())
+    assert summary.to_dict()["totals"] == {"tensors": 2, "bytes": summary.nbytes, "strategies": summary.strategies}
+
+
+def test_jobs_and_json(tiny, tmp_path):
+    """-j N: each shard says which part converts it, the parts fp8conv's workers take; --json: one object."""
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(out), "--dry-run", "-j", "2"])
+    assert r.exit_code == 0, r.output
+    parts = {name: part for name, (_, _, part) in _printed_shards(r.stdout).items()}
+    assert sorted(parts.values()) == [1, 1, 2] or sorted(parts.values()) == [1, 2, 2]
+    j = CliRunner().invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(out), "--dry-run", "--json"])
+    assert j.exit_code == 0, j.output
+
+    doc = json.loads(j.stdout)
+    assert [s["name"] for s in doc["shards"]] == sorted(p.name for p in tiny.path.glob("*.safetensors"))
+    assert doc["totals"]["bytes"] == sum(s["nbytes"] for s in doc["shards"])
+    assert not out.exists()
+    usage = CliRunner().invoke(main, ["convert", str(tiny.path), "--to", "bf16", "-o", str(out), "--json"])
+    assert usage.exit_code == 2 and "--json prints the plan of --dry-run" in usage.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-memory", "100M"], "is below what a run needs"),
+        ([], "is not empty"),  # the output directory holds a file
+    ],
+)
+def test_the_dry_run_refuses_as_the_run_does(tiny, tmp_path, extra, message):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    args = ["convert", str(tiny.path), "--to", "bf16", "-o", str(out), *extra]
+    run = CliRunner().invoke(main, args)
+    dry = CliRunner().invoke(main, [*args, "--dry-run"])
+    assert run.exit_code == dry.exit_code == 1
+    assert message in dry.output and dry.output.splitlines()[0] == run.output.splitlines()[0]
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_the_dry_run_does_not_import_torch(tiny, tmp_path):
+    out = tmp_path / "out"
+    _fresh(
+        "from click.testing import CliRunner\n"
+        "from fp8conv.cli import main\n"
+        f"r = CliRunner().invoke(main, ['convert', {str(tiny.path)!r}, '--to', 'block', '--pad-for-tp', '8', "
+        f"'-o', {str(out)!r}, '--dry-run', '--max-memory', '300M'])\n"
+        "assert r.exit_code == 0 and 'jobs by strategy: copy-file' in r.output, r.output\n"
+    )
+    assert not out.exists()
