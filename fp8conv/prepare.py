@@ -53,13 +53,9 @@ def prepare(
     *,
     dry_run: bool = False,
 ) -> PreparedRun:
-    """The checks and decisions of convert(), in its order, up to the first write. `dry_run`: a Hub ID
-    is read from its headers (nothing downloaded) and the scale values are not read (torch would be)."""
-    feed_source: ShardSource | None = None
-    if how.stream is not False:
-        ckpt, feed_source = open_stream(source, how.revision, how.stream, Path(output) if how.resume else None)
-    else:
-        ckpt = open_checkpoint(source, revision=how.revision, headers_only=dry_run)
+    """The checks and decisions of convert(), in its order, up to the first write. `dry_run`: nothing is
+    downloaded (a Hub ID must be in the cache, or --stream) and the scale values are not read (torch would be)."""
+    ckpt, feed_source = _open(source, output, how, dry_run)
     plan = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run)
     band_elements = band_elements_for(how.max_memory)
     choose_strategies(plan, ckpt.index, band_elements)  # how each job executes, once
@@ -77,6 +73,21 @@ def prepare(
     if how.space_check:
         _check_space(ckpt, plan, out, keep, others, feed_source, schedule, how)
     return PreparedRun(ckpt, plan, out, manifest, record, card_note, feed_source, schedule, keep, others, band_elements)
+
+
+def _open(
+    source: str | os.PathLike[str], output: str | os.PathLike[str], how: RunOptions, dry_run: bool
+) -> tuple[Checkpoint, ShardSource | None]:
+    """The input, and with --stream the source its shards come from."""
+    if how.stream is not False:
+        return open_stream(source, how.revision, how.stream, Path(output) if how.resume else None)
+    ckpt = open_checkpoint(source, revision=how.revision, headers_only=dry_run)
+    if dry_run and not all(s.header.path.is_file() for s in ckpt.index.shards):  # read remotely: not downloaded
+        raise OptionsError(
+            f"--dry-run plans a Hub repo without --stream from its downloaded files, and {source} is not downloaded",
+            fix="add --stream (it plans from the remote headers), or download the repo first",
+        )
+    return ckpt, None
 
 
 def _plan(ckpt: Checkpoint, options: ConvertOptions, how: RunOptions, read_scales: bool) -> ConversionPlan:

@@ -18,6 +18,7 @@ import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli import main
 from fp8conv.dry_run import dry_run
+from fp8conv.errors import OptionsError
 
 from .helpers import dir_snapshot, fp8, fp8_block_config, write_checkpoint
 from .test_startup import _fresh
@@ -170,3 +171,23 @@ def test_the_dry_run_does_not_import_torch(tiny, tmp_path):
         "assert r.exit_code == 0 and 'jobs by strategy: copy-file' in r.output, r.output\n"
     )
     assert not out.exists()
+
+
+def test_a_hub_repo_not_downloaded_is_refused_not_fetched(tiny, tmp_path, monkeypatch):
+    """Without --stream a real run downloads the repo first; a dry run downloads nothing and says so."""
+    import fp8conv.prepare as prepare
+
+    real = prepare.open_checkpoint
+
+    def remote(location, *, revision=None, headers_only=False):  # what a remote read gives: headers, no files
+        assert headers_only
+        ckpt = real(location, revision=revision, headers_only=headers_only)
+        for shard in ckpt.index.shards:
+            object.__setattr__(shard.header, "path", Path(shard.name))  # relative, as hub.remote_headers has it
+        return ckpt
+
+    monkeypatch.setattr(prepare, "open_checkpoint", remote)
+    with pytest.raises(OptionsError, match="is not downloaded") as refused:
+        dry_run(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
+    assert "add --stream" in refused.value.one_line()
+    assert not (tmp_path / "out").exists()
