@@ -451,9 +451,10 @@ def _render_plan(p: PlanSummary) -> str:
         memory.append(f"~{_gib(p.largest_whole[1])} for the largest tensor rewritten whole, {p.largest_whole[0]}")
     cap = f"; --max-memory {_gib(p.max_memory)}" if p.max_memory else ""
     lines.append("memory (what --max-memory is checked against, not a peak): " + ", ".join(memory) + cap)
+    last = [name for name, yes in (("config.json", p.writes_config), ("the index", p.writes_index)) if yes]
     lines.append(
         f"other files: {len(p.files_copied)} copied, {len(p.files_rewritten)} rewritten, "
-        f"{len(p.files_skipped)} not copied; config.json and the index written last"
+        f"{len(p.files_skipped)} not copied" + (f"; {' and '.join(last)} written last" if last else "")
     )
     lines.append("not checked by --dry-run: " + "; ".join(p.not_checked))
     return "\n".join(lines)

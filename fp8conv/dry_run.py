@@ -39,6 +39,8 @@ class PlanSummary:
     files_copied: list[str]
     files_rewritten: list[str]  # JSON files besides config.json written rewritten (Mistral params.json)
     files_skipped: list[tuple[str, str]]
+    writes_config: bool  # config.json, rewritten for the target (the input may have none)
+    writes_index: bool  # model.safetensors.index.json
     warnings: list[str]
     band_elements: int  # a BANDED job's band, ~elements (from --max-memory)
     max_memory: int | None
@@ -96,17 +98,19 @@ def dry_run(
         files_copied=list(plan.copy_files),
         files_rewritten=sorted(plan.json_files),
         files_skipped=list(plan.skipped_files),
+        writes_config=plan.config is not None,
+        writes_index=plan.write_index,
         warnings=list(plan.warnings),
         band_elements=prep.band_elements,
         max_memory=how.max_memory,
-        band_bytes=prep.band_elements * BYTES_PER_BAND_ELEMENT if _any(prep, Strategy.BANDED) else 0,
+        band_bytes=prep.band_elements * BYTES_PER_BAND_ELEMENT if _runs_any(prep, Strategy.BANDED) else 0,
         largest_whole=_largest_whole(prep),
     )
 
 
 def _shard_summary(shard: ShardPlan, prep: PreparedRun, part: int | None) -> ShardSummary:
     state = "kept" if shard.name in prep.keep else "other part" if shard.name in prep.others else "convert"
-    strategies = Counter(str(job.strategy.value) for job in shard.jobs if job.strategy is not None)
+    strategies = Counter(job.strategy.value for job in shard.jobs if job.strategy is not None)
     return ShardSummary(
         name=shard.name,
         tensors=sum(len(job.outputs) for job in shard.jobs),
@@ -126,7 +130,7 @@ def _jobs_run(prep: PreparedRun) -> list[Job]:
     return [job for s in prep.plan.shards if s.name not in prep.keep | prep.others for job in s.jobs]
 
 
-def _any(prep: PreparedRun, strategy: Strategy) -> bool:
+def _runs_any(prep: PreparedRun, strategy: Strategy) -> bool:
     return any(job.strategy is strategy for job in _jobs_run(prep))
 
 

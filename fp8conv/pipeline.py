@@ -1,5 +1,5 @@
-"""convert(): options and input checked, the plan and its strategies, the scheduler's run, then the files that
-make the output complete (manifest, index, config) last."""
+"""convert(): the run prepare() decided and checked (prepare.py: plan, strategies, every refusal), then its
+first writes, the scheduler's run, and the files that make the output complete (manifest, index, config) last."""
 
 from __future__ import annotations
 

@@ -121,6 +121,10 @@ def test_the_dry_run_is_the_plan_the_run_executes(tmp_path):
     assert result.shards == [s.name for s in summary.shards]
     assert result.bytes_written == summary.nbytes
     assert result.tensors_converted + result.tensors_copied == sum(summary.strategies.values())
+    assert summary.writes_config and summary.writes_index  # two shards, and a config.json
+    assert (tmp_path / "out" / "config.json").is_file() and (
+        tmp_path / "out" / "model.safetensors.index.json"
+    ).is_file()
     assert summary.to_dict()["totals"] == {"tensors": 2, "bytes": summary.nbytes, "strategies": summary.strategies}
 
 
