@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from .config import CONFIG_NAME, READ_FROM_KEY, find_quantization_config
@@ -244,10 +245,15 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
 
 
 def module_matches(module: str, patterns: list[str]) -> bool:
-    """compressed-tensors / vLLM style: 're:<regex>', an exact module name, or a trailing name part."""
+    """compressed-tensors / vLLM style: 're:<regex>', an exact module name, or a trailing name part; a
+    pattern with shell wildcards (ModelOpt's exclude_modules, e.g. 'model.layers.*.mlp*') is matched as
+    vLLM's ModelOpt reader matches it, fnmatch over the whole module name (or a parent module's)."""
     for pattern in patterns:
         if pattern.startswith("re:"):
             if re.match(pattern[3:], module):
+                return True
+        elif any(c in pattern for c in "*?["):
+            if fnmatchcase(module, pattern) or fnmatchcase(module, pattern + ".*"):
                 return True
         elif module == pattern or module.endswith("." + pattern) or module.startswith(pattern + "."):
             return True

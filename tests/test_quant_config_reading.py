@@ -1,5 +1,6 @@
 """quantization_config read the way engines read it: quant_method compared as vLLM compares it (lowercased,
-compressed_tensors hyphenated)."""
+compressed_tensors hyphenated), ModelOpt's exclude_modules matched as the wildcards vLLM's ModelOpt reader
+takes them for (fnmatch)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions
 from fp8conv.formats import Kind, classify
+from fp8conv.quant_config import module_matches
 from fp8conv.source import open_checkpoint
 
 from .helpers import fp8, load_dir, write_checkpoint
@@ -75,3 +77,38 @@ def test_quant_method_nvfp4_is_refused_naming_the_layouts_fp8conv_reads(tmp_path
     message = classify(ckpt.index, ckpt.config).problems[0].one_line()
     assert "quant_method 'NVFP4' names no NVFP4 checkpoint layout" in message
     assert "nvfp4-pack-quantized" in message and "not supported" not in message
+
+
+@pytest.mark.parametrize(
+    ("module", "patterns", "listed"),
+    [
+        ("model.layers.3.mlp.down_proj", ["model.layers.*.mlp*"], True),
+        ("model.layers.3.mlp.experts.7.w1", ["model.layers.*.mlp.experts*"], True),
+        ("model.layers.3.self_attn.o_proj", ["model.layers.*.mlp*"], False),
+        ("model.layers.3.self_attn.o_proj", ["*self_attn*"], True),
+        ("model.layers.12.self_attn.q_proj", ["model.layers.1?.self_attn.q_proj"], True),
+        ("model.layers.2.self_attn.q_proj", ["model.layers.1?.self_attn.q_proj"], False),
+        ("model.layers.0.self_attn.q_proj", ["model.layers.*.self_attn"], True),  # a parent module listed
+        ("lm_head", ["lm_head"], True),
+        ("model.layers.0.mlp.gate", ["re:.*mlp\\.gate$"], True),
+        ("model.layers.0.mlp.gate_proj", ["gate"], False),
+    ],
+)
+def test_not_converted_patterns_match_wildcards(module, patterns, listed):
+    assert module_matches(module, patterns) is listed
+
+
+def test_modelopt_exclude_wildcard_is_checked_against_the_weights(tmp_path):
+    """A weight that is NVFP4 although a wildcard in exclude_modules lists it is warned about, by name."""
+    tensors = {}
+    for base in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
+        tensors[base + ".weight"] = pack_nibbles(random_codes((4, 32), 3))
+        tensors[base + ".weight_scale"] = random_e4m3_scales((4, 2), 3)
+        tensors[base + ".weight_scale_2"] = torch.tensor(0.5)
+    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    qc["exclude_modules"] = ["model.layers.*.mlp*"]
+    ckpt = open_checkpoint(write_checkpoint(tmp_path / "c", tensors, {"quantization_config": qc}))
+    warnings = classify(ckpt.index, ckpt.config).warnings
+    assert warnings == [
+        "model.layers.0.mlp.down_proj.weight is nvfp4-modelopt although config.json lists its module as not converted"
+    ]
