@@ -5,10 +5,11 @@ compressed-tensors, Quark and FP8 configs): `.k_scale` / `.v_scale` / `.q_scale`
 module, or ModelOpt's `self_attn.k_proj.k_scale`), the deprecated `.kv_scale`, compressed-tensors'
 `k_proj.output_scale`, `self_attn.prob_output_scale` / `.prob_scale`, and `.k_cache.scale`.
 
-An engine reads them only under a quantization_config that declares an FP8 KV cache
-(compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo). No output config fp8conv writes
-declares one, so they are dropped from every output, and the run says so: left in, transformers reports
-them as unexpected keys, and nothing would apply them.
+vLLM attaches a KV-cache method to every attention layer under an fp8 or compressed-tensors
+quantization_config, kv_cache_scheme or not (Fp8Config / CompressedTensorsConfig.get_quant_method), and
+applies these scales when it runs an FP8 KV cache (--kv-cache-dtype fp8): the channel and block outputs
+keep them. A bf16 output has no quantization_config: no engine loads them there (vLLM skips names its
+model lacks; transformers reports them as unexpected keys), so --to bf16 drops them and says so.
 """
 
 from __future__ import annotations
@@ -32,19 +33,19 @@ KV_SCALE_SUFFIXES = (
 NAMED_IN_WARNING = 3
 
 
-def kv_cache_scales(index: CheckpointIndex, plain: list[str], quantized: bool) -> list[str]:
-    """The plain tensors that are KV-cache scales: float tensors named as above, in a checkpoint whose
-    config declares a quantization (a bf16 model's own parameter of such a name is left alone)."""
-    if not quantized:
+def dropped_kv_scales(index: CheckpointIndex, plain: list[str], quantized: bool, target: str) -> list[str]:
+    """With --to bf16, the plain tensors that are KV-cache scales: float tensors named as above, in a
+    checkpoint whose config declares a quantization (a bf16 model's own parameter of such a name is left
+    alone). Other targets drop none."""
+    if not quantized or target != "bf16":
         return []
     return [n for n in plain if n.endswith(KV_SCALE_SUFFIXES) and index.entry(n).dtype in FLOAT_SCALE_DTYPES]
 
 
-def dropped_warning(names: list[str], target: str) -> str:
+def dropped_warning(names: list[str]) -> str:
     more = len(names) - NAMED_IN_WARNING
     shown = ", ".join(names[:NAMED_IN_WARNING]) + (f" and {more} more" if more > 0 else "")
     return (
-        f"{len(names)} KV-cache scale tensor(s) dropped ({shown}): the --to {target} output's config.json "
-        "declares no FP8 KV cache, so no engine would apply them (an FP8 KV cache run from the output uses "
-        "uncalibrated scales unless calibrated again)"
+        f"{len(names)} KV-cache scale tensor(s) dropped ({shown}): a bf16 output has no quantization_config, "
+        "so no engine loads them (transformers would report them as unexpected keys)"
     )
