@@ -300,9 +300,10 @@ class Scheduler:
                 yield from ((job, band) for band in bands(job, self.index.entry(job.source)) if band.read)
 
     def _read_ahead(self) -> None:
-        """Submit reads in order while the window allows: READ_AHEAD bands and WHOLE_AHEAD whole
+        """Submit reads in order while the window allows: READ_AHEAD band reads and WHOLE_AHEAD whole
         weights not yet taken. With the bands being computed that is IN_SLOTS input band buffers in use:
-        a read takes the buffer of the band BAND_WORKERS before the one just taken, which is computed."""
+        a read takes the buffer of the read BAND_WORKERS before the one just taken, whose bands (one, or
+        the slices of one gpt-oss expert) are computed."""
         while self._to_read:
             job, band = self._to_read[0]
             whole = band is None and job.strategy is Strategy.WHOLE
