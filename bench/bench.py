@@ -3,8 +3,9 @@
 Every variant runs as its own process, alternating, `--reps` times; the table reports medians, the
 ratio to the I/O floor of the same output size, throughput (input + output bytes) and the peak RSS of
 the whole process tree (polled from /proc). A second table sets each conversion against what the floor
-leaves out: the same bytes read and written at once (io_floor.py --concurrent), plus fp8conv's start-up
-alone. Writes bench/results.json and bench/results.md.
+leaves out: the same bytes read and written at once (io_floor.py --concurrent), and that plus what any
+torch-based converter recording its output's sha256 pays (torch's import before the first write, the
+hash; io_floor.py --unavoidable). Writes bench/results.json and bench/results.md.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def floor_name(target: str) -> str:
 
 def concurrent_floor_name(target: str) -> str:
     return f"I/O floor, reads and writes at once ({target} output size)"
+
+
+def unavoidable_floor_name(target: str) -> str:
+    return f"I/O floor at once + torch's import + output sha256 ({target} output size)"
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -158,6 +163,8 @@ def run_size(
         # what the floor leaves out: reads and writes at the same time (a conversion cannot read all of a
         # shard before writing it); with fp8conv's start-up (torch's import, STARTUP below)
         variants[concurrent_floor_name(target)] = ([*floor_cmd, "--concurrent"], target)
+        # and what any torch-based converter that records its output's sha256 must add to it
+        variants[unavoidable_floor_name(target)] = ([*floor_cmd, "--concurrent", "--unavoidable"], target)
     # what direct I/O buys: the same conversion and floor through the page cache
     variants["fp8conv --to bf16 --buffered-io"] = (
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "--buffered-io"],
@@ -196,13 +203,15 @@ def run_size(
                 results[name]["ratio_to_floor"] = results[name]["median_s"] / floor_s
                 results[name]["gb_per_s"] = (in_bytes + outputs[target]) / results[name]["median_s"] / 1e9
         label = next((n for n in variants if n.startswith(f"fp8conv --to {target}")), "")
-        conversion, concurrent, startup = (
-            results.get(n, {}).get("median_s") for n in (label, concurrent_floor_name(target), STARTUP)
+        conversion, concurrent, unavoidable = (
+            results.get(n, {}).get("median_s")
+            for n in (label, concurrent_floor_name(target), unavoidable_floor_name(target))
         )
-        if conversion and concurrent and startup:
+        if conversion and concurrent and unavoidable:
             results[label]["concurrent_floor_s"] = concurrent
             results[label]["ratio_to_concurrent_floor"] = conversion / concurrent
-            results[label]["ratio_to_concurrent_floor_plus_startup"] = conversion / (concurrent + startup)
+            results[label]["unavoidable_floor_s"] = unavoidable
+            results[label]["ratio_to_unavoidable_floor"] = conversion / unavoidable
             if target in WHOLE_PROCESS_TARGET and size_gib == TARGET_GIB:
                 results[label]["target_ratio"] = WHOLE_PROCESS_TARGET[target]
     shutil.rmtree(src)
@@ -252,11 +261,15 @@ def run_v4(size_gib: float, reps: int, work: Path) -> dict:
             "-q",
         ]
         variants[floor_name(target)] = [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs[target])]
+    # issue 15's bf16 target is against the plain floor; this shows what torch's import and the output's
+    # sha256 alone add to reads and writes at once
+    unavoidable = unavoidable_floor_name("bf16")
+    variants[unavoidable] = [*variants[floor_name("bf16")], "--concurrent", "--unavoidable"]
     results = run_alternating(variants, reps, out)
     in_bytes = dir_bytes(src)
-    for target in ("bf16", "block"):
+    for target, name in (("bf16", "fp8conv --to bf16"), ("block", "fp8conv --to block"), ("bf16", unavoidable)):
         floor_s = results[floor_name(target)]["median_s"]
-        r = results[f"fp8conv --to {target}"]
+        r = results[name]
         if floor_s and r["median_s"]:
             r["ratio_to_floor"] = r["median_s"] / floor_s
             r["gb_per_s"] = (in_bytes + outputs[target]) / r["median_s"] / 1e9
@@ -287,8 +300,8 @@ def markdown(doc: dict) -> str:
             lines += [
                 "",
                 "| whole process, start to exit | s | floor, reads and writes at once, s | x that floor | target "
-                "| x that floor + start-up alone |",
-                "|---|---:|---:|---:|---|---:|",
+                "| that floor + torch's import + output sha256, s | x that |",
+                "|---|---:|---:|---:|---|---:|---:|",
             ]
             for name, r in explained.items():
                 goal = r.get("target_ratio")
@@ -300,7 +313,7 @@ def markdown(doc: dict) -> str:
                     f"{r['concurrent_floor_s']:.2f}",
                     f"{r['ratio_to_concurrent_floor']:.2f}",
                 ]
-                cells += [verdict, f"{r['ratio_to_concurrent_floor_plus_startup']:.2f}"]
+                cells += [verdict, f"{r['unavoidable_floor_s']:.2f}", f"{r['ratio_to_unavoidable_floor']:.2f}"]
                 lines.append(f"| {name} | {' | '.join(cells)} |")
             if startup:
                 lines.append(f"\nStart-up alone (the CLI and torch imported): {startup:.2f} s.")

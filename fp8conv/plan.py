@@ -23,6 +23,7 @@ from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP
 from .errors import CheckpointError, OptionsError
 from .families import FUSED_EXPERTS, Family, family_of, fused_group, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
+from .kv_scales import dropped_kv_scales, dropped_warning
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .options import DEFAULT_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
@@ -192,6 +193,10 @@ class _Planner:
             )
             self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
+        dropped = dropped_kv_scales(ckpt.index, cls.plain, cls.settings.method is not None, options.to)
+        if dropped:  # FP8 outputs keep them: vLLM applies them under an fp8 / compressed-tensors config
+            self.plain -= set(dropped)
+            self.warnings.append(dropped_warning(dropped))
 
     def jobs_for(self, shard_name: str) -> list[Job]:
         shard = next(s for s in self.ckpt.index.shards if s.name == shard_name)

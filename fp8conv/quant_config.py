@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from .config import CONFIG_NAME, READ_FROM_KEY, find_quantization_config
@@ -15,8 +16,6 @@ FLOAT_QUANTIZED_FORMATS = ("float-quantized", "naive-quantized")
 E4M3_SPELLINGS = frozenset({"e4m3", "e4m3fn", "float8_e4m3fn", "float8_e4m3", "f8_e4m3", "fp8_e4m3", "fp8_e4m3fn"})
 # Methods that are plain FP8 under another name: Meta's Llama-3.1 FP8 release (channel weight_scale [N, 1]).
 FP8_ALIASES = ("fbgemm_fp8",)
-# Packed 4-bit methods named in the refusal, so the user knows it is not an FP8 dialect fp8conv misses.
-FOUR_BIT_METHODS = {"mxfp4": "MXFP4 (gpt-oss)", "nvfp4": "NVFP4"}
 # Packed 4-bit formats a config can declare -> elements per scale along K (see formats.Kind)
 MXFP4_GROUP = 32
 NVFP4_GROUP = 16
@@ -68,9 +67,10 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
     qconfig, key = find_quantization_config(config)
     if qconfig is None:
         return QuantSettings(method=None, key=key)
-    method = qconfig.get("quant_method")
+    raw = qconfig.get("quant_method")
+    method = normalized_method(raw)
     source_file = str(qconfig.get(READ_FROM_KEY, CONFIG_NAME))
-    settings = QuantSettings(method=str(method) if method is not None else None, key=key, file=source_file)
+    settings = QuantSettings(method=method, key=key, file=source_file)
     if method == "fp8" or method in FP8_ALIASES:
         _read_fp8(qconfig, settings)
         _read_expert_dtype(config or {}, qconfig, settings)
@@ -78,20 +78,28 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
         _read_compressed_tensors(qconfig, settings)
     elif method == "mxfp4":
         _read_gpt_oss_mxfp4(qconfig, settings)
-    elif isinstance(method, str) and method.lower().startswith("modelopt"):  # vLLM's test; also modelopt_fp4
+    elif method is not None and method.startswith("modelopt"):  # vLLM's test; also modelopt_fp4
         _read_modelopt(qconfig, settings)
-    elif isinstance(method, str) and method.lower() in FOUR_BIT_METHODS:
+    elif method == "nvfp4":
         settings.refuse(
-            f"quantization_config.quant_method {method!r} is {FOUR_BIT_METHODS[method.lower()]} packed 4-bit "
-            "weights, not FP8",
-            fix="fp8conv converts FP8 checkpoints only; packed 4-bit input is not supported",
+            f"quantization_config.quant_method {raw!r} names no NVFP4 checkpoint layout fp8conv knows",
+            fix="fp8conv reads NVFP4 from compressed-tensors (nvfp4-pack-quantized) and ModelOpt "
+            "(quant_method 'modelopt', quant_algo 'NVFP4') checkpoints",
         )
     else:
         settings.refuse(
-            f"quantization_config.quant_method {method!r} is not supported",
-            fix="fp8conv reads FP8 checkpoints: quant_method 'fp8' or compressed-tensors float-quantized",
+            f"quantization_config.quant_method {raw!r} is not supported",
+            fix="fp8conv reads quant_method 'fp8', 'compressed-tensors', 'mxfp4' (gpt-oss) and 'modelopt' (NVFP4)",
         )
     return settings
+
+
+def normalized_method(raw: Any) -> str | None:
+    """quant_method as vLLM compares it (ModelConfig lowercases it and spells compressed_tensors with a
+    hyphen): "FP8", "MXFP4" or "Compressed_Tensors" select the same reader as their lowercase forms."""
+    if raw is None:
+        return None
+    return str(raw).lower().replace("compressed_tensors", "compressed-tensors")
 
 
 def _read_fp8(q: dict[str, Any], s: QuantSettings) -> None:
@@ -237,10 +245,15 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
 
 
 def module_matches(module: str, patterns: list[str]) -> bool:
-    """compressed-tensors / vLLM style: 're:<regex>', an exact module name, or a trailing name part."""
+    """compressed-tensors / vLLM style: 're:<regex>', an exact module name, or a trailing name part; a
+    pattern with shell wildcards (ModelOpt's exclude_modules, e.g. 'model.layers.*.mlp*') is matched as
+    vLLM's ModelOpt reader matches it, fnmatch over the whole module name (or a parent module's)."""
     for pattern in patterns:
         if pattern.startswith("re:"):
             if re.match(pattern[3:], module):
+                return True
+        elif any(c in pattern for c in "*?["):
+            if fnmatchcase(module, pattern) or fnmatchcase(module, pattern + ".*"):
                 return True
         elif module == pattern or module.endswith("." + pattern) or module.startswith(pattern + "."):
             return True

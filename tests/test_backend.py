@@ -25,6 +25,8 @@ SHAPES_AND_BLOCKS = [
     ((256, 256), (128, 128)),  # aligned
     ((130, 600), (128, 128)),  # a chunk boundary inside the second grid row
     ((1000, 40), (3, 7)),  # tiny odd blocks: many chunks, partial in both dims
+    ((300, 2100), (128, 128)),  # wide rows: the CPU table gathers a piece of one grid row at a time
+    ((70, 4500), (1, 4500)),  # one scale per row, 4500 wide: CPU tables over several grid rows at once
 ]
 
 
@@ -121,6 +123,36 @@ def test_every_e4m3_code_dequantizes_exactly(device):
         codes, scale, WeightFormat("w", Kind.BLOCK, "s", block=(1, 256)), torch.float32, get_backend(device)
     )
     assert same_bits(got, codes.to(torch.float32) * scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("shape", "block"), [((256, 512), (128, 128)), ((300, 2100), (128, 128))])
+def test_every_code_under_extreme_scales_matches_reference(device, dtype, shape, block):
+    """Into bf16/f16 the CPU backend gathers from per-block tables: every code (NaNs, -0, subnormals) in
+    every block, under scales whose products overflow, go subnormal or would overflow a x256 shift."""
+    codes = torch.arange(shape[0] * shape[1], dtype=torch.int64).remainder(256).to(torch.uint8).view(shape)
+    q8 = codes.view(torch.float8_e4m3fn)
+    grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    gen = torch.Generator().manual_seed(5)
+    scale = torch.exp2(torch.randint(-20, 4, grid, generator=gen).float()) * (1 + torch.rand(grid, generator=gen))
+    scale.view(-1)[: len(EXTREME_SCALES) - 1] = torch.tensor([v for v in EXTREME_SCALES.values() if v])
+    fmt = WeightFormat("w", Kind.BLOCK, "s", block=block)
+    got = dequantize(q8, scale, fmt, dtype, get_backend(device))
+    assert same_bits(got, dequant_block_reference(q8, scale, block, dtype))
+
+
+def test_remainder_columns_take_the_grids_last_column_as_the_reference_does():
+    """A grid one column short of the ragged width (the remainder shares the last block's scale): the
+    backends agree with the reference's rule instead of reading past the grid."""
+    gen = torch.Generator().manual_seed(9)
+    q8 = random_fp8((1, 256, 2100), gen)
+    scale = torch.exp2(torch.randint(-20, 4, (1, 2, 2100 // 128), generator=gen).float())
+    want = torch.empty(1, 256, 2100, dtype=torch.bfloat16)
+    get_backend("reference").dequantize_blocks(q8, scale, (128, 128), want)
+    got = torch.empty_like(want)
+    get_backend("cpu").dequantize_blocks(q8, scale, (128, 128), got)
+    assert same_bits(got, want)
 
 
 def test_guessing_block_from_grid_would_differ():

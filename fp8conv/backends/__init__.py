@@ -61,15 +61,25 @@ class Backend(Protocol):
         ...
 
     def decode_4bit(
-        self, codes: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor
+        self,
+        codes: torch.Tensor,
+        values: torch.Tensor,
+        scale: torch.Tensor,
+        group: int,
+        out: torch.Tensor,
+        global_scale: torch.Tensor | None = None,
+        divide_global: bool = False,
     ) -> None:
-        """out[m, r, c] = round_to(out.dtype)(values[nibble c of codes[m, r]] * scale[m, r, c // group]).
+        """out[m, r, c] = round_to(out.dtype)(values[nibble c of codes[m, r]] * scale[m, r, c // group]),
+        with a global scale: round_to(out.dtype)((that float32 product) / g or * g, rounded to float32).
 
         codes: [M, N, K/2] uint8, two 4-bit codes per byte, the low nibble first; values: the 16 float32
-        values of the codes (E2M1, or INT4 as nibble - 8); scale: [M, N, K/group] float32, or uint8 E8M0
-        exponents b meaning 2^(b-127) (MXFP4: the bytes as stored, never cast); out: [M, N, K]
-        float32 or bf16. The float32 product is exact for E2M1 and INT4 times power-of-two, e4m3 or bf16
-        scales; then one rounding.
+        values of the codes (E2M1, or INT4 as nibble - 8); scale: [M, N, K/group] float32, uint8 E8M0
+        exponents b meaning 2^(b-127) (MXFP4: the bytes as stored, never cast), or float8_e4m3fn (NVFP4);
+        global_scale: one float32 (NVFP4: compressed-tensors' weight_global_scale, divide_global=True;
+        ModelOpt's weight_scale_2, multiplied); out: [M, N, K] float32 or bf16. The float32 product is
+        exact for E2M1 and INT4 times power-of-two, e4m3 or bf16 scales; the global scale rounds it once
+        in float32; then one rounding to out's dtype.
         """
         ...
 

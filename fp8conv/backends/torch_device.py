@@ -83,12 +83,22 @@ class TorchDeviceBackend:
                 scale_out[m, g0:g1] = scale.cpu()
 
     def decode_4bit(
-        self, codes: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor
+        self,
+        codes: torch.Tensor,
+        values: torch.Tensor,
+        scale: torch.Tensor,
+        group: int,
+        out: torch.Tensor,
+        global_scale: torch.Tensor | None = None,
+        divide_global: bool = False,
     ) -> None:
-        # the plain definition: each nibble indexes the 16 values, low nibble first, then the group scale
+        # the plain definition: each nibble indexes the 16 values, low nibble first, then the group scale,
+        # then (NVFP4) the global scale, all in float32
         m_count, n, half = codes.shape
         step = max(1, (ROWS_PER_CHUNK * 64) // max(half, 1))
         values = values.to(self.device)
+        # on the device, never a CPU scalar: CUDA divides by a CPU scalar as a multiply by its reciprocal
+        g = None if global_scale is None else global_scale.to(self.device, torch.float32).reshape(())
         for m in range(m_count):
             for r0 in range(0, n, step):
                 r1 = min(n, r0 + step)
@@ -96,4 +106,8 @@ class TorchDeviceBackend:
                 w = torch.stack((values[c & 0xF], values[c >> 4]), dim=-1).reshape(r1 - r0, 2 * half)
                 s = scale_to_float32(scale[m, r0:r1]).to(self.device)
                 w.view(r1 - r0, -1, group).mul_(s[:, :, None])
+                if g is not None and divide_global:
+                    w.div_(g)
+                elif g is not None:
+                    w.mul_(g)
                 out[m, r0:r1].copy_(w)  # one rounding to out's dtype

@@ -23,7 +23,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 INT4_VALUES = tuple(float(c - 8) for c in range(16))
 
 
-GLOBAL_SCALE_CHUNK = 1 << 18  # float32 values decoded at once before an NVFP4 band's global scale
+GLOBAL_SCALE_CHUNK = 1 << 18  # float32 values decoded at once when a packed band is quantized to FP8
 _scratch = threading.local()  # per band worker: float32 pieces reused (fresh ones cost page faults)
 
 
@@ -50,22 +50,22 @@ def unpack_to_float32(
     m = math.prod(shape[:-2])
     # int8 / uint8 / int32 containers: the bytes, viewed (little-endian: an int32's nibbles in order)
     codes = read(fmt.weight).contiguous().view(torch.uint8).reshape(m, n, k // 2)
-    stored = read(fmt.scale)
-    if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):  # E8M0: its bytes, viewed (never a numeric cast)
-        scale = stored.contiguous().view(torch.uint8).reshape(m, n, k // fmt.group)
-    else:
-        scale = scale_to_float32(stored).reshape(m, n, k // fmt.group)
-    direct = fmt.global_scale is None
-    out = torch.empty((m, n, k), dtype=dtype if direct else torch.float32)
+    scale = _backend_scale(read(fmt.scale)).reshape(m, n, k // fmt.group)
+    g = None if fmt.global_scale is None else read(fmt.global_scale).to(torch.float32).reshape(())
+    out = torch.empty((m, n, k), dtype=dtype)
     if out.numel():
-        backend.decode_4bit(codes, code_values(fmt.kind), scale, fmt.group, out)
-    if fmt.global_scale is not None:
-        g = read(fmt.global_scale).to(torch.float32).reshape(())
-        if fmt.kind is Kind.NVFP4:
-            out.div_(g)
-        else:
-            out.mul_(g)
-    return out.view(shape) if out.dtype == dtype else out.view(shape).to(dtype)
+        backend.decode_4bit(codes, code_values(fmt.kind), scale, fmt.group, out, g, fmt.kind is Kind.NVFP4)
+    return out.view(shape)
+
+
+def _backend_scale(stored: torch.Tensor) -> torch.Tensor:
+    """Scales as decode_4bit takes them: E8M0 as its bytes, viewed (never a numeric cast); e4m3 (NVFP4) as
+    it is stored, one byte per scale (the CPU backend indexes its tables with it); others as float32."""
+    if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        return stored.contiguous().view(torch.uint8)
+    if stored.dtype == torch.float8_e4m3fn:
+        return stored.contiguous()
+    return scale_to_float32(stored)
 
 
 def band_decoder(
@@ -77,32 +77,14 @@ def band_decoder(
     assert fmt.shape is not None and fmt.group is not None and len(fmt.shape) == 2
     n, k = fmt.shape
     group, values = fmt.group, code_values(fmt.kind)
-    if stored_scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
-        scale = stored_scale.contiguous().view(torch.uint8).reshape(n, k // group)
-    else:
-        scale = scale_to_float32(stored_scale).reshape(n, k // group)
+    scale = _backend_scale(stored_scale).reshape(n, k // group)
     g = None if global_scale is None else global_scale.to(torch.float32).reshape(())
     divide = fmt.kind is Kind.NVFP4
 
     def decode(codes: torch.Tensor, r0: int, out: torch.Tensor) -> None:
         rows = codes.shape[1]
         codes = codes.view(torch.uint8).view(1, rows, k // 2)
-        if g is None:
-            backend.decode_4bit(codes, values, scale[r0 : r0 + rows][None], group, out)
-            return
-        # float32 first, then the global scale, then one rounding: in cache-sized pieces, not a band
-        direct = out.dtype == torch.float32
-        step = rows if direct else max(1, GLOBAL_SCALE_CHUNK // max(k, 1))
-        for c0 in range(0, rows, step):
-            c1 = min(rows, c0 + step)
-            part = out[:, c0:c1] if direct else _float32_scratch("global", (1, c1 - c0, k))
-            backend.decode_4bit(codes[:, c0:c1], values, scale[r0 + c0 : r0 + c1][None], group, part)
-            if divide:
-                part.div_(g)
-            else:
-                part.mul_(g)
-            if not direct:
-                out[:, c0:c1].copy_(part)
+        backend.decode_4bit(codes, values, scale[r0 : r0 + rows][None], group, out, g, divide)
 
     return decode
 
