@@ -5,6 +5,9 @@ backends; and the lowest --max-memory converts an expert tensor larger than itse
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -169,3 +172,50 @@ def test_gpt_oss_expert_over_the_memory_cap_is_refused_by_name(tmp_path):
     assert not (tmp_path / "out" / "config.json").exists()
     fp8conv.convert(src, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(max_memory=cap + 8 * 2**20))
     assert load_dir(tmp_path / "out")[name].shape == (1, 2880, 2880)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+@pytest.mark.parametrize(
+    ("e", "n", "k"),
+    [(128, 5760, 2880), (128, 2880, 2880), (36, 2880, 1536), (3, 37, 96)],  # gpt-oss-120b's two, the tests'
+)
+def test_gpt_oss_bands_tile_the_output_and_read_each_expert_once(e, n, k, dtype):
+    """The plan alone, at real sizes: under the default bands, the lowest cap's and tiny ones, the bands
+    cover the output rows [0, E * K) once, in order, each inside one expert (slices, in whole groups) or
+    made of whole experts; every expert's blocks and scales are read once, in file order; the bands hold
+    what the budget allows, or the least there is (one group's rows: --max-memory then refuses)."""
+    from fp8conv import stream
+    from fp8conv.plan import Action, Job, TensorSpec
+    from fp8conv.safetensors_file import TensorEntry
+    from fp8conv.weight_format import Kind, WeightFormat
+
+    fmt = WeightFormat("x_blocks", Kind.MXFP4_GPT_OSS, scale="x_scales", group=32, shape=(e, n, k))
+    entry = TensorEntry("x_blocks", "U8", (e, n, k // 32, 16), 1000, e * n * k // 2)
+    for band_elements in (
+        stream.BAND_ELEMENTS,
+        stream.band_elements_for(stream.BASE_BYTES + stream.MIN_BAND_BYTES),
+        700,
+        5000,  # (3, 37, 96) in bf16: two experts a band, then one
+    ):
+        job = Job("x_blocks", Action.DEQUANTIZE, (TensorSpec("x", dtype, (e, k, n)),), fmt)
+        job = replace(job, band_rows=stream.band_rows(job, band_elements))
+        fits = stream.expert_band_bytes(job, job.band_rows) <= band_elements * stream.BYTES_PER_BAND_ELEMENT
+        assert fits or job.band_rows == 32, (band_elements, job.band_rows)
+        bands = stream.bands(job, entry)
+        assert [b.r0 for b in bands] == list(itertools.accumulate([0] + [b.rows for b in bands[:-1]]))
+        assert bands[-1].r0 + bands[-1].rows == e * k
+        reads = [b.read for b in bands if b.read is not None]
+        assert [(r.offset, r.scale_offset) for r in reads] == list(
+            zip(
+                itertools.accumulate([0] + [r.nbytes for r in reads[:-1]]),
+                itertools.accumulate([0] + [r.scale_nbytes for r in reads[:-1]]),
+                strict=True,
+            )
+        )
+        assert sum(r.nbytes for r in reads) == entry.nbytes and sum(r.scale_nbytes for r in reads) == e * n * k // 32
+        for b in bands:
+            whole_experts = b.r0 % k == 0 and b.rows % k == 0
+            assert whole_experts or (b.r0 % 32 == 0 and b.r0 // k == (b.r0 + b.rows - 1) // k), b
+            assert (b.read is not None) == (b.r0 % k == 0), b  # a slice decodes from its expert's read
+            if b.read is not None:
+                assert b.read.nbytes == max(1, b.rows // k) * n * k // 2
