@@ -447,8 +447,9 @@ def _render_plan(p: PlanSummary) -> str:
     memory = [f"~{_gib(p.process_bytes)} for the process"]
     if p.band_bytes:
         memory.append(f"~{_gib(p.band_bytes)} of bands of {p.band_elements} elements")
-    if p.largest_whole:
-        memory.append(f"~{_gib(p.largest_whole[1])} for the largest tensor rewritten whole, {p.largest_whole[0]}")
+    if p.largest_held:
+        name, why, nbytes = p.largest_held
+        memory.append(f"~{_gib(nbytes)} for {name}, which {why}")
     cap = f"; --max-memory {_gib(p.max_memory)}" if p.max_memory else ""
     lines.append("memory (what --max-memory is checked against, not a peak): " + ", ".join(memory) + cap)
     last = [name for name, yes in (("config.json", p.writes_config), ("the index", p.writes_index)) if yes]

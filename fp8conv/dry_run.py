@@ -12,7 +12,7 @@ from .options import ConvertOptions, RunOptions
 from .parts import assign_parts
 from .plan import Job, ShardPlan, Strategy
 from .prepare import PreparedRun, prepare
-from .stream import BASE_BYTES, BYTES_PER_BAND_ELEMENT, whole_tensor_bytes
+from .stream import BASE_BYTES, BYTES_PER_BAND_ELEMENT, held_bytes
 
 # What a dry run leaves to the real run: it needs torch, or the tensors' bytes.
 NOT_CHECKED = (
@@ -45,10 +45,11 @@ class PlanSummary:
     band_elements: int  # a BANDED job's band, ~elements (from --max-memory)
     max_memory: int | None
     # the figures --max-memory is checked against: what the process holds besides tensors, the bands held
-    # when a job is BANDED, and the largest tensor rewritten WHOLE (name, ~bytes held at once)
+    # when a job is BANDED, and the tensor whose job holds the most at once beyond that (rewritten whole,
+    # or read as whole gpt-oss experts): (name, why, ~bytes)
     process_bytes: int = BASE_BYTES
     band_bytes: int = 0
-    largest_whole: tuple[str, int] | None = None
+    largest_held: tuple[str, str, int] | None = None
     not_checked: list[str] = field(default_factory=lambda: list(NOT_CHECKED))
 
     @property
@@ -104,7 +105,7 @@ def dry_run(
         band_elements=prep.band_elements,
         max_memory=how.max_memory,
         band_bytes=prep.band_elements * BYTES_PER_BAND_ELEMENT if _runs_any(prep, Strategy.BANDED) else 0,
-        largest_whole=_largest_whole(prep),
+        largest_held=_largest_held(prep),
     )
 
 
@@ -134,14 +135,16 @@ def _runs_any(prep: PreparedRun, strategy: Strategy) -> bool:
     return any(job.strategy is strategy for job in _jobs_run(prep))
 
 
-def _largest_whole(prep: PreparedRun) -> tuple[str, int] | None:
-    """The tensor rewritten whole that holds the most memory at once, and ~how much."""
-    sizes = [
-        (whole_tensor_bytes(job, prep.ckpt.index.entry(job.source)), job.source)
+def _largest_held(prep: PreparedRun) -> tuple[str, str, int] | None:
+    """The job that holds the most memory at once beyond its bands, why, and ~how much (stream.held_bytes,
+    what --max-memory is checked against)."""
+    held = [
+        (found[1], job.source, found[0])
         for job in _jobs_run(prep)
-        if job.strategy is Strategy.WHOLE
+        for found in [held_bytes(job, prep.ckpt.index.entry(job.source))]
+        if found is not None
     ]
-    if not sizes:
+    if not held:
         return None
-    nbytes, name = max(sizes)
-    return name, nbytes
+    nbytes, name, why = max(held)
+    return name, why, nbytes

@@ -16,14 +16,14 @@ from .hub import looks_like_repo_id
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from .options import ConvertOptions, RunOptions
 from .parts import assign_parts, check_part, part_path
-from .plan import ConversionPlan, Strategy, plan_conversion
+from .plan import ConversionPlan, plan_conversion
 from .preflight import check_free_space, check_scales
 from .provenance import model_card_note, source_record
 from .report import inspect_invocation
 from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
 from .strategy import choose_strategies
-from .stream import BASE_BYTES, MIN_BAND_BYTES, band_elements_for, whole_tensor_bytes
+from .stream import BASE_BYTES, MIN_BAND_BYTES, band_elements_for, held_bytes
 from .streaming import Schedule, check_stream_space, make_schedule, open_stream, stream_identity
 from .version import __version__
 
@@ -180,7 +180,8 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
 
 def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | None) -> None:
     """Refuses, before anything is written, a --max-memory cap that cannot hold the run or a tensor the
-    plan rewrites whole (padded, 3-D, or quantized from bf16) that would not fit under it."""
+    plan rewrites whole (padded, 3-D, or quantized from bf16) or streams in whole gpt-oss experts that
+    would not fit under it."""
     if max_memory is None:
         return
     if max_memory < BASE_BYTES + MIN_BAND_BYTES:
@@ -191,12 +192,10 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     budget = max_memory - BASE_BYTES
     for shard in plan.shards:
         for job in shard.jobs:
-            if job.strategy is not Strategy.WHOLE:  # copied file to file, or streamed in bands
-                continue
-            entry = ckpt.index.entry(job.source)
-            if whole_tensor_bytes(job, entry) > budget:
+            held = held_bytes(job, ckpt.index.entry(job.source))
+            if held is not None and held[1] > budget:
                 raise OptionsError(
-                    f"tensor {job.source} is rewritten whole and needs ~{whole_tensor_bytes(job, entry)} bytes, "
+                    f"tensor {job.source} {held[0]} and needs ~{held[1]} bytes, "
                     f"over --max-memory {max_memory} minus ~{BASE_BYTES} for the process",
                     fix="raise --max-memory",
                 )

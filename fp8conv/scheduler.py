@@ -28,15 +28,16 @@ import torch
 
 from .backends import Backend
 from .backends.scales import all_powers_of_two
-from .direct_io import aligned_empty
+from .direct_io import aligned_empty, round_up
 from .index import CheckpointIndex
 from .options import ProgressCallback
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, Job, ShardPlan, Strategy
 from .rewrite.banded import BandedJob
 from .rewrite.dequant import scale_grid
+from .rewrite.experts import ExpertBands
 from .rewrite.jobs import run_job
 from .shard_reader import ShardReader, read_capacity
-from .stream import BAND_WORKERS, IN_SLOTS, OUT_SLOTS, READ_AHEAD
+from .stream import BAND_WORKERS, IN_SLOTS, OUT_SLOTS, READ_AHEAD, Band, BandRead, bands, expert_banded
 from .writer import COPY_CHUNK_BYTES, ShardWriter
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the write thread
@@ -128,7 +129,7 @@ class Scheduler:
         self._bands_computed = 0  # bands handed to compute; a band's output buffer is that % OUT_SLOTS
         self._bands_read = 0  # band reads submitted; a read's input buffer is that % IN_SLOTS
         # the shard being converted: reads to submit and submitted, writes waiting, all futures issued
-        self._to_read: deque[tuple[Job, int | None]] = deque()
+        self._to_read: deque[tuple[Job, Band | None]] = deque()
         self._reads: deque[_Read] = deque()
         self._writes: deque[Future[None]] = deque()
         self._scale_writes: list[Future[None]] = []
@@ -247,18 +248,26 @@ class Scheduler:
         return future
 
     def _banded(self, job: Job, inputs: dict[str, torch.Tensor], writer: ShardWriter) -> torch.Tensor | None:
-        """Hand each band to the compute threads as its read arrives; each band's write follows on the
-        write thread. Returns once every band is computed (the new scale is whole), not written."""
+        """Hand each band to the compute threads as its read arrives (bands of one gpt-oss expert share
+        its read); each band's write follows on the write thread. Returns once every band is computed
+        (the new scale is whole), not written."""
         assert job.fmt is not None and job.fmt.scale is not None
-        global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
-        banded = BandedJob(job, inputs[job.fmt.scale], global_scale, self.backend, self.fp8_max)
-        k = banded.shape[1]
+        banded: BandedJob | ExpertBands
+        if expert_banded(job):  # its scales come with each band's read
+            banded = ExpertBands(job, self.backend)
+        else:
+            global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
+            banded = BandedJob(job, inputs[job.fmt.scale], global_scale, self.backend, self.fp8_max)
+        k = banded.row_elements
         computing: deque[Future[None]] = deque()
-        for r0 in banded.starts:
-            rows = banded.rows(r0)
+        w: Any = None
+        for band in bands(job, self.index.entry(job.source)):
+            r0, rows = band.r0, band.rows
             while len(computing) >= BAND_WORKERS:  # frees the input buffer the next read takes
                 computing.popleft().result()
-            w = self._take(job, r0).view(1, rows, -1)
+            if band.read is not None:
+                w = self._take(job, r0)
+                w = w if isinstance(banded, ExpertBands) else w.view(1, rows, -1)
             index = self._bands_computed % OUT_SLOTS
             self._bands_computed += 1
             slot = self._out_slots[index]
@@ -276,43 +285,42 @@ class Scheduler:
         return banded.new_scale
 
     def _band(
-        self, banded: BandedJob, w: torch.Tensor, r0: int, out: torch.Tensor, writer: ShardWriter, slot: _OutSlot
+        self, banded: BandedJob | ExpertBands, w: Any, r0: int, out: torch.Tensor, writer: ShardWriter, slot: _OutSlot
     ) -> None:
         """On a compute thread: one band's arithmetic, then its write handed to the write thread."""
         banded.compute(w, r0, out)
-        offset = r0 * banded.shape[1] * banded.out_size
+        offset = r0 * banded.row_elements * banded.out_size
         slot.write = self._submit(self._write_pool, writer.write_part, banded.job.spec.name, offset, out)
 
-    def _reads_of(self, jobs: list[Job]) -> Iterator[tuple[Job, int | None]]:
+    def _reads_of(self, jobs: list[Job]) -> Iterator[tuple[Job, Band | None]]:
         """Every read of a shard, in the order the jobs use them."""
         for job in jobs:
             yield job, None
             if job.strategy is Strategy.BANDED:
-                yield from ((job, r0) for r0 in range(0, job.spec.shape[0], job.band_rows))
+                yield from ((job, band) for band in bands(job, self.index.entry(job.source)) if band.read)
 
     def _read_ahead(self) -> None:
-        """Submit reads in order while the window allows: READ_AHEAD bands and WHOLE_AHEAD whole
+        """Submit reads in order while the window allows: READ_AHEAD band reads and WHOLE_AHEAD whole
         weights not yet taken. With the bands being computed that is IN_SLOTS input band buffers in use:
-        a read takes the buffer of the band BAND_WORKERS before the one just taken, which is computed."""
+        a read takes the buffer of the read BAND_WORKERS before the one just taken, whose bands (one, or
+        the slices of one gpt-oss expert) are computed."""
         while self._to_read:
-            job, r0 = self._to_read[0]
-            whole = r0 is None and job.strategy is Strategy.WHOLE
-            if r0 is not None and sum(r.r0 is not None for r in self._reads) >= READ_AHEAD:
+            job, band = self._to_read[0]
+            whole = band is None and job.strategy is Strategy.WHOLE
+            if band is not None and sum(r.r0 is not None for r in self._reads) >= READ_AHEAD:
                 return
             if whole and sum(r.whole for r in self._reads) >= WHOLE_AHEAD:
                 return
             self._to_read.popleft()
-            if r0 is None:
+            if band is None:
                 future = self._submit(self._read_pool, self._read_inputs, job)
             else:
-                entry = self.index.entry(job.source)
-                row_bytes = entry.nbytes // entry.shape[0]  # K for FP8, K/2 for packed 4-bit
-                nbytes = min(job.band_rows, entry.shape[0] - r0) * row_bytes
-                buffer = self._buffer("in", self._bands_read % IN_SLOTS, read_capacity(nbytes))
+                assert band.read is not None
+                room = round_up(read_capacity(band.read.nbytes))
+                buffer = self._buffer("in", self._bands_read % IN_SLOTS, room + read_capacity(band.read.scale_nbytes))
                 self._bands_read += 1
-                source = self.readers.of(job.source)
-                future = self._submit(self._read_pool, source.read, entry, entry.start + r0 * row_bytes, nbytes, buffer)
-            self._reads.append(_Read(job, r0, future, whole))
+                future = self._submit(self._read_pool, self._read_band, job, band.read, buffer, room)
+            self._reads.append(_Read(job, None if band is None else band.r0, future, whole))
 
     def _take(self, job: Job, r0: int | None) -> Any:
         """The next read's result, which must be (job, r0)'s; the window moves on."""
@@ -322,10 +330,23 @@ class Scheduler:
         self._read_ahead()
         return read.future.result()
 
+    def _read_band(self, job: Job, read: BandRead, buffer: torch.Tensor, room: int) -> Any:
+        """On the read thread: a band's bytes of the weight (into buffer[:room]) and, when the band reads
+        its scales too (gpt-oss's experts), their bytes after them: then the pair."""
+        entry = self.index.entry(job.source)
+        weight = self.readers.of(job.source).read(entry, entry.start + read.offset, read.nbytes, buffer[:room])
+        if not read.scale_nbytes:
+            return weight
+        assert job.fmt is not None and job.fmt.scale is not None
+        scale = self.index.entry(job.fmt.scale)
+        source = self.readers.of(job.fmt.scale)
+        return weight, source.read(scale, scale.start + read.scale_offset, read.scale_nbytes, buffer[room:])
+
     def _read_inputs(self, job: Job) -> dict[str, torch.Tensor]:
         """On the read thread: the tensors a job reads whole (a BANDED or KEEP_WEIGHT_BYTES job: its
-        scales only; COPY_FILE: none, its bytes go file to file on the write thread)."""
-        if job.strategy is Strategy.COPY_FILE:
+        scales only, none for gpt-oss's experts, read with each band; COPY_FILE: none, its bytes go file
+        to file on the write thread)."""
+        if job.strategy is Strategy.COPY_FILE or (job.strategy is Strategy.BANDED and expert_banded(job)):
             return {}
         names = [job.source] if job.strategy is Strategy.WHOLE else []
         if job.fmt is not None:

@@ -1,15 +1,18 @@
 """Row-band streaming of large 2-D FP8 and packed 4-bit weights: a band of rows is read, rewritten and
 written while the next band is read and the previous ones are written (the scheduler runs the stages).
 Memory per job is a few bands, not a tensor, and the band buffers are reused, so there are no page
-faults for fresh allocations. Here, without torch (the plan uses it): the sizes and which jobs stream;
-the arithmetic is rewrite/banded.py's."""
+faults for fresh allocations. Here, without torch (the plan uses it): the sizes, which jobs stream and
+each band's place in the input and the output; the arithmetic is rewrite/banded.py's (rewrite/experts.py's
+for gpt-oss's fused experts, whose bands are rows of the transposed output [E, K, N])."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from .dtypes import ELEMENT_BYTES
 from .formats import CONVERTIBLE, PACKED, Kind
-from .plan import Action, Job
+from .plan import Action, Job, Strategy
 from .safetensors_file import TensorEntry
 
 BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
@@ -38,13 +41,27 @@ def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
     return entry.nbytes + job.nbytes + 4 * math.prod(job.spec.shape)
 
 
+def held_bytes(job: Job, entry: TensorEntry) -> tuple[str, int] | None:
+    """What a job holds at once that the band size does not bound, and why: a WHOLE job's tensors, or
+    the bands of gpt-oss's experts (each read is a whole expert); None for the rest (copied file to file,
+    or streamed in bands)."""
+    if job.strategy is Strategy.WHOLE:
+        return "is rewritten whole", whole_tensor_bytes(job, entry)
+    if job.strategy is Strategy.BANDED and expert_banded(job):
+        return "streams in reads of whole gpt-oss experts", expert_band_bytes(job, job.band_rows)
+    return None
+
+
 def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
-    """A 2-D FP8 or packed 4-bit weight, rewritten without padding, over one band: band by band."""
+    """A 2-D FP8 or packed 4-bit weight, rewritten without padding, or gpt-oss's fused [E, N, K/32, 16]
+    experts dequantized, over one band: band by band."""
     band_elements = BAND_ELEMENTS if band_elements is None else band_elements
+    if expert_banded(job):
+        return len(entry.shape) == 4 and math.prod(job.spec.shape) > band_elements
     if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights
         return (
             job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
-            and job.fmt.kind is not Kind.MXFP4_GPT_OSS  # its experts are written transposed
+            and job.fmt.kind is not Kind.MXFP4_GPT_OSS  # FP8 targets are refused by the plan
             and len(entry.shape) == 2
             and job.spec.shape == job.fmt.shape
             and math.prod(job.spec.shape) > band_elements
@@ -60,9 +77,104 @@ def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -
 
 
 def band_rows(job: Job, band_elements: int) -> int:
-    """Rows per band: whole input blocks (and whole output blocks when quantizing), ~band_elements."""
+    """Rows per band: whole input blocks (and whole output blocks when quantizing), ~band_elements.
+    gpt-oss's experts: rows of the output [E, K, N] seen as [E * K, N] (expert_band_rows)."""
     assert job.fmt is not None
+    if expert_banded(job):
+        return expert_band_rows(job, band_elements)
     n, k = job.spec.shape  # the output's: a packed weight's input rows hold K/2 bytes
     out_rows_block = (job.out_block or (1, k))[0] if job.action is Action.QUANTIZE else 1
     unit = math.lcm(job.fmt.math_block((n, k))[0], out_rows_block)
     return max(unit, (band_elements // max(k, 1)) // unit * unit)
+
+
+def expert_banded(job: Job) -> bool:
+    """gpt-oss's fused MXFP4 experts dequantized: streamed by rows of their transposed output."""
+    return job.fmt is not None and job.fmt.kind is Kind.MXFP4_GPT_OSS and job.action is Action.DEQUANTIZE
+
+
+@dataclass(frozen=True)
+class BandRead:
+    """The bytes one read of a streamed job takes: a range of its weight's data and, for gpt-oss's
+    experts, the same experts' range of their scales (read with them, not whole: the scales of one
+    gpt-oss-120b tensor are 66 MB)."""
+
+    offset: int  # from the tensor's first byte
+    nbytes: int
+    scale_offset: int = 0
+    scale_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Band:
+    """Rows [r0, r0 + rows) of the output seen as rows of its last dimension (one output range)."""
+
+    r0: int
+    rows: int
+    read: BandRead | None  # None: computed from the previous band's read (another part of one expert)
+
+
+def bands(job: Job, entry: TensorEntry) -> list[Band]:
+    """Every band of a BANDED job, in order, with the input read each one starts."""
+    if expert_banded(job):
+        return _expert_bands(job, entry)
+    n, step = job.spec.shape[0], job.band_rows
+    row_bytes = entry.nbytes // entry.shape[0]  # K for FP8, K/2 for packed 4-bit
+    return [
+        Band(r0, min(step, n - r0), BandRead(r0 * row_bytes, min(step, n - r0) * row_bytes)) for r0 in range(0, n, step)
+    ]
+
+
+def _expert_bands(job: Job, entry: TensorEntry) -> list[Band]:
+    """Whole experts per band, or, when one expert is over the band budget, slices of its output rows
+    (k) that all decode from one read of the expert (output rows are input columns: a slice of them is
+    spread over all of the expert's bytes)."""
+    assert job.fmt is not None and job.fmt.group is not None
+    experts, k, n = job.spec.shape
+    in_bytes, scale_bytes = entry.nbytes // experts, n * k // job.fmt.group  # E8M0: a byte per group
+    if job.band_rows >= k:
+        per = job.band_rows // k
+        return [
+            Band(e * k, m * k, BandRead(e * in_bytes, m * in_bytes, e * scale_bytes, m * scale_bytes))
+            for e in range(0, experts, per)
+            for m in [min(per, experts - e)]
+        ]
+    out = []
+    for e in range(experts):
+        read = BandRead(e * in_bytes, in_bytes, e * scale_bytes, scale_bytes)
+        out += [Band(e * k + k0, min(job.band_rows, k - k0), None if k0 else read) for k0 in range(0, k, job.band_rows)]
+    return out
+
+
+def expert_band_bytes(job: Job, rows: int) -> int:
+    """What a gpt-oss expert job holds at once in bands of `rows` output rows: IN_SLOTS reads of whole
+    experts with their scales, OUT_SLOTS output bands, and per band worker one expert's (or slice's)
+    decoded values before their transpose."""
+    _, k, n = job.spec.shape
+    size = ELEMENT_BYTES[job.spec.dtype]
+    return (
+        IN_SLOTS * -(-rows // k) * _expert_input_bytes(job)
+        + (OUT_SLOTS * rows + BAND_WORKERS * min(rows, k)) * n * size
+    )
+
+
+def expert_band_rows(job: Job, band_elements: int) -> int:
+    """As many whole experts per band as the band budget (band_elements at BYTES_PER_BAND_ELEMENT) holds,
+    else the most output rows of one expert, in whole MXFP4 groups, that it holds: at least one group
+    (--max-memory refuses a job whose bands that does not fit)."""
+    assert job.fmt is not None and job.fmt.group is not None
+    experts, k, n = job.spec.shape
+    budget, group = band_elements * BYTES_PER_BAND_ELEMENT, job.fmt.group
+    one = expert_band_bytes(job, k)
+    if one <= budget:
+        return min(experts, 1 + (budget - one) // (expert_band_bytes(job, 2 * k) - one)) * k
+    per_row = (OUT_SLOTS + BAND_WORKERS) * n * ELEMENT_BYTES[job.spec.dtype]
+    rows = (budget - IN_SLOTS * _expert_input_bytes(job)) // per_row // group * group
+    return min(k, max(group, rows))
+
+
+def _expert_input_bytes(job: Job) -> int:
+    """One gpt-oss expert's blocks and E8M0 scales (a byte per group)."""
+    assert job.fmt is not None and job.fmt.group is not None
+    _, k, n = job.spec.shape
+    return n * k // 2 + n * k // job.fmt.group

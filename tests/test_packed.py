@@ -452,7 +452,9 @@ def test_cpu_table_decode_matches_reference_bit_for_bit(dtype, scales):
 TOKENS = torch.tensor([[1, 7, 42, 3, 99, 250, 17, 5]])
 
 
-def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path):
+@pytest.mark.parametrize("band_elements", [None, 3000])
+def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path, monkeypatch, band_elements):
+    """band_elements 3000: the experts are written in bands of slices of each expert's output rows."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -502,7 +504,17 @@ def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path):
     ckpt = open_checkpoint(tmp_path / "c")
     assert classify(ckpt.index, ckpt.config).kind_counts()["mxfp4-gpt-oss"] == 4
 
+    import fp8conv.stream as stream
+    from fp8conv.rewrite.experts import ExpertBands
+
+    streamed = []
+    real_init = ExpertBands.__init__
+    monkeypatch.setattr(ExpertBands, "__init__", lambda self, job, b: streamed.append(job) or real_init(self, job, b))
+    if band_elements is not None:
+        monkeypatch.setattr(stream, "BAND_ELEMENTS", band_elements)
     fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
+    assert len(streamed) == (0 if band_elements is None else 4)
+    assert all(job.band_rows < job.spec.shape[1] for job in streamed)
     got = load_dir(tmp_path / "out")
     for i in range(cfg.num_hidden_layers):
         for proj in ("gate_up_proj", "down_proj"):

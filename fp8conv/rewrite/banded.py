@@ -30,6 +30,7 @@ class BandedJob:
         self.job, self.backend, self.fp8_max = job, backend, fp8_max
         n, k = job.spec.shape
         self.shape = (n, k)
+        self.row_elements = k  # elements per output row (bands: fp8conv.stream.bands)
         self.quantize = job.action is Action.QUANTIZE
         self.out_block = job.out_block or (1, k)
         packed = job.fmt.kind in PACKED
@@ -45,14 +46,6 @@ class BandedJob:
         self.out_size = ELEMENT_BYTES[job.spec.dtype]
         self.new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if self.quantize else None
         self.counts: list[tuple[int, int]] = []  # packed to FP8: exact and all output blocks, per band
-
-    @property
-    def starts(self) -> range:
-        """The first row of every band."""
-        return range(0, self.shape[0], self.job.band_rows)
-
-    def rows(self, r0: int) -> int:
-        return min(self.job.band_rows, self.shape[0] - r0)
 
     def compute(self, w: torch.Tensor, r0: int, band: torch.Tensor) -> None:
         """Rewrite input rows [r0, r0 + rows) (`w`: their bytes, [1, rows, bytes per row]) into `band`
