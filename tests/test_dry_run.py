@@ -195,3 +195,22 @@ def test_a_hub_repo_not_downloaded_is_refused_not_fetched(tiny, tmp_path, monkey
         dry_run(tiny.path, tmp_path / "out", ConvertOptions(to="bf16"))
     assert "add --stream" in refused.value.one_line()
     assert not (tmp_path / "out").exists()
+
+
+def test_gpt_oss_experts_show_as_banded_with_their_whole_expert_reads(tmp_path, monkeypatch):
+    """gpt-oss's fused experts into bf16 stream in bands whose reads are whole experts: the dry run counts
+    them BANDED, and the job holding the most is one of them (five reads of a 2 KB expert and its output
+    bands, against ~1.8 KB for the 1x8x32 tensor rewritten whole), not the largest tensor rewritten whole."""
+    import fp8conv.stream as stream
+
+    from .test_gpt_oss_bands import SHAPES, build_gpt_oss
+
+    monkeypatch.setattr(stream, "BAND_ELEMENTS", 2000)  # E*K*N: 10656 and 20480 stream, 256 does not
+    build_gpt_oss(tmp_path / "gpt-oss", SHAPES)
+    summary = dry_run(tmp_path / "gpt-oss", tmp_path / "out", ConvertOptions(to="bf16"))
+    assert summary.strategies == {"copy-file": 1, "banded": 2, "whole": 1}  # the router is copied
+    assert summary.largest_held is not None
+    name, why, _ = summary.largest_held
+    banded = {"model.layers.0.mlp.experts.gate_up_proj_blocks", "model.layers.0.mlp.experts.down_proj_blocks"}
+    assert name in banded and why == "streams in reads of whole gpt-oss experts"
+    assert not (tmp_path / "out").exists()
