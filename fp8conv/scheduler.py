@@ -265,9 +265,8 @@ class Scheduler:
             r0, rows = band.r0, band.rows
             while len(computing) >= BAND_WORKERS:  # frees the input buffer the next read takes
                 computing.popleft().result()
-            if band.read is not None:
+            if band.read is not None:  # else the slice of a gpt-oss expert whose read the band before took
                 w = self._take(job, r0)
-                w = w if isinstance(banded, ExpertBands) else w.view(1, rows, -1)
             index = self._bands_computed % OUT_SLOTS
             self._bands_computed += 1
             slot = self._out_slots[index]

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .scales import scale_to_float32
+from .scales import apply_global_scale, scale_to_float32
+from .scratch import scratch
 from .torch_device import TorchDeviceBackend
 
 CHUNK_ELEMENTS = 1 << 20  # ~1M elements: measured best (per-call overhead vs cache) for dequant and requant
@@ -55,14 +56,6 @@ class CpuBackend(TorchDeviceBackend):
         # every e4m3 byte's float32 value by torch's own cast (the reference's), NaN codes included
         self._e4m3_values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
-    def _buffer(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        scratch: dict[tuple[str, torch.dtype], torch.Tensor] = self._local.__dict__.setdefault("scratch", {})
-        buf = scratch.get((key, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype)
-            scratch[(key, dtype)] = buf
-        return buf[:numel]
-
     @staticmethod
     def _row_scales(grid: torch.Tensor, r0: int, rows: int, bn: int) -> torch.Tensor:
         """[rows or 1, gk] scales for rows r0..r0+rows of one matrix."""
@@ -86,7 +79,7 @@ class CpuBackend(TorchDeviceBackend):
         k = weight.shape[2]
 
         def into(m: int, r0: int, rows: int) -> torch.Tensor:
-            return out[m, r0 : r0 + rows] if direct else self._buffer("prod", rows * k, torch.float32).view(rows, k)
+            return out[m, r0 : r0 + rows] if direct else scratch("prod", rows * k, torch.float32).view(rows, k)
 
         for m, r0, prod in self._dequantized_chunks(weight, scale, block, into):
             if not direct:
@@ -126,24 +119,22 @@ class CpuBackend(TorchDeviceBackend):
         bn, bk = block
         n, k = codes.shape
         gk = grid.shape[1]
-        entry = torch.int16  # dst is bf16 or float16
         span = gather_rows(k, bn)
         columns = self._column_offsets(k, bk, gk)
-        tables: tuple[int, int, torch.Tensor | None] = (-1, -1, None)
+        table_rows, table = (-1, -1), torch.empty(0, dtype=torch.int16)  # grid rows [g0, g1) the table holds
         start = r0
         while start < r0 + rows:
             stop = min(start + span, r0 + rows, start + bn if span < bn else n)  # never across grid rows
             g0, g1 = start // bn, (stop + bn - 1) // bn
-            if tables[:2] != (g0, g1):
+            if (g0, g1) != table_rows:
                 # the reference's operations on the 256 codes: float8 -> float32, times the scale, one cast
                 products = self._e4m3_values[None, None, :] * grid[g0:g1, :, None]
-                tables = (g0, g1, products.to(dst.dtype).view(entry).reshape(-1))
-            index = self._buffer("index", (stop - start) * k, torch.int32).view(stop - start, k)
+                table_rows, table = (g0, g1), products.to(dst.dtype).view(torch.int16).reshape(-1)
+            index = scratch("index", (stop - start, k), torch.int32)
             index.copy_(codes[start:stop]).add_(columns)  # in place: a mixed-dtype add allocates
             for i in range(1, g1 - g0):  # a gather of whole grid rows starts on one (span >= bn)
                 index[i * bn : (i + 1) * bn].add_(i * gk * 256)
-            assert tables[2] is not None
-            _gather_into(tables[2], index.view(-1), dst[start - r0 : stop - r0])
+            _gather_into(table, index.view(-1), dst[start - r0 : stop - r0])
             start = stop
 
     def _column_offsets(self, k: int, bk: int, gk: int) -> torch.Tensor:
@@ -163,7 +154,7 @@ class CpuBackend(TorchDeviceBackend):
         """prod[r, c] = float32(e4m3 codes[r, c]) * scale[r, c // bk] (scale256: [rows or 1, gk], x256)."""
         rows, k = codes.shape
         full_k, gk_full = (k // bk) * bk, k // bk
-        bits = self._buffer("bits", rows * k, torch.int16).view(rows, k)
+        bits = scratch("bits", rows * k, torch.int16).view(rows, k)
         bits.copy_(codes)  # sign-extending
         bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
         if has_nan:
@@ -195,7 +186,7 @@ class CpuBackend(TorchDeviceBackend):
             return
 
         def into(m: int, r0: int, rows: int) -> torch.Tensor:
-            return self._buffer("prod", rows * k, torch.float32).view(rows, k)
+            return scratch("prod", rows * k, torch.float32).view(rows, k)
 
         for m, r0, prod in self._dequantized_chunks(weight, scale, in_block, into):
             rows = prod.shape[0]
@@ -227,7 +218,7 @@ class CpuBackend(TorchDeviceBackend):
                 g0, gn = r0 // bn, -(-rows // bn)
                 bn_eff = bn if rows >= bn else rows
                 w = weight[m, r0 : r0 + rows].view(gn, bn_eff, gk, bk)
-                tmp = self._buffer("q32", rows * k, torch.float32).view(gn, bn_eff, gk, bk)
+                tmp = scratch("q32", rows * k, torch.float32).view(gn, bn_eff, gk, bk)
                 # max(amax, -amin): two fast reductions, no abs pass; torch's abs-max reductions
                 # (vector_norm inf, aminmax) are ~15x slower. NaN propagates as through abs.
                 amax = torch.maximum(w.amax(dim=3).amax(dim=1), w.amin(dim=3).amin(dim=1).neg_())
@@ -280,7 +271,7 @@ class CpuBackend(TorchDeviceBackend):
         for m in range(m_count):
             for r0 in range(0, n, step):
                 rows = min(step, n - r0)
-                index = self._buffer("codes", rows * half, torch.int32)
+                index = scratch("codes", rows * half, torch.int32)
                 index.copy_(codes[m, r0 : r0 + rows].reshape(-1))
                 yield m, r0, rows, index
 
@@ -306,10 +297,7 @@ class CpuBackend(TorchDeviceBackend):
         scales = scale_to_float32(b.to(torch.uint8).view(scale_dtype))
         pairs = torch.stack((values[b & 0xF], values[b >> 4]), dim=1).to(torch.float32)
         products = pairs[None] * scales[:, None, None]  # [scale byte, code byte, 2]: value * scale, as the reference
-        if g is not None and divide_global:
-            products.div_(g)
-        elif g is not None:
-            products.mul_(g)
+        apply_global_scale(products, g, divide_global)
         table = products.to(out_dtype).contiguous().view(torch.int64 if out_dtype == torch.float32 else torch.int32)
         table = table.reshape(-1)
         with self._tables_lock:  # band workers may build tables side by side
@@ -323,7 +311,7 @@ class CpuBackend(TorchDeviceBackend):
     ) -> None:
         """out = table[byte + 256 scale byte], each entry two values: one add and one gather per chunk."""
         for m, r0, rows, index in self._code_chunks(codes):
-            shifted = self._buffer("scale bytes", scale_bytes[m, r0 : r0 + rows].numel(), torch.int32)
+            shifted = scratch("scale bytes", scale_bytes[m, r0 : r0 + rows].numel(), torch.int32)
             shifted.copy_(scale_bytes[m, r0 : r0 + rows].reshape(-1)).bitwise_left_shift_(8)
             index.view(rows, -1, group // 2).add_(shifted.view(rows, -1, 1))
             _gather_into(table, index, out[m, r0 : r0 + rows])

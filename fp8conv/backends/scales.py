@@ -19,6 +19,18 @@ def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
+def apply_global_scale(values: torch.Tensor, global_scale: torch.Tensor | None, divide: bool) -> None:
+    """NVFP4's per-tensor scale on float32 values, in place, one float32 rounding: compressed-tensors
+    divides by its weight_global_scale, ModelOpt multiplies by weight_scale_2. Every backend (and the CPU
+    backend's tables) applies it here, so the operation and its order are one definition."""
+    if global_scale is None:
+        return
+    if divide:
+        values.div_(global_scale)
+    else:
+        values.mul_(global_scale)
+
+
 def all_powers_of_two(scale: torch.Tensor) -> bool:
     mantissa, _ = torch.frexp(scale.to(torch.float32))
     return bool((mantissa == 0.5).all())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .scales import scale_to_float32
+from .scales import apply_global_scale, scale_to_float32
 
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
 
@@ -106,8 +106,5 @@ class TorchDeviceBackend:
                 w = torch.stack((values[c & 0xF], values[c >> 4]), dim=-1).reshape(r1 - r0, 2 * half)
                 s = scale_to_float32(scale[m, r0:r1]).to(self.device)
                 w.view(r1 - r0, -1, group).mul_(s[:, :, None])
-                if g is not None and divide_global:
-                    w.div_(g)
-                elif g is not None:
-                    w.mul_(g)
+                apply_global_scale(w, g, divide_global)
                 out[m, r0:r1].copy_(w)  # one rounding to out's dtype

@@ -47,9 +47,9 @@ class BandedJob:
         self.new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if self.quantize else None
         self.counts: list[tuple[int, int]] = []  # packed to FP8: exact and all output blocks, per band
 
-    def compute(self, w: torch.Tensor, r0: int, band: torch.Tensor) -> None:
-        """Rewrite input rows [r0, r0 + rows) (`w`: their bytes, [1, rows, bytes per row]) into `band`
-        ([1, rows, K])."""
+    def compute(self, read: torch.Tensor, r0: int, band: torch.Tensor) -> None:
+        """Rewrite input rows [r0, r0 + rows) (`read`: their bytes as read) into `band` ([1, rows, K])."""
+        w = read.view(1, band.shape[1], -1)  # [1, rows, bytes per row]
         fp8 = w.view(torch.float8_e4m3fn)  # packed: the bytes, read by the decoder
         g0, g1 = r0 // self.in_block[0], -(-(r0 + w.shape[1]) // self.in_block[0])
         if self.new_scale is None:

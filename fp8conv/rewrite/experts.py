@@ -6,16 +6,13 @@ group's scale only, rounded once to the output dtype."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ..backends import Backend
+from ..backends.scratch import scratch
 from ..dtypes import ELEMENT_BYTES, torch_dtype
 from ..plan import Job
 from .unpack import code_values
-
-_scratch = threading.local()  # per band worker: the decoded values before their transpose, reused
 
 
 class ExpertBands:
@@ -48,18 +45,10 @@ class ExpertBands:
     def _decode(self, codes: torch.Tensor, exponents: torch.Tensor, k0: int, k1: int, out: torch.Tensor) -> None:
         """Columns [k0, k1) (whole groups) of one expert's decoded [N, K], written transposed into out."""
         group = self.group
-        decoded = _decoded_scratch(self.out_dtype, (1, self.n, k1 - k0))
+        decoded = scratch("expert decoded", (1, self.n, k1 - k0), self.out_dtype)  # before its transpose
         part = codes[None, :, k0 // 2 : k1 // 2]
         self.backend.decode_4bit(part, self.values, exponents[None, :, k0 // group : k1 // group], group, decoded)
         out.copy_(decoded[0].T)
 
     def add_exactness(self, exactness: list[int]) -> None:
         """Dequantized: no FP8 blocks to count."""
-
-
-def _decoded_scratch(dtype: torch.dtype, shape: tuple[int, int, int]) -> torch.Tensor:
-    numel = shape[0] * shape[1] * shape[2]
-    cached = getattr(_scratch, "buffer", None)
-    if cached is None or cached.dtype != dtype or cached.numel() < numel:
-        cached = _scratch.buffer = torch.empty(numel, dtype=dtype)
-    return cached[:numel].view(shape)

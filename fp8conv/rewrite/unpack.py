@@ -8,7 +8,6 @@ compressed-tensors divides by weight_global_scale, ModelOpt multiplies by weight
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -16,6 +15,7 @@ import torch
 
 from ..backends import Backend
 from ..backends.scales import scale_to_float32
+from ..backends.scratch import scratch
 from ..formats import Kind, WeightFormat
 
 # E2M1 code c: (-1)^(c >> 3) * [0, 0.5, 1, 1.5, 2, 3, 4, 6][c & 7]; INT4 (compressed-tensors): c - 8
@@ -24,15 +24,6 @@ INT4_VALUES = tuple(float(c - 8) for c in range(16))
 
 
 GLOBAL_SCALE_CHUNK = 1 << 18  # float32 values decoded at once when a packed band is quantized to FP8
-_scratch = threading.local()  # per band worker: float32 pieces reused (fresh ones cost page faults)
-
-
-def _float32_scratch(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    cache: dict[str, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
-    numel = math.prod(shape)
-    if key not in cache or cache[key].numel() < numel:
-        cache[key] = torch.empty(numel, dtype=torch.float32)
-    return cache[key][:numel].view(shape)
 
 
 def code_values(kind: Kind) -> torch.Tensor:
@@ -112,11 +103,13 @@ def band_quantizer(
         rows, exact, total = codes.shape[1], 0, 0
         for c0 in range(0, rows, step):
             c1 = min(rows, c0 + step)
-            w32 = _float32_scratch("w32", (1, c1 - c0, k))
+            w32 = scratch("packed w32", (1, c1 - c0, k), torch.float32)
             decode(codes[:, c0:c1], r0 + c0, w32)
             q_part, s_part = q[:, c0:c1], scale[:, c0 // bn : -(-c1 // bn)]
             backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part)
-            e, t = block_exactness(w32, q_part, s_part, out_block, backend, _float32_scratch("back", w32.shape))
+            e, t = block_exactness(
+                w32, q_part, s_part, out_block, backend, scratch("packed back", tuple(w32.shape), torch.float32)
+            )
             exact, total = exact + e, total + t
         return exact, total
 
@@ -153,15 +146,15 @@ def block_exactness(
     scale: torch.Tensor,
     block: tuple[int, int],
     backend: Backend,
-    scratch: torch.Tensor | None = None,
+    back_buffer: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value.
-    scratch: float32 like w32, overwritten (else a fresh one)."""
+    back_buffer: float32 like w32, overwritten (else a fresh one)."""
     n, k = w32.shape[-2], w32.shape[-1]
     bn, bk = block
     gn, gk = math.ceil(n / bn), math.ceil(k / bk)
     shape = (math.prod(w32.shape[:-2]), n, k)
-    back = torch.empty(shape, dtype=torch.float32) if scratch is None else scratch.view(shape)
+    back = torch.empty(shape, dtype=torch.float32) if back_buffer is None else back_buffer.view(shape)
     backend.dequantize_blocks(q.reshape(back.shape), scale.reshape(-1, gn, gk), block, back)
     differs = back.ne_(w32.reshape(back.shape))  # in place: 1.0 where a value did not come back
     if n % bn or k % bk:  # zero-pad to whole blocks: padding never differs
