@@ -6,16 +6,20 @@ band, writes of one writer segment, from aligned reused buffers), else the page 
 (output bytes follow input bytes; reads run at most READ_AHEAD bands ahead), as fp8conv's pipeline
 does; the plain floor reads a shard, then writes its output. The difference is what the disk charges
 for reads and writes at the same time.
---unavoidable (with --concurrent): also what any conversion process built on torch that records its
-output's sha256 must pay, and no more: `import torch` on the main thread before the first write
-(reads start at once, up to fp8conv's 64 MiB warm-start read), and every written byte hashed (sha256,
-on a thread of its own, as fp8conv's writer does). No arithmetic: what is left between this and
-fp8conv is the conversion's own cost.
+--import-torch (with --concurrent): also what any conversion process built on torch must pay before
+its first write, and nothing else: `import torch` on the main thread (reads start at once, up to
+fp8conv's 64 MiB warm-start read; reading further ahead measured slower, as the reads then compete with
+the import's own ~1,000 files).
+--unavoidable (with --concurrent): --import-torch, and every written byte hashed (sha256, on a thread of
+its own, as fp8conv's writer does, for its manifest): what any torch-based converter that records its
+output's sha256 must pay, and no more. No arithmetic: what is left between this and fp8conv is the
+conversion's own cost.
 
 It does not import fp8conv (torch alone takes ~1.4 s of CPU to import); bench.py checks that the sizes
 below are fp8conv's.
 
-    python bench/io_floor.py INPUT_DIR OUTPUT_DIR OUTPUT_BYTES [--buffered] [--concurrent [--unavoidable]]
+    python bench/io_floor.py INPUT_DIR OUTPUT_DIR OUTPUT_BYTES [--buffered]
+        [--concurrent [--import-torch | --unavoidable]]
 """
 
 from __future__ import annotations
@@ -141,11 +145,13 @@ def main() -> None:
     if "--concurrent" in sys.argv[4:]:
         in_bytes = sum(shard.stat().st_size for shard in shards)
         unavoidable = "--unavoidable" in sys.argv[4:]
-        pacing = Pacing(in_bytes, per_shard * len(shards), WARM_START_BYTES if unavoidable else 0)
+        imports = unavoidable or "--import-torch" in sys.argv[4:]
+        pacing = Pacing(in_bytes, per_shard * len(shards), WARM_START_BYTES if imports else 0)
         reads = threading.Thread(target=pacing.read_thread, args=(shards, direct, read_view), daemon=True)
         reads.start()
         if unavoidable:
             hashing = Hashing(write_view)
+        if imports:
             import torch  # noqa: F401  (the import a torch-based converter cannot write before)
     for shard in shards:
         if not pacing:

@@ -15,8 +15,15 @@ FLOOR = Path(__file__).resolve().parent.parent / "bench" / "io_floor.py"
 
 @pytest.mark.parametrize(
     "mode",
-    [[], ["--concurrent"], ["--buffered"], ["--buffered", "--concurrent"], ["--concurrent", "--unavoidable"]],
-    ids=["direct", "concurrent", "buffered", "buffered-concurrent", "unavoidable"],
+    [
+        [],
+        ["--concurrent"],
+        ["--buffered"],
+        ["--buffered", "--concurrent"],
+        ["--concurrent", "--import-torch"],
+        ["--concurrent", "--unavoidable"],
+    ],
+    ids=["direct", "concurrent", "buffered", "buffered-concurrent", "import-torch", "unavoidable"],
 )
 @pytest.mark.parametrize("out_ratio", [2.0, 0.5])
 def test_io_floor_writes_the_output_size_per_shard(tmp_path: Path, mode: list[str], out_ratio: float) -> None:
@@ -62,10 +69,17 @@ def test_bench_table_sets_the_whole_process_against_the_floor_of_reads_and_write
         bench.STARTUP: variant(1.5),
     }
     for r in v.values():
+        r.setdefault("import_floor_s", 4.2)
+        r.setdefault("import_floor_ratio", 1.05)
         r.setdefault("unavoidable_floor_s", 4.5)
-        r.setdefault("ratio_to_unavoidable_floor", 0.9)
+        r.setdefault("unavoidable_floor_ratio", 1.12)
+    v["fp8conv --to channel"].update(import_floor_s=3.5, import_floor_ratio=1.4)
     text = bench.markdown({"machine": "m", "runs": {"2 GiB": {"input_bytes": 2**31, "variants": v}}})
-    assert "| fp8conv --to bf16 | 4.60 | 4.00 | 1.15 | <= 1.15: met | 4.50 | 0.90 |" in text
-    assert "| fp8conv --to channel | 3.60 | 2.50 | 1.44 | <= 1.35: missed | 4.50 | 0.90 |" in text
-    assert "| fp8conv --to block | 3.00 | 2.50 | 1.20 | - | 4.50 | 0.90 |" in text
+    assert "| fp8conv --to bf16 | 4.60 | 4.00 | 1.15 | <= 1.15: met | 4.20 (1.05) | 4.50 (1.12) |" in text
+    # the floor with torch's import alone over the target: no torch-based converter can meet it
+    assert (
+        "| fp8conv --to channel | 3.60 | 2.50 | 1.44 | <= 1.35: missed; out of reach with torch "
+        "(its import alone: 1.40) | 3.50 (1.40) | 4.50 (1.12) |"
+    ) in text
+    assert "| fp8conv --to block | 3.00 | 2.50 | 1.20 | - | 4.20 (1.05) | 4.50 (1.12) |" in text
     assert "Start-up alone (the CLI and torch imported): 1.50 s." in text
