@@ -23,6 +23,7 @@ from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
 from .options import DEFAULT_BLOCK, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_PREFETCH, TARGETS, ConvertOptions, RunOptions
 from .parts import finalize, parse_part
+from .prepare import check_output_empty
 from .report import InspectReport, inspect
 
 if TYPE_CHECKING:
@@ -519,9 +520,8 @@ def _run_workers(
 
     Each is a fresh `python -m fp8conv part-worker JOB`, JOB the two values as JSON (the manifest's own
     record of ConvertOptions): an option added to either value reaches the workers with no code here."""
-    out = Path(output)
-    if out.is_dir() and any(out.iterdir()) and not (parts[0].overwrite or parts[0].resume):
-        raise OptionsError(f"output directory {out} is not empty", fix="choose an empty directory, or --overwrite")
+    if not (parts[0].overwrite or parts[0].resume):
+        check_output_empty(Path(output))
     started = time.monotonic()
     procs = [
         subprocess.Popen(
@@ -536,7 +536,7 @@ def _run_workers(
         click.echo(errors[0].strip().splitlines()[0] if errors[0].strip() else "error: a worker failed", err=True)
         sys.exit(1)
     if not quiet:
-        click.echo(f"wrote {out} with {len(parts)} worker processes in {time.monotonic() - started:.1f} s")
+        click.echo(f"wrote {output} with {len(parts)} worker processes in {time.monotonic() - started:.1f} s")
 
 
 def _worker_job(checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int) -> str:

@@ -171,7 +171,14 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
         )
     if dst.exists() and not dst.is_dir():
         raise OptionsError(f"output {out} exists and is not a directory", fix="choose another path")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+    if not overwrite:
+        check_output_empty(out)
+
+
+def check_output_empty(out: Path) -> None:
+    """A run without --overwrite (or --resume) starts in an empty or new directory; -j's parent checks it
+    once, before its parts start filling the directory side by side."""
+    if out.is_dir() and any(out.iterdir()):
         raise OptionsError(
             f"output directory {out} is not empty",
             fix="choose an empty directory, or pass --overwrite to replace its checkpoint",
