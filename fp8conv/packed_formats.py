@@ -9,6 +9,7 @@ times for int32), and the scale grid must be exactly K / group along K, or the t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .dtypes import FP8_E4M3
 from .index import CheckpointIndex
@@ -27,6 +28,17 @@ CONFIG_DECLARES = {
 }
 
 
+@dataclass(frozen=True)
+class _PackedNames:
+    """What a packed weight's name says: its format, the output's name and its companions' names."""
+
+    kind: Kind
+    out_name: str
+    scale: str
+    global_scale: str | None = None  # NVFP4's one float32
+    shape_tensor: str | None = None  # compressed-tensors INT4's unpacked shape
+
+
 def classify_packed(
     index: CheckpointIndex,
     settings: QuantSettings | None,
@@ -38,36 +50,38 @@ def classify_packed(
     entry = index.entry(name)
     refuse = _refuser(name, companions)
     if name.endswith("_blocks"):
-        kind, base, out_name = Kind.MXFP4_GPT_OSS, name[: -len("_blocks")], name[: -len("_blocks")]
-        scale, global_scale, shape_tensor = base + "_scales", None, None
-        companions = tuple(c for c in companions if c != scale)
+        base = name[: -len("_blocks")]
+        found = _PackedNames(Kind.MXFP4_GPT_OSS, base, base + "_scales")
     elif name.endswith(".weight_packed"):
         base = name[: -len(".weight_packed")]
-        kind = Kind.INT4 if entry.dtype == "I32" else Kind.NVFP4
-        scale, out_name = base + ".weight_scale", base + ".weight"
-        global_scale = base + ".weight_global_scale" if kind is Kind.NVFP4 else None
-        shape_tensor = base + ".weight_shape" if kind is Kind.INT4 else None
+        if entry.dtype == "I32":
+            found = _PackedNames(
+                Kind.INT4, base + ".weight", base + ".weight_scale", shape_tensor=base + ".weight_shape"
+            )
+        else:
+            found = _PackedNames(Kind.NVFP4, base + ".weight", base + ".weight_scale", base + ".weight_global_scale")
         if base + ".weight_zero_point" in names:
             return refuse(
                 f"has {base}.weight_zero_point: asymmetric packed weights are not supported",
                 "fp8conv reads symmetric INT4 only",
             )
-        companions = tuple(c for c in companions if c not in (scale, global_scale, shape_tensor))
     else:  # X.weight, int8 / uint8, with a scale companion
-        base, out_name = name[: -len(".weight")], name
+        base = name[: -len(".weight")]
         if base + ".scale" in names:
-            kind, scale, global_scale = Kind.MXFP4, base + ".scale", None
+            found = _PackedNames(Kind.MXFP4, name, base + ".scale")
         else:
-            kind, scale, global_scale = Kind.NVFP4_MODELOPT, base + ".weight_scale", base + ".weight_scale_2"
-        shape_tensor = None
-        if kind is Kind.NVFP4_MODELOPT and (scale not in names or index.entry(scale).dtype != FP8_E4M3):
-            found = [base + s for s in (".weight_scale", ".weight_scale_inv") if base + s in names]
+            found = _PackedNames(Kind.NVFP4_MODELOPT, name, base + ".weight_scale", base + ".weight_scale_2")
+        scale = found.scale
+        if found.kind is Kind.NVFP4_MODELOPT and (scale not in names or index.entry(scale).dtype != FP8_E4M3):
+            present = [base + s for s in (".weight_scale", ".weight_scale_inv") if base + s in names]
             return refuse(
-                f"{entry.dtype} weights with a {index.entry(found[0]).dtype} scale are int8, not FP8 or packed FP4",
+                f"{entry.dtype} weights with a {index.entry(present[0]).dtype} scale are int8, not FP8 or packed FP4",
                 "fp8conv converts FP8 and packed 4-bit (MXFP4, NVFP4, INT4) weights only",
-                scale=found[0],
+                scale=present[0],
             )
-    return _confirmed(index, settings, name, names, companions, kind, out_name, scale, global_scale, shape_tensor)
+    if found.kind in (Kind.MXFP4_GPT_OSS, Kind.NVFP4, Kind.INT4):  # their companions' names say what they are
+        companions = tuple(c for c in companions if c not in (found.scale, found.global_scale, found.shape_tensor))
+    return _confirmed(index, settings, name, names, companions, found)
 
 
 def _refuser(name: str, companions: tuple[str, ...]) -> Callable[..., WeightFormat]:
@@ -83,14 +97,11 @@ def _confirmed(
     name: str,
     names: set[str],
     companions: tuple[str, ...],
-    kind: Kind,
-    out_name: str,
-    scale: str,
-    global_scale: str | None,
-    shape_tensor: str | None,
+    found: _PackedNames,
 ) -> WeightFormat:
     """The names classify_packed found, confirmed: the scale there, the format declared by config.json,
     every shape fitting it; then the weight's unpacked shape."""
+    kind, scale = found.kind, found.scale
     declared = settings.packed if settings is not None else {}
     where = settings.where if settings is not None else "config.json"
     entry = index.entry(name)
@@ -105,7 +116,7 @@ def _confirmed(
             scale=scale,
         )
     group = declared[kind]
-    problem = _shape_problem(index, kind, name, scale, global_scale, shape_tensor, group, names)
+    problem = _shape_problem(index, name, found, group, names)
     if problem:
         return refuse(problem, "the checkpoint is damaged or in a layout fp8conv does not know", scale=scale)
     if kind is Kind.MXFP4_GPT_OSS:
@@ -119,24 +130,16 @@ def _confirmed(
         scale=scale,
         companions=companions,
         group=group,
-        global_scale=global_scale,
-        shape_tensor=shape_tensor,
+        global_scale=found.global_scale,
+        shape_tensor=found.shape_tensor,
         shape=shape,
-        out_name=out_name,
+        out_name=found.out_name,
     )
 
 
-def _shape_problem(
-    index: CheckpointIndex,
-    kind: Kind,
-    name: str,
-    scale: str,
-    global_scale: str | None,
-    shape_tensor: str | None,
-    group: int,
-    names: set[str],
-) -> str | None:
+def _shape_problem(index: CheckpointIndex, name: str, found: _PackedNames, group: int, names: set[str]) -> str | None:
     """Why the tensors do not fit the format, or None."""
+    kind, scale, global_scale, shape_tensor = found.kind, found.scale, found.global_scale, found.shape_tensor
     w, s = index.entry(name), index.entry(scale)
     want_w = {
         Kind.MXFP4: ("I8", "U8"),
