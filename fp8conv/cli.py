@@ -421,10 +421,7 @@ def _print_plan(
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
         return
-    for w in summary.warnings:
-        click.echo(f"warning: {w}", err=True)
-    for path, why in summary.files_skipped:
-        click.echo(f"warning: {path} would not be copied: {why}", err=True)
+    _echo_warnings(summary.warnings, summary.files_skipped, "would not be")
     click.echo(_render_plan(summary))
 
 
@@ -470,11 +467,16 @@ def _set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
 
 
-def _report_convert(result: ConvertResult, quiet: bool) -> None:
-    for w in result.warnings:
+def _echo_warnings(warnings: list[str], files_skipped: list[tuple[str, str]], verb: str) -> None:
+    """On stderr, even under --quiet; verb: "was not" after a run, "would not be" in a dry run's plan."""
+    for w in warnings:
         click.echo(f"warning: {w}", err=True)
-    for path, why in result.files_skipped:
-        click.echo(f"warning: {path} was not copied: {why}", err=True)
+    for path, why in files_skipped:
+        click.echo(f"warning: {path} {verb} copied: {why}", err=True)
+
+
+def _report_convert(result: ConvertResult, quiet: bool) -> None:
+    _echo_warnings(result.warnings, result.files_skipped, "was not")
     if not quiet:
         click.echo(_summary(result))
     if result.streamed is not None and not quiet:

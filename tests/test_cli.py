@@ -64,6 +64,19 @@ def test_convert_then_summary(runner, tiny, tmp_path):
     assert len(load_dir(out)) == 73
 
 
+def test_a_file_left_out_is_named_on_stderr_by_the_run_and_by_its_dry_run(runner, tiny, tmp_path):
+    (tiny.path / "pytorch_model.bin").write_bytes(b"not read")
+    why = "weights in a pickle format fp8conv does not read"
+    args = ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out"), "-q"]
+    planned = runner.invoke(main, [*args, "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    assert f"warning: pytorch_model.bin would not be copied: {why}" in planned.stderr
+    done = runner.invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert f"warning: pytorch_model.bin was not copied: {why}" in done.stderr  # under -q too
+    assert not (tmp_path / "out" / "pytorch_model.bin").exists()
+
+
 def test_refusal_is_one_line_exit_1(runner, make_tiny, tmp_path):
     ckpt = make_tiny(config_block=None)
     result = runner.invoke(main, ["convert", str(ckpt.path), "--to", "bf16", "-o", str(tmp_path / "out")])
