@@ -94,7 +94,7 @@ def declare_kv_cache(
     """Put the input's KV-cache declaration in a channel output's compressed-tensors config, when the output
     keeps KV scales; returns the warnings for what cannot be declared. Never declares without scales (vLLM
     would run an FP8 KV cache at scale 1.0); never invents one the input did not make (vLLM would switch
-    the KV cache to FP8 where the input ran it in bf16)."""
+    the KV cache to FP8 where the input ran it unquantized)."""
     scheme, said = input_kv_declaration(input_qconfig)
     if said is None:
         return []
@@ -111,8 +111,8 @@ def declare_kv_cache(
         else "compressed-tensors has no spelling for it that vLLM loads"
     )
     return [
-        f"the input declares {said}; {why}, so vLLM runs this output with a bf16 KV cache unless served with "
-        f"--kv-cache-dtype fp8, which applies the {len(kept)} KV-cache scale tensor(s) kept"
+        f"the input declares {said}; {why}, so vLLM runs this output with an unquantized KV cache unless "
+        f"served with --kv-cache-dtype fp8, which applies the {len(kept)} KV-cache scale tensor(s) kept"
     ]
 
 
