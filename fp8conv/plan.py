@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import (
     MISTRAL_PARAMS_NAME,
+    find_quantization_config,
     load_config,
     rewrite_for_block,
     rewrite_for_channel,
@@ -23,7 +24,7 @@ from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP
 from .errors import CheckpointError, OptionsError
 from .families import FUSED_EXPERTS, Family, family_of, fused_group, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
-from .kv_scales import dropped_kv_scales, dropped_warning
+from .kv_scales import declare_kv_cache, dropped_kv_scales, dropped_warning, kv_scale_names, per_head_kv_scales
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .options import DEFAULT_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
@@ -197,6 +198,8 @@ class _Planner:
         if dropped:  # FP8 outputs keep them: vLLM applies them under an fp8 / compressed-tensors config
             self.plain -= set(dropped)
             self.warnings.append(dropped_warning(dropped))
+        self.kv_scales = kv_scale_names(ckpt.index, cls.plain, cls.settings.method is not None) if not dropped else []
+        self.problems += per_head_kv_scales(ckpt.index, self.kv_scales, options.to)
 
     def jobs_for(self, shard_name: str) -> list[Job]:
         shard = next(s for s in self.ckpt.index.shards if s.name == shard_name)
@@ -322,12 +325,15 @@ class _Planner:
         expert_dtype = "fp8" if self.cls.settings.expert_dtype is not None else None
         if to == "channel":
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
-            return _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
-        out = _with_expert_dtype(rewrite_for_block(config, self.out_block, ignore), expert_dtype)
-        if self.padding is not None:
-            updated_widths_config(out, self.padding)
-        if self.cls.settings.activation_scheme == "static":
-            self.warnings.append("activation_scheme was static; block FP8 is written with dynamic activations")
+            out = _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
+        else:
+            out = _with_expert_dtype(rewrite_for_block(config, self.out_block, ignore), expert_dtype)
+            if self.padding is not None:
+                updated_widths_config(out, self.padding)
+            if self.cls.settings.activation_scheme == "static":
+                self.warnings.append("activation_scheme was static; block FP8 is written with dynamic activations")
+        input_qconfig = find_quantization_config(config)[0]
+        self.warnings += declare_kv_cache(out["quantization_config"], input_qconfig, self.kv_scales, to)
         return out
 
 

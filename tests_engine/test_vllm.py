@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from .conftest import VERDICTS, run_worker, worker_json
+from .conftest import VERDICTS, fp8conv_cli, run_worker, worker_json
 from .models import BLOCK, KINDS
 
 transformers = pytest.importorskip("transformers")
@@ -208,14 +209,45 @@ LOAD_ONLY = [
 
 
 UNPADDED = "deepseek_v3-block-unpadded"
+KV_MODEL = "qwen3-channel-kv-cache"
+# a compressed-tensors FP8 KV cache (per-tensor static k/v scales), as llm-compressor declares it
+KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
 
 @pytest.fixture(scope="module")
-def loaded(converted, tmp_path_factory):
+def kv_channel(converted, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """qwen3's channel output given per-layer `self_attn.k_scale` / `v_scale` and a kv_cache_scheme (a
+    compressed-tensors FP8-KV-cache checkpoint), converted --to channel again by the CLI; and its scales."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("kv")
+    src = root / "input"
+    shutil.copytree(converted["qwen3"].channel, src, ignore=shutil.ignore_patterns(".fp8conv"))
+    scales = {
+        f"model.layers.{i}.self_attn.{p}_scale": torch.tensor(0.0625 * (i + 1) + (p == "v") * 0.03125)
+        for i in range(2)
+        for p in "kv"
+    }
+    save_file(scales, str(src / "kv-scales.safetensors"), metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(scales, "kv-scales.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = KV_SCHEME
+    (src / "config.json").write_text(json.dumps(config))
+    fp8conv_cli("convert", str(src), "--to", "channel", "-o", str(root / "channel"))
+    return root / "channel", scales
+
+
+@pytest.fixture(scope="module")
+def loaded(converted, kv_channel, tmp_path_factory):
     """One worker process for every load-only check (vLLM imported once; each model's ranks forked)."""
     out = tmp_path_factory.mktemp("loaded")
     models = [f"{k}-{t}={getattr(converted[k], t)}" for k, t in LOAD_ONLY]
     models.append(f"{UNPADDED}={converted['deepseek_v3'].block}")
+    models.append(f"{KV_MODEL}={kv_channel[0]}")
     run_worker(f"LOAD-ONLY at TP 1 and 2, {len(models)} checkpoints", "load", str(out), *models, "--tp", "1,2")
     return out
 
@@ -261,3 +293,24 @@ def test_load_only_unpadded_block_output_refused_by_vllm(loaded):
     VERDICTS.append(
         f"LOAD-ONLY deepseek_v3 block unpadded, refused by vLLM: TP 1: {tp1.splitlines()[0]} (loading w2); TP 2: {tp2}"
     )
+
+
+def test_load_only_vllm_reads_the_kept_kv_cache_scheme_and_loads_the_kv_scales(kv_channel, loaded):
+    """The channel output keeps the input's kv_cache_scheme beside its KV scales: vLLM turns the KV cache
+    dtype "auto" into fp8 (as it did for the input; the same model without the declaration stays "auto")
+    and loads each layer's scales into its attention layer, at TP 1 and 2."""
+    path, scales = kv_channel
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] == KV_SCHEME
+    errors = "\n".join(p.read_text()[:3000] for p in sorted((loaded / KV_MODEL).glob("tp*/rank*.err")))
+    assert not errors, errors
+    for tp in (1, 2):
+        for rank in range(tp):
+            folder = loaded / KV_MODEL / f"tp{tp}"
+            assert json.loads((folder / f"rank{rank}.json").read_text())["cache_dtype"] == "fp8"
+            plain = loaded / "qwen3_moe-channel" / f"tp{tp}" / f"rank{rank}.json"
+            assert json.loads(plain.read_text())["cache_dtype"] == "auto"
+            params = torch.load(folder / f"rank{rank}.pt")
+            for name, t in scales.items():
+                got = params[name.replace(".self_attn.", ".self_attn.attn.")]
+                assert torch.equal(got.float().flatten(), t.reshape(1)), (name, got, t)
+    VERDICTS.append(f"LOAD-ONLY qwen3 channel + kv_cache_scheme: KV cache fp8, {len(scales)} KV scales at TP 1 and 2")

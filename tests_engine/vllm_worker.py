@@ -96,6 +96,8 @@ def _load_rank(model: str, out: Path, tp: int, rank: int, port: int) -> None:
         loader.load_weights(net, config.model_config)
     params = {name: p.detach().clone() for name, p in net.named_parameters()}
     torch.save(params, out / f"rank{rank}.pt")
+    # the KV-cache dtype vLLM settled on while building the model (a kv_cache_scheme turns "auto" into fp8)
+    (out / f"rank{rank}.json").write_text(json.dumps({"cache_dtype": config.cache_config.cache_dtype}))
 
 
 def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
