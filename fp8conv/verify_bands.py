@@ -175,7 +175,7 @@ class JobBands:
                 dim = len(self.shape) - 2
                 return read_rows(self.index.root / src.name, self.index.entry(name), src.name, dim, e, i0, i1)
             if fmt is not None and name == fmt.scale and grid is not None:
-                return grid[e, i0 // self.bn_in : -(-i1 // self.bn_in)]
+                return grid[e, -(-i0 // self.bn_in) : -(-i1 // self.bn_in)]  # i0: a block's start, or i1
             if packed and fmt is not None and name == fmt.scale:  # one scale per group of a row
                 return self.whole(name).reshape(math.prod(self.shape[:-2]), self.shape[-2], -1)[e, i0:i1]
             return self.whole(name)
