@@ -23,11 +23,12 @@ from .plan import Action, Job
 from .rewrite.dequant import scale_grid
 from .safetensors_file import ShardHeader, TensorEntry, as_writable_memoryview, pread_into, read_tensor, tensor_buffer
 
-# Float32 elements of one band: 64 MiB. verify's bound check holds about six band-sized float32
-# temporaries at once (the dequantized input, q, the expanded scale, the difference and the bound), so
-# its peak stays near 400 MiB whatever the tensor's size, like convert's; per band the Python around the
-# arithmetic costs well under a millisecond against ~0.1 s of arithmetic, so smaller bands buy nothing.
-BAND_ELEMENTS = 16 << 20
+# Float32 elements of one band: 16 MiB. The bound check keeps up to about ten band-sized float32
+# temporaries alive (the dequantized input, q, the scale expanded twice, amax, the difference, the bound),
+# so verify's peak is the interpreter's ~230 MiB plus ~200 MiB, whatever the tensor's size (measured:
+# 64 MiB bands peaked at 0.9 GiB). A band is still 256+ rows of a real model's widest weight, so the
+# Python per band is noise next to its arithmetic.
+BAND_ELEMENTS = 4 << 20
 ROW_UNIT = 128  # bands are whole 128-row blocks (and whole input and output block rows)
 
 Reader = Callable[[str], torch.Tensor]
