@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import fp8conv
 from fp8conv import ConvertOptions, verify_bands
@@ -111,3 +112,20 @@ def test_verify_reads_and_computes_a_band_at_a_time(tmp_path, monkeypatch, small
     assert computed and max(computed) <= band, max(computed)
     assert max(reads) <= band * 2, max(reads)  # 2: a bf16 band, the largest element read
     assert len(reads) >= 2 * 8  # each tensor's 8 bands: the input's and the output's rows
+
+
+def test_an_output_of_another_shape_is_reported_not_read_past(tmp_path, small_bands):
+    """The plan's bands do not fit a tensor written in another shape: verify reports it, as it did when it
+    read every tensor whole, instead of reading rows the file does not hold."""
+    src = _checkpoint(tmp_path / "in")
+    out = tmp_path / "out"
+    fp8conv.convert(src, out, ConvertOptions(to="bf16"))
+    (path,) = [p for p in out.glob("*.safetensors") if WEIGHT in read_header(p).tensors]
+    assert list(read_header(path).tensors)[-1] == WEIGHT
+    tensors = load_file(path)
+    tensors[WEIGHT] = tensors[WEIGHT][:900].clone()  # its last 100 rows lost; the file's last tensor
+    save_file(tensors, path, metadata={"format": "pt"})
+    result = fp8conv.verify(src, out)
+    assert not result.ok
+    assert any(f"{WEIGHT}: expected ('BF16', ({N}, {K})), found ('BF16', (900, {K}))" in f for f in result.failures)
+    assert any(f"{WEIGHT}: not one rounding of the float32 product" in f for f in result.failures)
