@@ -20,6 +20,7 @@ from fp8conv.plan import Job, plan_conversion
 from fp8conv.safetensors_file import read_header
 from fp8conv.source import open_checkpoint
 
+from .families import build_family
 from .helpers import fp8, fp8_block_config, write_checkpoint
 
 N, K = 1000, 320  # 7 whole 128-row blocks and a ragged eighth of 104 rows; 2.5 blocks wide
@@ -129,3 +130,26 @@ def test_an_output_of_another_shape_is_reported_not_read_past(tmp_path, small_ba
     assert not result.ok
     assert any(f"{WEIGHT}: expected ('BF16', ({N}, {K})), found ('BF16', (900, {K}))" in f for f in result.failures)
     assert any(f"{WEIGHT}: not one rounding of the float32 product" in f for f in result.failures)
+
+
+def test_gpt_oss_experts_are_checked_one_expert_at_a_time(tmp_path, small_bands):
+    """gpt-oss's fused experts, written transposed [E, K, N]: read an expert at a time, and a wrong value
+    in the last expert is found."""
+    fx = build_family("gpt-oss", tmp_path / "gpt-oss")
+    good = tmp_path / "good"
+    fp8conv.convert(fx.path, good, ConvertOptions(to="bf16"))
+    assert fp8conv.verify(fx.path, good).ok
+    path, name = next(
+        (p, n) for p in sorted(good.glob("*.safetensors")) for n in read_header(p).tensors if n.endswith("down_proj")
+    )
+    experts = read_header(path).tensors[name].shape[0]
+    assert experts > 1
+    job = _job(fx.path, good, name + "_blocks")
+    assert verify_bands.pieces(job, job.fmt.shape) == [
+        verify_bands.Piece(e, (0, job.fmt.shape[1]), (0, job.fmt.shape[1]), 1) for e in range(experts)
+    ]
+    out = tmp_path / "bad"
+    shutil.copytree(good, out)
+    _flip_last_byte(out, name)
+    result = fp8conv.verify(fx.path, out)
+    assert not result.ok and any(f"{name}: not one rounding of the float32 product" in f for f in result.failures)
