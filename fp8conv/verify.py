@@ -4,7 +4,8 @@ Structure (always, every tensor): the shard files, tensor names, dtypes and shap
 the index (weight map and total_size) and config.json. Numbers (every tensor, or a deterministic
 `sample` fraction): copies byte-identical; bf16 bit-identical to one rounding of the float32 product;
 channel and block FP8 within the FP8 rounding bound |q*s - w| <= 2^-4 |w| + amax * 2^-9 of the
-dequantized input (amax per row, or per block), and bit-identical to the reference backend.
+dequantized input (amax per row, or per block), and bit-identical to the reference backend. The numbers
+are read and checked in row bands of whole blocks (fp8conv.verify_bands): a few bands in memory at once.
 """
 
 from __future__ import annotations
