@@ -4,7 +4,8 @@ Structure (always, every tensor): the shard files, tensor names, dtypes and shap
 the index (weight map and total_size) and config.json. Numbers (every tensor, or a deterministic
 `sample` fraction): copies byte-identical; bf16 bit-identical to one rounding of the float32 product;
 channel and block FP8 within the FP8 rounding bound |q*s - w| <= 2^-4 |w| + amax * 2^-9 of the
-dequantized input (amax per row, or per block), and bit-identical to the reference backend.
+dequantized input (amax per row, or per block), and bit-identical to the reference backend. The numbers
+are read and checked in row bands of whole blocks (fp8conv.verify_bands): a few bands in memory at once.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from .rewrite.dequant import dequantize
 from .rewrite.jobs import run_job
 from .rewrite.pad import pad_to
 from .rewrite.unpack import unpack_to_float32
-from .safetensors_file import read_header, read_tensor
+from .safetensors_file import ShardHeader, read_header, read_tensor
 from .source import open_checkpoint
+from .verify_bands import JobBands, pieces
 
 
 @dataclass
@@ -137,11 +139,28 @@ class OutputCheck:
                 if not _sampled(job.source, self.sample) or any(o.name not in header.tensors for o in job.outputs):
                     continue
                 self.sampled += 1
-                got_tensors = [read_tensor(fd_out, header.tensors[o.name], shard.name) for o in job.outputs]
-                for message in _check_job(job, got_tensors, read_in, self.reference, self.plan.options.fp8_max):
+                for message in self._numbers(job, header, fd_out, read_in):
                     self.fail(f"{shard.name}: {message}")
         finally:
             os.close(fd_out)
+
+    def _numbers(self, job: Job, header: ShardHeader, fd_out: int, read_in) -> list[str]:
+        """_check_job's findings, band by band (verify_bands): a few bands in memory, never a large tensor
+        whole; the first band that fails stands for the tensor."""
+        fp8_max = self.plan.options.fp8_max
+        bands = JobBands(job, self.index, header, header.path.name, read_in)
+        as_planned = all(
+            (header.tensors[o.name].dtype, header.tensors[o.name].shape) == (o.dtype, o.shape) for o in job.outputs
+        )
+        piece_list = pieces(job, bands.shape) if as_planned else None
+        if piece_list is None:  # a norm, a bias; or an output not as planned (a structure failure): whole
+            got = [read_tensor(fd_out, header.tensors[o.name], header.path.name) for o in job.outputs]
+            return _check_job(job, got, read_in, self.reference, fp8_max)
+        for band_job, got, read_band in bands.bands(piece_list):
+            problems = _check_job(band_job, got, read_band, self.reference, fp8_max)
+            if problems:
+                return problems
+        return []
 
 
 def _read_output_json(out: Path, rel: str, fail) -> dict[str, Any] | None:
