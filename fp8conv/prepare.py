@@ -23,7 +23,7 @@ from .report import inspect_invocation
 from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
 from .strategy import choose_strategies
-from .stream import BASE_BYTES, MIN_BAND_BYTES, band_elements_for, held_bytes
+from .stream import MIN_BAND_BYTES, band_elements_for, fixed_bytes, held_bytes
 from .streaming import Schedule, check_stream_space, make_schedule, open_stream, stream_identity
 from .version import __version__
 
@@ -184,19 +184,20 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     would not fit under it."""
     if max_memory is None:
         return
-    if max_memory < BASE_BYTES + MIN_BAND_BYTES:
+    fixed = fixed_bytes(max_memory)  # the process and the writer's buffers
+    if max_memory < fixed + MIN_BAND_BYTES:
         raise OptionsError(
-            f"--max-memory {max_memory} bytes is below what a run needs ({BASE_BYTES + MIN_BAND_BYTES} bytes)",
+            f"--max-memory {max_memory} bytes is below what a run needs ({fixed + MIN_BAND_BYTES} bytes)",
             fix="raise --max-memory",
         )
-    budget = max_memory - BASE_BYTES
+    budget = max_memory - fixed
     for shard in plan.shards:
         for job in shard.jobs:
             held = held_bytes(job, ckpt.index.entry(job.source))
             if held is not None and held[1] > budget:
                 raise OptionsError(
                     f"tensor {job.source} {held[0]} and needs ~{held[1]} bytes, "
-                    f"over --max-memory {max_memory} minus ~{BASE_BYTES} for the process",
+                    f"over --max-memory {max_memory} minus ~{fixed} for the process and the writer",
                     fix="raise --max-memory",
                 )
 

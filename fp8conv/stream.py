@@ -14,6 +14,8 @@ from .dtypes import ELEMENT_BYTES
 from .formats import CONVERTIBLE, PACKED, Kind
 from .plan import Action, Job, Strategy
 from .safetensors_file import TensorEntry
+from .shard_reader import read_capacity
+from .writer import COPY_CHUNK_BYTES, MAX_SEGMENTS, SEGMENT_BYTES
 
 BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
 OUT_SLOTS = 3  # bands that may wait for the writer
@@ -27,13 +29,44 @@ BYTES_PER_BAND_ELEMENT = IN_SLOTS * 1 + OUT_SLOTS * 4
 # VmHWM 255 MB converting a checkpoint too small to stream; ~290 MB with the default bands).
 BASE_BYTES = 256 * 2**20
 MIN_BAND_BYTES = 16 * 2**20
+# Under --max-memory the write side holds less, the same bytes out: the shard writer keeps CAPPED_SEGMENTS
+# segments (MAX_SEGMENTS filled 24 MiB more than the cap allowed: measured, 0.5 GiB DeepSeek-shaped to bf16
+# under 272 MiB, VmHWM 295 MiB with 8, 274 with 2), and file-to-file copies go a segment at a time
+CAPPED_SEGMENTS = 2
+CAPPED_COPY_BYTES = SEGMENT_BYTES
+
+
+@dataclass(frozen=True)
+class WriteLimits:
+    """What the write thread may hold: segments per shard writer, and the copy buffer's chunk."""
+
+    segments: int
+    copy_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """At most: the copy buffer, the segments of the shard being written and one more (the next
+        shard's header while the last one commits, or a segment read back to be hashed)."""
+        return read_capacity(self.copy_bytes) + (self.segments + 1) * SEGMENT_BYTES
+
+
+def write_limits(max_memory: int | None) -> WriteLimits:
+    """The write side's limits: the fast defaults, or under a memory cap the small ones it counts."""
+    if max_memory is None:
+        return WriteLimits(MAX_SEGMENTS, COPY_CHUNK_BYTES)
+    return WriteLimits(CAPPED_SEGMENTS, CAPPED_COPY_BYTES)
+
+
+def fixed_bytes(max_memory: int) -> int:
+    """What a run under `max_memory` holds besides its bands and the tensors it rewrites whole."""
+    return BASE_BYTES + write_limits(max_memory).nbytes
 
 
 def band_elements_for(max_memory: int | None) -> int:
     """Elements per band under a memory cap (the default when there is none)."""
     if max_memory is None:
         return BAND_ELEMENTS
-    return max(1, min(BAND_ELEMENTS, (max_memory - BASE_BYTES) // BYTES_PER_BAND_ELEMENT))
+    return max(1, min(BAND_ELEMENTS, (max_memory - fixed_bytes(max_memory)) // BYTES_PER_BAND_ELEMENT))
 
 
 def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
