@@ -23,7 +23,7 @@ from .report import inspect_invocation
 from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
 from .strategy import choose_strategies
-from .stream import MIN_BAND_BYTES, band_elements_for, fixed_bytes, held_bytes
+from .stream import band_elements_for, fixed_bytes, held_bytes, lowest_max_memory
 from .streaming import Schedule, check_stream_space, make_schedule, open_stream, stream_identity
 from .version import __version__
 
@@ -184,12 +184,12 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     would not fit under it."""
     if max_memory is None:
         return
-    fixed = fixed_bytes(max_memory)  # the process and the writer's buffers
-    if max_memory < fixed + MIN_BAND_BYTES:
+    if max_memory < lowest_max_memory():
         raise OptionsError(
-            f"--max-memory {max_memory} bytes is below what a run needs ({fixed + MIN_BAND_BYTES} bytes)",
+            f"--max-memory {max_memory} bytes is below what a run needs ({lowest_max_memory()} bytes)",
             fix="raise --max-memory",
         )
+    fixed = fixed_bytes(max_memory)  # the process and the writer's buffers
     budget = max_memory - fixed
     for shard in plan.shards:
         for job in shard.jobs:

@@ -62,6 +62,11 @@ def fixed_bytes(max_memory: int) -> int:
     return BASE_BYTES + write_limits(max_memory).nbytes
 
 
+def lowest_max_memory() -> int:
+    """The lowest --max-memory a run accepts: what it holds besides bands, and the smallest bands."""
+    return BASE_BYTES + write_limits(0).nbytes + MIN_BAND_BYTES
+
+
 def band_elements_for(max_memory: int | None) -> int:
     """Elements per band under a memory cap (the default when there is none)."""
     if max_memory is None:
