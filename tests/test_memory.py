@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -106,3 +107,53 @@ def test_max_memory_refusals_come_before_any_work(tmp_path, make_tiny):
         fp8conv.convert(src, tmp_path / "out2", ConvertOptions(to="block"), run=RunOptions(max_memory=300 * 2**20))
     assert "model.layers.0.mlp.up_proj.weight" in str(info.value)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_the_cap_counts_what_the_write_side_holds(tmp_path, monkeypatch):
+    """What --max-memory subtracts for the write thread (stream.write_limits(cap).nbytes, the dry run's
+    figure) bounds what it really holds under the cap: a shard writer's segment buffers while a tensor
+    arrives back to front (every segment completes ahead of the hash and is kept while there is room),
+    the next shard's writer started before that one commits (as the scheduler overlaps them), and the
+    scheduler's copy buffer. Counted from the buffers allocated and still alive, not from RSS."""
+    import weakref
+    from types import SimpleNamespace
+
+    import fp8conv.writer as writer_module
+    from fp8conv import scheduler, stream
+    from fp8conv.dry_run import dry_run
+    from fp8conv.options import ConvertOptions, RunOptions
+    from fp8conv.writer import SEGMENT_BYTES, ShardWriter, TensorSpec
+
+    cap = stream.lowest_max_memory()
+    limits = stream.write_limits(cap)
+    live, peak = [0], [0]
+
+    def tracked(nbytes: int) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)  # aligned enough: no direct I/O here
+        live[0] += nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(buffer, lambda: live.__setitem__(0, live[0] - nbytes))
+        return buffer
+
+    monkeypatch.setattr(writer_module, "aligned_empty", tracked)
+    monkeypatch.setattr(scheduler, "aligned_empty", tracked)
+    plan = SimpleNamespace(options=SimpleNamespace(fp8_max=448.0))
+    sched = scheduler.Scheduler(None, plan, None, None, False, None, cap)  # type: ignore[arg-type]
+    parts = 12
+    spec = TensorSpec("x", "U8", (parts * SEGMENT_BYTES,))
+    data = torch.arange(parts * SEGMENT_BYTES, dtype=torch.int32).to(torch.uint8)
+    first = ShardWriter(tmp_path / "a.safetensors", [spec], {}, False, max_segments=sched.limits.segments)
+    for i in reversed(range(parts)):
+        first.write_part("x", i * SEGMENT_BYTES, data[i * SEGMENT_BYTES : (i + 1) * SEGMENT_BYTES])
+    second = ShardWriter(tmp_path / "b.safetensors", [spec], {}, False, max_segments=sched.limits.segments)
+    first.commit()
+    second.abort()
+    assert peak[0] > sched.limits.segments * SEGMENT_BYTES  # the writer did fill its segments
+    assert peak[0] <= limits.nbytes, f"{peak[0]} bytes held, {limits.nbytes} counted"
+    assert hashlib.sha256((tmp_path / "a.safetensors").read_bytes()).hexdigest() == first.sha256
+    # the dry run shows that figure, and the bands get what is left of the cap
+    ckpt = write_checkpoint(tmp_path / "in", {"w.weight": torch.zeros(8, 8, dtype=torch.bfloat16)}, None)
+    summary = dry_run(ckpt, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(max_memory=cap))
+    assert summary.writer_bytes == limits.nbytes
+    banded = stream.band_elements_for(cap) * stream.BYTES_PER_BAND_ELEMENT
+    assert stream.BASE_BYTES + limits.nbytes + banded <= cap
