@@ -184,6 +184,34 @@ def _expert_bands(job: Job, entry: TensorEntry) -> list[Band]:
     return out
 
 
+def band_buffer_bytes(job: Job, entry: TensorEntry) -> tuple[int, int, int]:
+    """The buffers a BANDED job's bands take at most, by kind: an input read (with a gpt-oss expert's
+    scales), an output band, and a band worker's decoded expert before its transpose (gpt-oss only)."""
+    size = ELEMENT_BYTES[job.spec.dtype]
+    if expert_banded(job):
+        _, k, n = job.spec.shape
+        rows = job.band_rows
+        return -(-rows // k) * expert_input_bytes(job), rows * n * size, min(rows, k) * n * size
+    n, k = job.spec.shape
+    rows = min(job.band_rows, n)  # at least one block of rows: over band_elements when rows are long
+    return rows * (entry.nbytes // entry.shape[0]), rows * k * size, 0
+
+
+def bands_held(banded: list[tuple[Job, TensorEntry]]) -> int:
+    """What the band buffers hold over a run of these BANDED jobs: the scheduler reuses IN_SLOTS input
+    and OUT_SLOTS output buffers (and a decoded expert per band worker) from job to job, each kept at
+    the largest size a job asked of it (measured: gpt-oss experts of two shapes under 320M, VmHWM 338 MiB
+    when each job's bands alone were counted)."""
+    if not banded:
+        return 0
+    sizes = [band_buffer_bytes(job, entry) for job, entry in banded]
+    return (
+        IN_SLOTS * max(s[0] for s in sizes)
+        + OUT_SLOTS * max(s[1] for s in sizes)
+        + BAND_WORKERS * max(s[2] for s in sizes)
+    )
+
+
 def expert_band_bytes(job: Job, rows: int) -> int:
     """What a gpt-oss expert job holds at once in bands of `rows` output rows: IN_SLOTS reads of whole
     experts with their scales, OUT_SLOTS output bands, and per band worker one expert's (or slice's)
@@ -191,8 +219,7 @@ def expert_band_bytes(job: Job, rows: int) -> int:
     _, k, n = job.spec.shape
     size = ELEMENT_BYTES[job.spec.dtype]
     return (
-        IN_SLOTS * -(-rows // k) * _expert_input_bytes(job)
-        + (OUT_SLOTS * rows + BAND_WORKERS * min(rows, k)) * n * size
+        IN_SLOTS * -(-rows // k) * expert_input_bytes(job) + (OUT_SLOTS * rows + BAND_WORKERS * min(rows, k)) * n * size
     )
 
 
@@ -207,11 +234,11 @@ def expert_band_rows(job: Job, band_elements: int) -> int:
     if one <= budget:
         return min(experts, 1 + (budget - one) // (expert_band_bytes(job, 2 * k) - one)) * k
     per_row = (OUT_SLOTS + BAND_WORKERS) * n * ELEMENT_BYTES[job.spec.dtype]
-    rows = (budget - IN_SLOTS * _expert_input_bytes(job)) // per_row // group * group
+    rows = (budget - IN_SLOTS * expert_input_bytes(job)) // per_row // group * group
     return min(k, max(group, rows))
 
 
-def _expert_input_bytes(job: Job) -> int:
+def expert_input_bytes(job: Job) -> int:
     """One gpt-oss expert's blocks and E8M0 scales (a byte per group)."""
     assert job.fmt is not None and job.fmt.group is not None
     _, k, n = job.spec.shape

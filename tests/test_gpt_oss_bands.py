@@ -216,3 +216,31 @@ def test_gpt_oss_bands_tile_the_output_and_read_each_expert_once(e, n, k, dtype)
             assert (b.read is not None) == (b.r0 % k == 0), b  # a slice decodes from its expert's read
             if b.read is not None:
                 assert b.read.nbytes == max(1, b.rows // k) * n * k // 2
+
+
+@pytest.mark.parametrize("cap_mib", [317, 350, 400, 600])
+def test_gpt_oss_bands_of_both_expert_shapes_fit_the_cap_together(cap_mib):
+    """gpt-oss-120b's two expert tensors in one run: the scheduler keeps each band buffer at the largest
+    size a job asked of it, so gate_up_proj's reads (8.8 MB an expert) stay while down_proj's wider output
+    bands come. Under a cap the bands are sized for that (measured before, experts of both shapes under
+    320M: VmHWM 338 MiB), and what they hold together fits what the cap leaves them."""
+    from types import SimpleNamespace
+
+    from fp8conv import stream
+    from fp8conv.plan import Action, Job, Strategy, TensorSpec
+    from fp8conv.safetensors_file import TensorEntry
+    from fp8conv.strategy import choose_strategies
+    from fp8conv.weight_format import Kind, WeightFormat
+
+    jobs, entries = [], {}
+    for name, (e, n, k) in {"gate_up_proj": (128, 5760, 2880), "down_proj": (128, 2880, 2880)}.items():
+        fmt = WeightFormat(name + "_blocks", Kind.MXFP4_GPT_OSS, scale=name + "_scales", group=32, shape=(e, n, k))
+        jobs.append(Job(name + "_blocks", Action.DEQUANTIZE, (TensorSpec(name, "BF16", (e, k, n)),), fmt))
+        entries[name + "_blocks"] = TensorEntry(name + "_blocks", "U8", (e, n, k // 32, 16), 0, e * n * k // 2)
+    plan = SimpleNamespace(shards=[SimpleNamespace(jobs=jobs)])
+    index = SimpleNamespace(entry=entries.__getitem__)
+    cap = cap_mib * 2**20
+    choose_strategies(plan, index, stream.band_elements_for(cap), capped=True)  # type: ignore[arg-type]
+    assert all(job.strategy is Strategy.BANDED for job in jobs)
+    held = stream.bands_held([(job, entries[job.source]) for job in jobs])
+    assert held <= cap - stream.fixed_bytes(cap), (held, cap - stream.fixed_bytes(cap))

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from .helpers import fp8_block_config, write_checkpoint
+from .helpers import fp8_block_config, load_dir, write_checkpoint
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec (here, pytest's own
 # peak after building the input), while VmHWM belongs to the new process image alone.
@@ -157,3 +157,28 @@ def test_the_cap_counts_what_the_write_side_holds(tmp_path, monkeypatch):
     assert summary.writer_bytes == limits.nbytes
     banded = stream.band_elements_for(cap) * stream.BYTES_PER_BAND_ELEMENT
     assert stream.BASE_BYTES + limits.nbytes + banded <= cap
+
+
+def test_bands_of_long_rows_count_whole_blocks_of_rows(tmp_path):
+    """A band is at least one block of rows: 128 rows of an 18432-wide weight (DeepSeek's down_proj) are
+    2.4 MB in and 4.7 MB of bf16 out, held IN_SLOTS and OUT_SLOTS times, over what the lowest cap leaves
+    the bands. Refused before anything is written, naming the tensor and the cap that holds it; that
+    cap converts it."""
+    import fp8conv
+    from fp8conv import ConvertOptions, RunOptions
+    from fp8conv.errors import OptionsError
+    from fp8conv.stream import lowest_max_memory
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    codes = torch.randint(0, 126, (256, 18432), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    tensors = {name: codes.view(torch.float8_e4m3fn), name + "_scale_inv": torch.rand(2, 144) + 0.1}
+    src = write_checkpoint(tmp_path / "in", tensors, fp8_block_config())
+    with pytest.raises(OptionsError, match=f"tensor {name} streams in bands that") as info:
+        fp8conv.convert(
+            src, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(max_memory=lowest_max_memory())
+        )
+    assert not (tmp_path / "out").exists()
+    cap = int(info.value.fix.removeprefix("raise --max-memory to ").removesuffix("M or more")) * 2**20
+    fp8conv.convert(src, tmp_path / "out", ConvertOptions(to="bf16"), run=RunOptions(max_memory=cap))
+    got = load_dir(tmp_path / "out")[name]
+    assert got.dtype == torch.bfloat16 and got.shape == (256, 18432)
