@@ -442,7 +442,7 @@ def _render_plan(p: PlanSummary) -> str:
         jobs = _strategy_text(s.strategies)
         lines.append(f"  {s.name:<{width}}  {s.tensors} tensor(s)  {_gib(s.nbytes)}  {jobs}{where}{state}")
     lines.append(f"jobs by strategy: {_strategy_text(p.strategies)}")
-    memory = [f"~{_gib(p.process_bytes)} for the process"]
+    memory = [f"~{_gib(p.process_bytes)} for the process", f"~{_gib(p.writer_bytes)} for the writer's buffers"]
     if p.band_bytes:
         memory.append(f"~{_gib(p.band_bytes)} of bands of {p.band_elements} elements")
     if p.largest_held:

@@ -12,7 +12,7 @@ from .options import ConvertOptions, RunOptions
 from .parts import assign_parts
 from .plan import Job, ShardPlan, Strategy
 from .prepare import PreparedRun, prepare
-from .stream import BASE_BYTES, BYTES_PER_BAND_ELEMENT, held_bytes
+from .stream import BASE_BYTES, bands_held, held_bytes, write_limits
 
 # What a dry run leaves to the real run: it needs torch, or the tensors' bytes.
 NOT_CHECKED = (
@@ -44,10 +44,11 @@ class PlanSummary:
     warnings: list[str]
     band_elements: int  # a BANDED job's band, ~elements (from --max-memory)
     max_memory: int | None
-    # the figures --max-memory is checked against: what the process holds besides tensors, the bands held
-    # when a job is BANDED, and the tensor whose job holds the most at once beyond that (rewritten whole,
-    # or read as whole gpt-oss experts): (name, why, ~bytes)
+    # the figures --max-memory is checked against: what the process holds besides tensors, the writer's
+    # buffers, the bands held when a job is BANDED, and the tensor whose job holds the most at once beyond
+    # that (rewritten whole, or read as whole gpt-oss experts): (name, why, ~bytes)
     process_bytes: int = BASE_BYTES
+    writer_bytes: int = 0  # the shard writer's segments and copy buffer (fewer under --max-memory)
     band_bytes: int = 0
     largest_held: tuple[str, str, int] | None = None
     not_checked: list[str] = field(default_factory=lambda: list(NOT_CHECKED))
@@ -104,7 +105,10 @@ def dry_run(
         warnings=list(plan.warnings),
         band_elements=prep.band_elements,
         max_memory=how.max_memory,
-        band_bytes=prep.band_elements * BYTES_PER_BAND_ELEMENT if _runs_any(prep, Strategy.BANDED) else 0,
+        writer_bytes=write_limits(how.max_memory).nbytes,
+        band_bytes=bands_held(
+            [(j, prep.ckpt.index.entry(j.source)) for j in _jobs_run(prep) if j.strategy is Strategy.BANDED]
+        ),
         largest_held=_largest_held(prep),
     )
 
@@ -129,10 +133,6 @@ def _in_strategy_order(counts: Counter[str]) -> dict[str, int]:
 def _jobs_run(prep: PreparedRun) -> list[Job]:
     """The jobs this run executes: not those of shards kept from an earlier run or of other parts."""
     return [job for s in prep.plan.shards if s.name not in prep.keep | prep.others for job in s.jobs]
-
-
-def _runs_any(prep: PreparedRun, strategy: Strategy) -> bool:
-    return any(job.strategy is strategy for job in _jobs_run(prep))
 
 
 def _largest_held(prep: PreparedRun) -> tuple[str, str, int] | None:

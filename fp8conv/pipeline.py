@@ -125,7 +125,8 @@ def _execute(
             feed = _stream_feed(ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check)
             stack.callback(feed.close)
             feed.start()
-        totals = Scheduler(ckpt.index, plan, backend, readers, how.direct_io, how.progress).run(
+        scheduler = Scheduler(ckpt.index, plan, backend, readers, how.direct_io, how.progress, how.max_memory)
+        totals = scheduler.run(
             out, prep.keep | prep.others, feed.wait_for if feed else None, _on_commit(out, prep.manifest, feed)
         )
         if feed is not None:

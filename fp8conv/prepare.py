@@ -16,14 +16,14 @@ from .hub import looks_like_repo_id
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from .options import ConvertOptions, RunOptions
 from .parts import assign_parts, check_part, part_path
-from .plan import ConversionPlan, plan_conversion
+from .plan import ConversionPlan, Strategy, plan_conversion
 from .preflight import check_free_space, check_scales
 from .provenance import model_card_note, source_record
 from .report import inspect_invocation
 from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
 from .strategy import choose_strategies
-from .stream import BASE_BYTES, MIN_BAND_BYTES, band_elements_for, held_bytes
+from .stream import band_buffer_bytes, band_elements_for, bands_held, fixed_bytes, held_bytes, lowest_max_memory
 from .streaming import Schedule, check_stream_space, make_schedule, open_stream, stream_identity
 from .version import __version__
 
@@ -58,7 +58,7 @@ def prepare(
     ckpt, feed_source = _open(source, output, how, dry_run)
     plan = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run)
     band_elements = band_elements_for(how.max_memory)
-    choose_strategies(plan, ckpt.index, band_elements)  # how each job executes, once
+    choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes, once
     _check_memory_cap(ckpt, plan, how.max_memory)
     out = Path(output)
     identity = input_identity(ckpt) if feed_source is None else stream_identity(ckpt, feed_source)
@@ -191,21 +191,33 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
     would not fit under it."""
     if max_memory is None:
         return
-    if max_memory < BASE_BYTES + MIN_BAND_BYTES:
+    if max_memory < lowest_max_memory():
         raise OptionsError(
-            f"--max-memory {max_memory} bytes is below what a run needs ({BASE_BYTES + MIN_BAND_BYTES} bytes)",
+            f"--max-memory {max_memory} bytes is below what a run needs ({lowest_max_memory()} bytes)",
             fix="raise --max-memory",
         )
-    budget = max_memory - BASE_BYTES
+    fixed = fixed_bytes(max_memory)  # the process and the writer's buffers
+    budget = max_memory - fixed
     for shard in plan.shards:
         for job in shard.jobs:
             held = held_bytes(job, ckpt.index.entry(job.source))
             if held is not None and held[1] > budget:
                 raise OptionsError(
                     f"tensor {job.source} {held[0]} and needs ~{held[1]} bytes, "
-                    f"over --max-memory {max_memory} minus ~{BASE_BYTES} for the process",
+                    f"over --max-memory {max_memory} minus ~{fixed} for the process and the writer",
                     fix="raise --max-memory",
                 )
+    banded = [
+        (job, ckpt.index.entry(job.source)) for s in plan.shards for job in s.jobs if job.strategy is Strategy.BANDED
+    ]
+    bands = bands_held(banded)
+    if bands > budget:  # the largest bands of the run's jobs, held together
+        largest = max(banded, key=lambda pair: sum(band_buffer_bytes(*pair)))[0].source
+        raise OptionsError(
+            f"tensor {largest} streams in bands that, with the run's other bands, need ~{bands} bytes, "
+            f"over --max-memory {max_memory} minus ~{fixed} for the process and the writer",
+            fix=f"raise --max-memory to {-(-(fixed + bands) // 2**20)}M or more",
+        )
 
 
 def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None) -> set[str]:

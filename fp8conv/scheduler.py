@@ -37,8 +37,8 @@ from .rewrite.dequant import scale_grid
 from .rewrite.experts import ExpertBands
 from .rewrite.jobs import run_job
 from .shard_reader import ShardReader, read_capacity
-from .stream import BAND_WORKERS, IN_SLOTS, OUT_SLOTS, READ_AHEAD, Band, BandRead, bands, expert_banded
-from .writer import COPY_CHUNK_BYTES, ShardWriter
+from .stream import BAND_WORKERS, IN_SLOTS, OUT_SLOTS, READ_AHEAD, Band, BandRead, bands, expert_banded, write_limits
+from .writer import ShardWriter
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the write thread
 WHOLE_AHEAD = 1  # jobs whose whole tensors may be read ahead of the one being computed
@@ -117,14 +117,16 @@ class Scheduler:
         readers: InputReaders,
         direct_io: bool,
         progress: ProgressCallback | None = None,
+        max_memory: int | None = None,
     ) -> None:
         self.index, self.plan, self.backend, self.readers = index, plan, backend, readers
         self.direct_io, self.progress = direct_io, progress
+        self.limits = write_limits(max_memory)  # the writer's segments and copy chunk, counted under a cap
         self.fp8_max = plan.options.fp8_max
         self.totals = RunTotals()
         self.done = 0  # bytes of output done, for progress
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # reused band buffers, by (kind, slot)
-        self._copy_buffer = aligned_empty(read_capacity(COPY_CHUNK_BYTES))  # the write thread's
+        self._copy_buffer = aligned_empty(read_capacity(self.limits.copy_bytes))  # the write thread's
         self._out_slots = [_OutSlot() for _ in range(OUT_SLOTS)]
         self._bands_computed = 0  # bands handed to compute; a band's output buffer is that % OUT_SLOTS
         self._bands_read = 0  # band reads submitted; a read's input buffer is that % IN_SLOTS
@@ -164,7 +166,13 @@ class Scheduler:
                 if before_shard is not None:
                     before_shard(shard.name)
                 writer = ShardWriter(
-                    out / shard.name, shard.specs, SAFETENSORS_METADATA, self.direct_io, self._io_pool, self._hash_pool
+                    out / shard.name,
+                    shard.specs,
+                    SAFETENSORS_METADATA,
+                    self.direct_io,
+                    self._io_pool,
+                    self._hash_pool,
+                    self.limits.segments,
                 )
                 try:
                     self._shard(shard, writer)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from .index import CheckpointIndex
 from .plan import Action, ConversionPlan, Job, Strategy
 from .safetensors_file import TensorEntry
-from .stream import band_rows, streamable
+from .stream import BYTES_PER_BAND_ELEMENT, IN_SLOTS, band_rows, expert_banded, expert_input_bytes, streamable
 
 
 def strategy_of(job: Job, entry: TensorEntry, band_elements: int) -> Strategy:
@@ -22,11 +22,19 @@ def strategy_of(job: Job, entry: TensorEntry, band_elements: int) -> Strategy:
     return Strategy.WHOLE
 
 
-def choose_strategies(plan: ConversionPlan, index: CheckpointIndex, band_elements: int) -> None:
-    """Set every job's strategy (and a BANDED job's rows per band) for bands of ~band_elements."""
+def choose_strategies(plan: ConversionPlan, index: CheckpointIndex, band_elements: int, capped: bool = False) -> None:
+    """Set every job's strategy (and a BANDED job's rows per band) for bands of ~band_elements. `capped`
+    (--max-memory): gpt-oss experts' bands are sized for the run's largest expert read, since the
+    scheduler's input buffers keep that size from job to job (stream.bands_held)."""
     for shard in plan.shards:
         for i, job in enumerate(shard.jobs):
-            entry = index.entry(job.source)
-            strategy = strategy_of(job, entry, band_elements)
-            rows = band_rows(job, band_elements) if strategy is Strategy.BANDED else 0
-            shard.jobs[i] = replace(job, strategy=strategy, band_rows=rows)
+            shard.jobs[i] = replace(job, strategy=strategy_of(job, index.entry(job.source), band_elements))
+    banded = [job for shard in plan.shards for job in shard.jobs if job.strategy is Strategy.BANDED]
+    largest = max((expert_input_bytes(job) for job in banded if expert_banded(job)), default=0)
+    for shard in plan.shards:
+        for i, job in enumerate(shard.jobs):
+            if job.strategy is Strategy.BANDED:
+                elements = band_elements
+                if capped and expert_banded(job):  # the budget less the larger reads' buffers
+                    elements -= -(-IN_SLOTS * (largest - expert_input_bytes(job)) // BYTES_PER_BAND_ELEMENT)
+                shard.jobs[i] = replace(job, band_rows=band_rows(job, max(1, elements)))

@@ -14,6 +14,8 @@ from .dtypes import ELEMENT_BYTES
 from .formats import CONVERTIBLE, PACKED, Kind
 from .plan import Action, Job, Strategy
 from .safetensors_file import TensorEntry
+from .shard_reader import read_capacity
+from .writer import COPY_CHUNK_BYTES, MAX_SEGMENTS, SEGMENT_BYTES
 
 BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
 OUT_SLOTS = 3  # bands that may wait for the writer
@@ -27,13 +29,49 @@ BYTES_PER_BAND_ELEMENT = IN_SLOTS * 1 + OUT_SLOTS * 4
 # VmHWM 255 MB converting a checkpoint too small to stream; ~290 MB with the default bands).
 BASE_BYTES = 256 * 2**20
 MIN_BAND_BYTES = 16 * 2**20
+# Under --max-memory the write side holds less, the same bytes out: the shard writer keeps CAPPED_SEGMENTS
+# segments (MAX_SEGMENTS filled 24 MiB more than the cap allowed: measured, 0.5 GiB DeepSeek-shaped to bf16
+# under 272 MiB, VmHWM 295 MiB with 8, 274 with 2), and file-to-file copies go a segment at a time
+CAPPED_SEGMENTS = 2
+CAPPED_COPY_BYTES = SEGMENT_BYTES
+
+
+@dataclass(frozen=True)
+class WriteLimits:
+    """What the write thread may hold: segments per shard writer, and the copy buffer's chunk."""
+
+    segments: int
+    copy_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """At most: the copy buffer, the segments of the shard being written and one more (the next
+        shard's header while the last one commits, or a segment read back to be hashed)."""
+        return read_capacity(self.copy_bytes) + (self.segments + 1) * SEGMENT_BYTES
+
+
+def write_limits(max_memory: int | None) -> WriteLimits:
+    """The write side's limits: the fast defaults, or under a memory cap the small ones it counts."""
+    if max_memory is None:
+        return WriteLimits(MAX_SEGMENTS, COPY_CHUNK_BYTES)
+    return WriteLimits(CAPPED_SEGMENTS, CAPPED_COPY_BYTES)
+
+
+def fixed_bytes(max_memory: int) -> int:
+    """What a run under `max_memory` holds besides its bands and the tensors it rewrites whole."""
+    return BASE_BYTES + write_limits(max_memory).nbytes
+
+
+def lowest_max_memory() -> int:
+    """The lowest --max-memory a run accepts: what it holds besides bands, and the smallest bands."""
+    return BASE_BYTES + write_limits(0).nbytes + MIN_BAND_BYTES
 
 
 def band_elements_for(max_memory: int | None) -> int:
     """Elements per band under a memory cap (the default when there is none)."""
     if max_memory is None:
         return BAND_ELEMENTS
-    return max(1, min(BAND_ELEMENTS, (max_memory - BASE_BYTES) // BYTES_PER_BAND_ELEMENT))
+    return max(1, min(BAND_ELEMENTS, (max_memory - fixed_bytes(max_memory)) // BYTES_PER_BAND_ELEMENT))
 
 
 def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
@@ -146,6 +184,34 @@ def _expert_bands(job: Job, entry: TensorEntry) -> list[Band]:
     return out
 
 
+def band_buffer_bytes(job: Job, entry: TensorEntry) -> tuple[int, int, int]:
+    """The buffers a BANDED job's bands take at most, by kind: an input read (with a gpt-oss expert's
+    scales), an output band, and a band worker's decoded expert before its transpose (gpt-oss only)."""
+    size = ELEMENT_BYTES[job.spec.dtype]
+    if expert_banded(job):
+        _, k, n = job.spec.shape
+        rows = job.band_rows
+        return -(-rows // k) * expert_input_bytes(job), rows * n * size, min(rows, k) * n * size
+    n, k = job.spec.shape
+    rows = min(job.band_rows, n)  # at least one block of rows: over band_elements when rows are long
+    return rows * (entry.nbytes // entry.shape[0]), rows * k * size, 0
+
+
+def bands_held(banded: list[tuple[Job, TensorEntry]]) -> int:
+    """What the band buffers hold over a run of these BANDED jobs: the scheduler reuses IN_SLOTS input
+    and OUT_SLOTS output buffers (and a decoded expert per band worker) from job to job, each kept at
+    the largest size a job asked of it (measured: gpt-oss experts of two shapes under 320M, VmHWM 338 MiB
+    when each job's bands alone were counted)."""
+    if not banded:
+        return 0
+    sizes = [band_buffer_bytes(job, entry) for job, entry in banded]
+    return (
+        IN_SLOTS * max(s[0] for s in sizes)
+        + OUT_SLOTS * max(s[1] for s in sizes)
+        + BAND_WORKERS * max(s[2] for s in sizes)
+    )
+
+
 def expert_band_bytes(job: Job, rows: int) -> int:
     """What a gpt-oss expert job holds at once in bands of `rows` output rows: IN_SLOTS reads of whole
     experts with their scales, OUT_SLOTS output bands, and per band worker one expert's (or slice's)
@@ -153,8 +219,7 @@ def expert_band_bytes(job: Job, rows: int) -> int:
     _, k, n = job.spec.shape
     size = ELEMENT_BYTES[job.spec.dtype]
     return (
-        IN_SLOTS * -(-rows // k) * _expert_input_bytes(job)
-        + (OUT_SLOTS * rows + BAND_WORKERS * min(rows, k)) * n * size
+        IN_SLOTS * -(-rows // k) * expert_input_bytes(job) + (OUT_SLOTS * rows + BAND_WORKERS * min(rows, k)) * n * size
     )
 
 
@@ -169,11 +234,11 @@ def expert_band_rows(job: Job, band_elements: int) -> int:
     if one <= budget:
         return min(experts, 1 + (budget - one) // (expert_band_bytes(job, 2 * k) - one)) * k
     per_row = (OUT_SLOTS + BAND_WORKERS) * n * ELEMENT_BYTES[job.spec.dtype]
-    rows = (budget - IN_SLOTS * _expert_input_bytes(job)) // per_row // group * group
+    rows = (budget - IN_SLOTS * expert_input_bytes(job)) // per_row // group * group
     return min(k, max(group, rows))
 
 
-def _expert_input_bytes(job: Job) -> int:
+def expert_input_bytes(job: Job) -> int:
     """One gpt-oss expert's blocks and E8M0 scales (a byte per group)."""
     assert job.fmt is not None and job.fmt.group is not None
     _, k, n = job.spec.shape

@@ -313,8 +313,10 @@ class ShardWriter:
         direct: bool = True,
         io: Executor | None = None,
         hasher: Executor | None = None,
+        max_segments: int = MAX_SEGMENTS,  # fewer under --max-memory (stream.write_limits)
     ) -> None:
         self.final_path = final_path
+        self.max_segments = max_segments
         self.layout = ShardLayout(final_path.name, specs, metadata)
         self.assembler = SegmentAssembler(self.layout.size, SEGMENT_BYTES, final_path.name)
         # per segment completed ahead of the hash: its kept buffer (None once dropped or spilled), its write
@@ -408,7 +410,7 @@ class ShardWriter:
                 raise _output_error(exc, self.final_path) from exc
 
     def _new_buffer(self) -> torch.Tensor:
-        while self.buffers_held >= MAX_SEGMENTS:
+        while self.buffers_held >= self.max_segments:
             self._make_room()
         self.buffers_held += 1
         return self._free.pop() if self._free else aligned_empty(self.assembler.segment_bytes)

@@ -72,8 +72,8 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
     fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))
     chosen = prepare.choose_strategies
 
-    def all_whole(plan, index, band_elements):
-        chosen(plan, index, band_elements)
+    def all_whole(plan, index, band_elements, *capped):
+        chosen(plan, index, band_elements, *capped)
         for shard in plan.shards:
             shard.jobs[:] = [replace(j, strategy=Strategy.WHOLE) for j in shard.jobs]
 
