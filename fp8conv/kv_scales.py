@@ -55,15 +55,9 @@ FP8_KV_CACHE_SCHEME: dict[str, Any] = {
 }
 
 
-def dropped_kv_scales(index: CheckpointIndex, plain: list[str], quantized: bool, target: str) -> list[str]:
-    """With --to bf16, the plain tensors that are KV-cache scales: float tensors named as above, in a
-    checkpoint whose config declares a quantization (a bf16 model's own parameter of such a name is left
-    alone). Other targets drop none."""
-    return kv_scale_names(index, plain, quantized) if target == "bf16" else []
-
-
 def kv_scale_names(index: CheckpointIndex, plain: list[str], quantized: bool) -> list[str]:
-    """The plain tensors that are KV-cache scales (none without a quantization_config)."""
+    """The plain tensors that are KV-cache scales: float tensors named as above, in a checkpoint whose
+    config declares a quantization (a bf16 model's own parameter of such a name is left alone)."""
     if not quantized:
         return []
     return [n for n in plain if n.endswith(KV_SCALE_SUFFIXES) and index.entry(n).dtype in FLOAT_SCALE_DTYPES]

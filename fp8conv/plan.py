@@ -24,7 +24,7 @@ from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP
 from .errors import CheckpointError, OptionsError
 from .families import FUSED_EXPERTS, Family, family_of, fused_group, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
-from .kv_scales import declare_kv_cache, dropped_kv_scales, dropped_warning, kv_scale_names, per_head_kv_scales
+from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .options import DEFAULT_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
@@ -194,11 +194,13 @@ class _Planner:
             )
             self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
-        dropped = dropped_kv_scales(ckpt.index, cls.plain, cls.settings.method is not None, options.to)
-        if dropped:  # FP8 outputs keep them: vLLM applies them under an fp8 / compressed-tensors config
-            self.plain -= set(dropped)
-            self.warnings.append(dropped_warning(dropped))
-        self.kv_scales = kv_scale_names(ckpt.index, cls.plain, cls.settings.method is not None) if not dropped else []
+        # FP8 outputs keep the KV-cache scales (vLLM applies them under an fp8 / compressed-tensors config);
+        # a bf16 output has no quantization_config, so it drops them
+        self.kv_scales = kv_scale_names(ckpt.index, cls.plain, cls.settings.method is not None)
+        if options.to == "bf16" and self.kv_scales:
+            self.plain -= set(self.kv_scales)
+            self.warnings.append(dropped_warning(self.kv_scales))
+            self.kv_scales = []
         self.problems += per_head_kv_scales(ckpt.index, self.kv_scales, options.to)
 
     def jobs_for(self, shard_name: str) -> list[Job]:
