@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +21,39 @@ def load_dir(path: Path) -> dict[str, torch.Tensor]:
             assert name not in tensors, name
             tensors[name] = t
     return tensors
+
+
+# A conversion in a process of its own, which prints its peak RSS. VmHWM, not ru_maxrss: Linux carries
+# ru_maxrss over from the parent across exec (here, pytest's own peak after building the input), while
+# VmHWM belongs to the new process image alone.
+_PEAK_RSS_SCRIPT = """
+import json, sys
+import fp8conv, fp8conv.stream
+args = json.loads(sys.argv[1])
+if args["band_elements"] is not None:
+    fp8conv.stream.BAND_ELEMENTS = args["band_elements"]
+run = fp8conv.RunOptions(max_memory=args["max_memory"])
+fp8conv.convert(args["src"], args["out"], fp8conv.ConvertOptions(to=args["to"]), run=run)
+status = open("/proc/self/status").read()
+print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+"""
+
+
+def peak_rss_kib(src: Path, out: Path, to: str, max_memory: int | None = None, band_elements: int | None = None) -> int:
+    """Convert `src` into `out` in a fresh process (`--max-memory`, and BAND_ELEMENTS set when given):
+    its peak RSS in KiB. The mmap threshold is fixed: glibc's dynamic one (up to 32 MiB) keeps freed
+    16 MiB buffers in the heap now and then, which measures the allocator's mood rather than what fp8conv
+    holds on to."""
+    args = {"src": str(src), "out": str(out), "to": to, "max_memory": max_memory, "band_elements": band_elements}
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS_SCRIPT, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip())
 
 
 def write_raw_safetensors(path: Path, header: dict, data: bytes, header_len: int | None = None) -> None:

@@ -14,7 +14,7 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 
-from .helpers import dir_snapshot, load_dir, write_checkpoint
+from .helpers import dir_snapshot, load_dir, peak_rss_kib, write_checkpoint
 from .packing import e2m1_value, e8m0_value, group_scaled, pack_nibbles, random_codes, random_e8m0
 from .reference import same_bits
 
@@ -105,23 +105,10 @@ def test_gpt_oss_experts_to_bf16_in_bands_are_transformers_values(tmp_path, monk
         assert same_bits(got[name], convert_moe_packed_tensors(src[name + "_blocks"], src[name + "_scales"])), name
 
 
-GPT_OSS_CAPPED = """
-import sys
-import fp8conv
-run = fp8conv.RunOptions(max_memory=int(sys.argv[3]))
-fp8conv.convert(sys.argv[1], sys.argv[2], fp8conv.ConvertOptions(to="bf16"), run=run)
-status = open("/proc/self/status").read()
-print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
-"""
-
-
 def test_gpt_oss_experts_larger_than_the_lowest_memory_cap_stream_under_it(tmp_path):
     """A [36, 1536, 2880] bf16 output (318 MB, over the ~288 MiB cap itself; rewritten whole it would need
     ~1 GB, and the cap refused it) converts under the lowest --max-memory accepted: each band is a slice
     of one expert's output rows, all decoded from one read of that expert."""
-    import os
-    import subprocess
-    import sys
 
     from safetensors import safe_open
 
@@ -135,16 +122,8 @@ def test_gpt_oss_experts_larger_than_the_lowest_memory_cap_stream_under_it(tmp_p
     src = write_checkpoint(tmp_path / "in", {name + "_blocks": blocks, name + "_scales": scales}, GPT_OSS_CONFIG)
     cap = lowest_max_memory()
     assert e * k * n * 2 > cap
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # as tests/test_memory.py, for the same reason
-    done = subprocess.run(
-        [sys.executable, "-c", GPT_OSS_CAPPED, str(src), str(tmp_path / "out"), str(cap)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout) * 1024 <= cap, f"peak {done.stdout} KiB over the {cap} byte cap"
+    peak = peak_rss_kib(src, tmp_path / "out", "bf16", max_memory=cap)
+    assert peak * 1024 <= cap, f"peak {peak} KiB over the {cap} byte cap"
     with safe_open(str(tmp_path / "out" / "model-00001-of-00001.safetensors"), "pt") as f:
         assert f.get_slice(name).get_shape() == [e, k, n]
         for x in (0, 17, e - 1):  # the definition: low nibble first, times 2^(b - 127), transposed

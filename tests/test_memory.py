@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from .helpers import fp8_block_config, load_dir, write_checkpoint
-
-# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec (here, pytest's own
-# peak after building the input), while VmHWM belongs to the new process image alone.
-MEASURE = """
-import sys
-import fp8conv
-import fp8conv.stream
-fp8conv.stream.BAND_ELEMENTS = int(sys.argv[3])
-fp8conv.convert(sys.argv[1], sys.argv[2], fp8conv.ConvertOptions(to="bf16"))
-status = open("/proc/self/status").read()
-print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
-"""
+from .helpers import fp8_block_config, load_dir, peak_rss_kib, write_checkpoint
 
 
 def _peak_rss_kib(tmp_path, n_weights: int, band_elements: int = 1 << 22) -> int:
@@ -34,19 +19,7 @@ def _peak_rss_kib(tmp_path, n_weights: int, band_elements: int = 1 << 22) -> int
         tensors[f"layers.{i}.w.weight_scale_inv"] = torch.rand(16, 32, generator=gen)
     src = write_checkpoint(tmp_path / f"in{n_weights}", tensors, fp8_block_config(), shards=2)
     del tensors
-    out = tmp_path / f"out{n_weights}"
-    # a fixed mmap threshold: glibc's dynamic one (up to 32 MiB) keeps freed 16 MiB buffers in the heap
-    # now and then, which measures the allocator's mood rather than what fp8conv holds on to
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(src), str(out), str(band_elements)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.strip())
+    return peak_rss_kib(src, tmp_path / f"out{n_weights}", "bf16", band_elements=band_elements)
 
 
 @pytest.mark.parametrize("band_elements", [1 << 22, 1 << 30], ids=["banded", "whole"])
@@ -56,17 +29,6 @@ def test_peak_memory_does_not_grow_with_checkpoint_size(tmp_path, band_elements)
     # 192 MiB in, 384 MiB out: whole-shard buffering would add ~290 MiB
     large = _peak_rss_kib(tmp_path, 24, band_elements)
     assert large - small < 64 * 1024, f"peak RSS grew from {small} KiB to {large} KiB"
-
-
-CAPPED = """
-import sys
-import fp8conv
-fp8conv.convert(
-    sys.argv[1], sys.argv[2], fp8conv.ConvertOptions(to="channel"), run=fp8conv.RunOptions(max_memory=int(sys.argv[3]))
-)
-status = open("/proc/self/status").read()
-print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
-"""
 
 
 def test_max_memory_caps_peak_rss(tmp_path):
@@ -81,16 +43,8 @@ def test_max_memory_caps_peak_rss(tmp_path):
     from fp8conv.stream import lowest_max_memory
 
     cap = lowest_max_memory()  # the lowest cap accepted: ~288 MiB
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    done = subprocess.run(
-        [sys.executable, "-c", CAPPED, str(src), str(tmp_path / "out"), str(cap)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout) * 1024 <= cap, f"peak {done.stdout} KiB over the {cap} byte cap"
+    peak = peak_rss_kib(src, tmp_path / "out", "channel", max_memory=cap)
+    assert peak * 1024 <= cap, f"peak {peak} KiB over the {cap} byte cap"
 
 
 def test_max_memory_refusals_come_before_any_work(tmp_path, make_tiny):

@@ -104,29 +104,16 @@ def test_mxfp4_decode_is_the_definition_for_every_code_pair_and_scale_byte(dtype
         assert same_bits(out, expected), device
 
 
-PACKED_CAPPED = """
-import sys
-import fp8conv
-run = fp8conv.RunOptions(max_memory=int(sys.argv[4]))
-fp8conv.convert(sys.argv[1], sys.argv[2], fp8conv.ConvertOptions(to=sys.argv[3]), run=run)
-status = open("/proc/self/status").read()
-print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))  # KiB
-"""
-
-
 @pytest.mark.parametrize("to", ["bf16", "channel"])
 def test_packed_experts_stay_under_the_lowest_memory_cap(tmp_path, to):
     """16M-value MXFP4 experts (32 MiB of bf16 each; rewritten whole, one would need ~100 MB, and the cap
     refused them) stream in bands under the lowest --max-memory accepted. To bf16 the output comes 4x
     faster than the input and the writer fills its segments: counted, and fewer under a cap (before,
     8 of them uncounted: 276-277 MiB against the then lowest cap, 272 MiB)."""
-    import os
-    import subprocess
-    import sys
 
     from fp8conv.stream import lowest_max_memory
 
-    from .helpers import write_checkpoint
+    from .helpers import peak_rss_kib, write_checkpoint
     from .test_packed import v4_config
 
     gen = torch.Generator().manual_seed(7)
@@ -139,15 +126,7 @@ def test_packed_experts_stay_under_the_lowest_memory_cap(tmp_path, to):
         tensors[name + ".scale"] = exponents.view(torch.float8_e8m0fnu)
     src = write_checkpoint(tmp_path / "in", tensors, v4_config())
     cap = lowest_max_memory()
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # as tests/test_memory.py, for the same reason
-    done = subprocess.run(
-        [sys.executable, "-c", PACKED_CAPPED, str(src), str(tmp_path / "out"), to, str(cap)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout) * 1024 <= cap, f"peak {done.stdout} KiB over the {cap} byte cap"
+    peak = peak_rss_kib(src, tmp_path / "out", to, max_memory=cap)
+    assert peak * 1024 <= cap, f"peak {peak} KiB over the {cap} byte cap"
     got = load_dir(tmp_path / "out")
     assert got["layers.0.ffn.experts.2.w1.weight"].shape == (4096, 4096)
