@@ -50,11 +50,13 @@ class WriteLimits:
         return read_capacity(self.copy_bytes) + (self.segments + 1) * SEGMENT_BYTES
 
 
+UNCAPPED_WRITES = WriteLimits(MAX_SEGMENTS, COPY_CHUNK_BYTES)
+CAPPED_WRITES = WriteLimits(CAPPED_SEGMENTS, CAPPED_COPY_BYTES)
+
+
 def write_limits(max_memory: int | None) -> WriteLimits:
     """The write side's limits: the fast defaults, or under a memory cap the small ones it counts."""
-    if max_memory is None:
-        return WriteLimits(MAX_SEGMENTS, COPY_CHUNK_BYTES)
-    return WriteLimits(CAPPED_SEGMENTS, CAPPED_COPY_BYTES)
+    return UNCAPPED_WRITES if max_memory is None else CAPPED_WRITES
 
 
 def fixed_bytes(max_memory: int) -> int:
@@ -64,7 +66,7 @@ def fixed_bytes(max_memory: int) -> int:
 
 def lowest_max_memory() -> int:
     """The lowest --max-memory a run accepts: what it holds besides bands, and the smallest bands."""
-    return BASE_BYTES + write_limits(0).nbytes + MIN_BAND_BYTES
+    return BASE_BYTES + CAPPED_WRITES.nbytes + MIN_BAND_BYTES
 
 
 def band_elements_for(max_memory: int | None) -> int:
