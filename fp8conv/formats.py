@@ -15,6 +15,7 @@ from .config import CONFIG_NAME
 from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
+from .mxfp8 import classify_mxfp8
 from .packed_formats import classify_packed
 from .quant_config import QuantSettings, module_matches, read_quant_settings
 from .safetensors_file import TensorEntry
@@ -299,6 +300,11 @@ def _classify_scaled(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: 
         )
     if len(w.shape) < 2:
         return make(Kind.UNSUPPORTED, f"an FP8 weight of shape {list(w.shape)} is not a matrix")
+    settings = ctx.settings
+    if settings is not None and settings.mxfp8_group is not None:
+        mxfp8 = classify_mxfp8(w, s, settings.mxfp8_group, companions, settings.where)
+        if mxfp8 is not None:
+            return mxfp8
     lead, n = w.shape[:-2], w.shape[-2]
     # one scale for the whole tensor, or one per expert of a fused [E, N, K] tensor
     if (s.numel == 1 and len(s.shape) <= 1) or (lead and s.shape == lead):

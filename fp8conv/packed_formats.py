@@ -20,11 +20,13 @@ E8M0_DTYPES = ("F8_E8M0", "U8")  # UE8M0 exponents: float8_e8m0fnu, or uint8 as 
 INT4_SCALE_DTYPES = ("BF16", "F16", "F32")
 CODES_PER_ELEMENT = {"U8": 2, "I8": 2, "I32": 8}
 CONFIG_DECLARES = {
-    Kind.MXFP4: "expert_dtype 'fp4' (DeepSeek-V4)",
+    Kind.MXFP4: "expert_dtype 'fp4' (DeepSeek-V4), or store_dtype / routed_experts_quant_method 'mxfp4' in an fp8 "
+    "config (MiMo-V2.5-Pro-FP4, Ling)",
     Kind.MXFP4_GPT_OSS: "quant_method 'mxfp4' (gpt-oss)",
     Kind.NVFP4: "a compressed-tensors nvfp4-pack-quantized group",
     Kind.NVFP4_MODELOPT: "quant_method 'modelopt' with quant_algo 'NVFP4' (or ModelOpt's hf_quant_config.json)",
     Kind.INT4: "a compressed-tensors pack-quantized group of 4-bit int weights",
+    Kind.MXFP4_CT: "a compressed-tensors mxfp4-pack-quantized group",
 }
 
 
@@ -58,6 +60,8 @@ def classify_packed(
             found = _PackedNames(
                 Kind.INT4, base + ".weight", base + ".weight_scale", shape_tensor=base + ".weight_shape"
             )
+        elif _has_e8m0(index, base + ".weight_scale", names):  # MXFP4: E8M0 scales; NVFP4's are e4m3
+            found = _PackedNames(Kind.MXFP4_CT, base + ".weight", base + ".weight_scale")
         else:
             found = _PackedNames(Kind.NVFP4, base + ".weight", base + ".weight_scale", base + ".weight_global_scale")
         if base + ".weight_zero_point" in names:
@@ -67,8 +71,12 @@ def classify_packed(
             )
     else:  # X.weight, int8 / uint8, with a scale companion
         base = name[: -len(".weight")]
+        mxfp4_in_fp8 = [base + x for x in (".weight_scale_inv", ".weight_scale") if _has_e8m0(index, base + x, names)]
         if base + ".scale" in names:
             found = _PackedNames(Kind.MXFP4, name, base + ".scale")
+        elif mxfp4_in_fp8 and settings is not None and settings.method == "fp8":
+            # MXFP4 experts declared inside an fp8 config (store_dtype); _confirmed checks the declaration
+            found = _PackedNames(Kind.MXFP4, name, mxfp4_in_fp8[0])
         else:
             found = _PackedNames(Kind.NVFP4_MODELOPT, name, base + ".weight_scale", base + ".weight_scale_2")
         scale = found.scale
@@ -79,9 +87,13 @@ def classify_packed(
                 "fp8conv converts FP8 and packed 4-bit (MXFP4, NVFP4, INT4) weights only",
                 scale=present[0],
             )
-    if found.kind in (Kind.MXFP4_GPT_OSS, Kind.NVFP4, Kind.INT4):  # their companions' names say what they are
+    if found.kind in (Kind.MXFP4_GPT_OSS, Kind.NVFP4, Kind.INT4, Kind.MXFP4_CT):  # named by their companions
         companions = tuple(c for c in companions if c not in (found.scale, found.global_scale, found.shape_tensor))
     return _confirmed(index, settings, name, names, companions, found)
+
+
+def _has_e8m0(index: CheckpointIndex, scale: str, names: set[str]) -> bool:
+    return scale in names and index.entry(scale).dtype in E8M0_DTYPES
 
 
 def _refuser(name: str, companions: tuple[str, ...]) -> Callable[..., WeightFormat]:
@@ -147,10 +159,10 @@ def _shape_problem(index: CheckpointIndex, name: str, found: _PackedNames, group
         Kind.NVFP4: ("U8",),
         Kind.NVFP4_MODELOPT: ("U8",),
         Kind.INT4: ("I32",),
+        Kind.MXFP4_CT: ("U8",),
     }[kind]
-    want_s = {Kind.MXFP4: E8M0_DTYPES, Kind.MXFP4_GPT_OSS: E8M0_DTYPES, Kind.INT4: INT4_SCALE_DTYPES}.get(
-        kind, (FP8_E4M3,)
-    )
+    e8m0 = (Kind.MXFP4, Kind.MXFP4_GPT_OSS, Kind.MXFP4_CT)
+    want_s = E8M0_DTYPES if kind in e8m0 else INT4_SCALE_DTYPES if kind is Kind.INT4 else (FP8_E4M3,)
     if w.dtype not in want_w:
         return f"{kind} weights are {'/'.join(want_w)}, not {w.dtype}"
     if s.dtype not in want_s:

@@ -21,6 +21,12 @@ MXFP4_GROUP = 32
 NVFP4_GROUP = 16
 # ModelOpt quant_algo values whose weights are NVFP4 (W4A16: the same weights, activations left in bf16)
 MODELOPT_NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+# ModelOpt FP8 algos whose tensors are fp8conv's per-tensor / channel FP8 (vLLM's ModelOptFp8Config)
+MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+MODELOPT_MXFP8_ALGO = "MXFP8"
+MODELOPT_MIXED_ALGO = "MIXED_PRECISION"
+# MXFP8: e4m3 weights, one UE8M0 exponent per 1x32 group along K (vLLM mxfp8_utils.MXFP8_BLOCK_SIZE)
+MXFP8_GROUP = 32
 
 
 @dataclass
@@ -37,6 +43,9 @@ class QuantSettings:
     # classifier accepts a packed tensor only when its format is declared here
     packed: dict[str, int] = field(default_factory=dict)
     expert_dtype: str | None = None  # DeepSeek-V4: "fp4" (MXFP4 routed experts) or "fp8"
+    # MXFP8 declared (quant_method mxfp8, ModelOpt MXFP8, compressed-tensors mxfp8-quantized): elements per
+    # UE8M0 scale along K; an e4m3 weight with a uint8/e8m0 scale is then read as MXFP8 (see mxfp8.py)
+    mxfp8_group: int | None = None
 
     def refuse(self, message: str, fix: str) -> None:
         """Record a problem with the quantization config, naming the file and section it came from."""
@@ -78,6 +87,8 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
         _read_compressed_tensors(qconfig, settings)
     elif method == "mxfp4":
         _read_gpt_oss_mxfp4(qconfig, settings)
+    elif method == "mxfp8":
+        _read_mxfp8_tagged(qconfig, settings)
     elif method is not None and method.startswith("modelopt"):  # vLLM's test; also modelopt_fp4
         _read_modelopt(qconfig, settings)
     elif method == "nvfp4":
@@ -89,7 +100,7 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
     else:
         settings.refuse(
             f"quantization_config.quant_method {raw!r} is not supported",
-            fix="fp8conv reads quant_method 'fp8', 'compressed-tensors', 'mxfp4' (gpt-oss) and 'modelopt' (NVFP4)",
+            fix="fp8conv reads quant_method 'fp8', 'compressed-tensors', 'mxfp4' (gpt-oss), 'mxfp8' and 'modelopt'",
         )
     return settings
 
@@ -117,6 +128,41 @@ def _read_fp8(q: dict[str, Any], s: QuantSettings) -> None:
     for key in ("modules_to_not_convert", "ignored_layers"):
         if isinstance(q.get(key), list):
             s.not_converted += [str(m) for m in q[key]]
+    _read_mxfp4_store_dtype(q, s)
+
+
+def _read_mxfp4_store_dtype(q: dict[str, Any], s: QuantSettings) -> None:
+    """MXFP4 routed experts inside an fp8 config: MiMo-V2.5-Pro-FP4 `store_dtype: mxfp4`, Ling
+    `routed_experts_quant_method: mxfp4` (vLLM's Fp8Config.store_dtype, which loads those experts with its
+    MXFP4 MoE method: uint8 [N, K/2] codes, uint8 E8M0 scales [N, K/32], named weight_scale or, Ling,
+    weight_scale_inv). The packed tensors are then read as MXFP4, never as FP8."""
+    declared = {k: q[k] for k in ("store_dtype", "routed_experts_quant_method") if q.get(k) is not None}
+    if not declared:
+        return
+    kinds = {str(v).lower() for v in declared.values()}
+    if kinds != {"mxfp4"}:
+        s.refuse(
+            f"quantization_config declares {declared}; fp8conv reads MXFP4 routed experts only",
+            fix="fp8conv reads store_dtype / routed_experts_quant_method 'mxfp4' inside an fp8 config",
+        )
+        return
+    group = q.get("routed_experts_group_size", q.get("mxfp4_block_size", MXFP4_GROUP))
+    if group != MXFP4_GROUP:
+        s.refuse(f"MXFP4 experts in groups of {group!r}, not 32", fix="MXFP4 has one E8M0 scale per 32 values")
+        return
+    s.packed["mxfp4"] = MXFP4_GROUP
+
+
+def _read_mxfp8_tagged(q: dict[str, Any], s: QuantSettings) -> None:
+    """MiniMax-M3 style `quant_method: mxfp8` + `ignored_layers`: vLLM loads it as ModelOpt MXFP8
+    (ModelOptMxFp8Config.from_config); a ModelOpt-shaped section inside is read as ModelOpt."""
+    if isinstance(q.get("quantization"), dict) or q.get("quant_algo"):
+        _read_modelopt(q, s)
+        return
+    s.mxfp8_group = MXFP8_GROUP
+    s.activation_scheme = "dynamic"  # MXFP8 activations are quantized at run time
+    if isinstance(q.get("ignored_layers"), list):
+        s.not_converted += [str(m) for m in q["ignored_layers"]]
 
 
 def _fmt_problem(fmt: Any) -> str | None:
@@ -147,6 +193,9 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
         if packed is not None:
             s.packed[packed[0]] = packed[1]
             continue
+        if fmt == "mxfp8-quantized":
+            _mxfp8_group(weights, gname, s)
+            continue
         if weights.get("type") != "float" or weights.get("num_bits") != 8 or fmt not in FLOAT_QUANTIZED_FORMATS:
             s.refuse(
                 f"compressed-tensors group {gname!r} is {fmt} {weights.get('type')}"
@@ -171,6 +220,21 @@ def _read_compressed_tensors(q: dict[str, Any], s: QuantSettings) -> None:
         s.block = blocks.pop()
     if isinstance(q.get("ignore"), list):
         s.not_converted += [str(m) for m in q["ignore"]]
+
+
+def _mxfp8_group(w: dict[str, Any], gname: str, s: QuantSettings) -> None:
+    """compressed-tensors mxfp8-quantized (MXFP8QuantizationCompressor): 8-bit float weights, strategy
+    group, group_size 32, uint8 E8M0 weight_scale."""
+    fp8_groups = w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") == "group"
+    if fp8_groups and w.get("group_size") == MXFP8_GROUP:
+        s.mxfp8_group = MXFP8_GROUP
+        s.activation_scheme = "dynamic"
+        return
+    s.refuse(
+        f"compressed-tensors group {gname!r} is mxfp8-quantized {w.get('type')}{w.get('num_bits')} with "
+        f"strategy {w.get('strategy')!r}, group_size {w.get('group_size')!r}",
+        fix="fp8conv reads mxfp8-quantized as 8-bit float weights, strategy group, group_size 32",
+    )
 
 
 def _read_expert_dtype(config: dict[str, Any], q: dict[str, Any], s: QuantSettings) -> None:
@@ -199,20 +263,61 @@ def _read_gpt_oss_mxfp4(q: dict[str, Any], s: QuantSettings) -> None:
 def _read_modelopt(q: dict[str, Any], s: QuantSettings) -> None:
     """ModelOpt, in either form vLLM reads: hf_quant_config.json's {"quantization": {quant_algo, group_size,
     exclude_modules}} (also found nested in config.json), or config.json's flat {quant_algo, group_size,
-    ignore}. quant_algo is compared upper-cased; W4A16_NVFP4 has NVFP4's weights (bf16 activations)."""
+    ignore}. quant_algo is compared upper-cased; W4A16_NVFP4 has NVFP4's weights (bf16 activations);
+    FP8 is per-tensor, FP8_PER_CHANNEL_PER_TOKEN channel; MIXED_PRECISION names an algo per layer."""
     nested = q.get("quantization")
     section = nested if isinstance(nested, dict) else q
-    algo, group = section.get("quant_algo"), section.get("group_size")
-    if str(algo).upper() not in MODELOPT_NVFP4_ALGOS or group not in (None, NVFP4_GROUP):
-        s.refuse(
-            f"ModelOpt quant_algo {algo!r} with group_size {group!r} is not supported",
-            fix=f"fp8conv reads ModelOpt {' and '.join(MODELOPT_NVFP4_ALGOS)} weights (group_size 16) only",
-        )
+    raw, group = section.get("quant_algo"), section.get("group_size")
+    if str(raw).upper() == MODELOPT_MIXED_ALGO:
+        _read_modelopt_mixed(section, s)
+    elif not _modelopt_algo(raw, group, s, where="quant_algo"):
         return
-    s.packed["nvfp4-modelopt"] = NVFP4_GROUP
     for key in ("exclude_modules", "ignore"):
         if isinstance(section.get(key), list):
             s.not_converted += [str(m) for m in section[key]]
+
+
+def _modelopt_algo(raw: Any, group: Any, s: QuantSettings, where: str) -> bool:
+    """Record what one ModelOpt algo (compared upper-cased) declares; False (and a refusal) for one fp8conv
+    does not read."""
+    algo = str(raw).upper()
+    if algo in MODELOPT_NVFP4_ALGOS and group in (None, NVFP4_GROUP):
+        s.packed["nvfp4-modelopt"] = NVFP4_GROUP
+    elif algo in MODELOPT_FP8_ALGOS:
+        s.activation_scheme = "static" if algo == "FP8" else "dynamic"  # FP8 ships a static input_scale
+    elif algo == MODELOPT_MXFP8_ALGO:
+        s.mxfp8_group = MXFP8_GROUP
+        s.activation_scheme = s.activation_scheme or "dynamic"
+    else:
+        s.refuse(
+            f"ModelOpt {where} {raw!r} with group_size {group!r} is not supported",
+            fix=f"fp8conv reads ModelOpt {', '.join(MODELOPT_FP8_ALGOS + MODELOPT_NVFP4_ALGOS)} (group_size 16), "
+            f"{MODELOPT_MXFP8_ALGO} and {MODELOPT_MIXED_ALGO} of those",
+        )
+        return False
+    return True
+
+
+def _read_modelopt_mixed(section: dict[str, Any], s: QuantSettings) -> None:
+    """MIXED_PRECISION: `quantized_layers` maps each module to its own {quant_algo, group_size} (vLLM's
+    ModelOptMixedPrecisionConfig); each algo is declared as if it were the checkpoint's only one, and the
+    tensors of each layer then say which it is (dtypes and companions, as for any checkpoint)."""
+    layers = section.get("quantized_layers")
+    if not isinstance(layers, dict) or not layers:
+        s.refuse(
+            "ModelOpt quant_algo MIXED_PRECISION has no quantized_layers mapping",
+            fix="fix the quantization config: MIXED_PRECISION lists each quantized module's quant_algo",
+        )
+        return
+    algos: dict[str, tuple[str, Any, Any]] = {}
+    for module, info in layers.items():
+        entry = info if isinstance(info, dict) else {}
+        raw = entry.get("quant_algo")
+        algos.setdefault(str(raw).upper(), (module, raw, entry.get("group_size")))
+    for module, raw, group in algos.values():
+        _modelopt_algo(raw, group, s, where=f"quantized_layers[{module!r}].quant_algo")
+    if "FP8" in algos:
+        s.activation_scheme = "static"
 
 
 def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> tuple[str, int] | None:
@@ -222,6 +327,10 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
     elif fmt == "nvfp4-pack-quantized":
         kind = "nvfp4"
         ok = w.get("num_bits") == 4 and w.get("type") == "float" and w.get("strategy") == "tensor_group"
+    elif fmt == "mxfp4-pack-quantized":  # compressed-tensors' MXFP4PackedCompressor: no global scale
+        kind = "mxfp4-pack-quantized"
+        ok = w.get("num_bits") == 4 and w.get("type") == "float" and w.get("strategy") == "group"
+        ok = ok and w.get("symmetric", True) is True
     else:
         return None
     group = w.get("group_size")
@@ -234,6 +343,9 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
         return None
     if kind == "nvfp4" and group != NVFP4_GROUP:
         s.refuse(f"NVFP4 group {gname!r} has group_size {group}, not 16", fix="fix config.json")
+        return None
+    if kind == "mxfp4-pack-quantized" and group != MXFP4_GROUP:
+        s.refuse(f"MXFP4 group {gname!r} has group_size {group}, not 32", fix="fix config.json")
         return None
     if s.packed.get(kind, group) != group:
         s.refuse(

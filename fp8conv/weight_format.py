@@ -16,19 +16,21 @@ class Kind(str, Enum):
     UNQUANTIZED = "unquantized"
     UNVERIFIED = "unverified"
     UNSUPPORTED = "unsupported"
+    MXFP8 = "mxfp8"  # e4m3 weights with a UE8M0 (uint8 / e8m0) scale per 1x32 group along K: [..., N, K/32]
     # packed 4-bit weights (see packed_formats.py): two codes per byte, the low nibble first
     MXFP4 = "mxfp4"  # DeepSeek-V4 routed experts: int8 [N, K/2] + e8m0 `.scale` [N, K/32]
     MXFP4_GPT_OSS = "mxfp4-gpt-oss"  # gpt-oss: uint8 *_blocks [E, N, K/32, 16] + *_scales [E, N, K/32]
     NVFP4 = "nvfp4"  # compressed-tensors nvfp4-pack-quantized: e4m3 scale per 16, / global scale
     NVFP4_MODELOPT = "nvfp4-modelopt"  # ModelOpt NVFP4: e4m3 scale per 16, * weight_scale_2
     INT4 = "int4-pack-quantized"  # compressed-tensors pack-quantized: 8 codes per int32, q = nibble - 8
+    MXFP4_CT = "mxfp4-pack-quantized"  # compressed-tensors: uint8 weight_packed [N, K/2] + E8M0 weight_scale
 
     def __str__(self) -> str:
         return self.value
 
 
-CONVERTIBLE = frozenset({Kind.BLOCK, Kind.PER_TENSOR, Kind.CHANNEL})
-PACKED = frozenset({Kind.MXFP4, Kind.MXFP4_GPT_OSS, Kind.NVFP4, Kind.NVFP4_MODELOPT, Kind.INT4})
+CONVERTIBLE = frozenset({Kind.BLOCK, Kind.PER_TENSOR, Kind.CHANNEL, Kind.MXFP8})
+PACKED = frozenset({Kind.MXFP4, Kind.MXFP4_GPT_OSS, Kind.NVFP4, Kind.NVFP4_MODELOPT, Kind.INT4, Kind.MXFP4_CT})
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class WeightFormat:
     def math_block(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The block that makes every convertible kind one computation: channel and tensor are (1, K)."""
         k = shape[-1]
-        if self.kind is Kind.BLOCK and self.block:
+        if self.kind in (Kind.BLOCK, Kind.MXFP8) and self.block:  # MXFP8: (1, 32)
             return self.block
         if self.kind in PACKED and self.group:
             return (1, self.group)

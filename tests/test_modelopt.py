@@ -147,8 +147,9 @@ def test_modelopt_nvfp4_to_channel_drops_input_scales(tmp_path):
 @pytest.mark.parametrize(
     ("qconfig", "sidecar", "file", "message"),
     [
-        (FLAT | {"quant_algo": "FP8"}, None, "config.json", "ModelOpt quant_algo 'FP8' with group_size 16"),
-        (FLAT | {"quant_algo": "MIXED_PRECISION"}, None, "config.json", "quant_algo 'MIXED_PRECISION'"),
+        # FP8 and MIXED_PRECISION are read (tests/test_readers_2026.py); FP8_PB_WO's 4-D block scales are not
+        (FLAT | {"quant_algo": "FP8_PB_WO"}, None, "config.json", "ModelOpt quant_algo 'FP8_PB_WO' with group_size 16"),
+        (FLAT | {"quant_algo": "MIXED_PRECISION"}, None, "config.json", "MIXED_PRECISION has no quantized_layers"),
         (FLAT | {"group_size": 32}, None, "config.json", "quant_algo 'NVFP4' with group_size 32"),
         (
             None,
