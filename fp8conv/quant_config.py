@@ -161,8 +161,14 @@ def _read_mxfp8_tagged(q: dict[str, Any], s: QuantSettings) -> None:
         return
     s.mxfp8_group = MXFP8_GROUP
     s.activation_scheme = "dynamic"  # MXFP8 activations are quantized at run time
-    if isinstance(q.get("ignored_layers"), list):
-        s.not_converted += [str(m) for m in q["ignored_layers"]]
+    if q.get("weight_block_size") not in (None, [1, MXFP8_GROUP]):
+        s.refuse(
+            f"quant_method 'mxfp8' with weight_block_size {q['weight_block_size']!r}",
+            fix=f"MXFP8 has one E8M0 scale per 1x{MXFP8_GROUP} group: weight_block_size [1, 32] or none",
+        )
+    for key in ("ignored_layers", "modules_to_not_convert"):  # MiniMax; transformers-style saves
+        if isinstance(q.get(key), list):
+            s.not_converted += [str(m) for m in q[key]]
 
 
 def _fmt_problem(fmt: Any) -> str | None:

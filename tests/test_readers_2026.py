@@ -21,7 +21,10 @@ from fp8conv.rewrite.quant import requantize
 from .helpers import fp8, load_dir
 from .packing import e8m0_value, group_scaled, random_e8m0
 from .readers_2026 import (
+    HIDDEN,
+    INTER,
     LAYOUTS,
+    LLAMA_PROJ,
     Release,
     ct_mxfp4_mixed,
     ct_mxfp8,
@@ -31,6 +34,7 @@ from .readers_2026 import (
     minimax_m3_mxfp8,
     modelopt_fp8_llama,
     modelopt_mxfp8_llama,
+    mxfp8,
     write_release,
 )
 from .reference import quantize_reference, same_bits
@@ -249,3 +253,47 @@ def test_mxfp8_decode_is_bit_identical_on_cpu_and_reference(out_dtype):
     assert all(same_bits(a, b) for a, b in zip(outs["cpu"], outs["reference"], strict=True))
     q_ref, s_ref = quantize_reference(truth[4:], None)
     assert same_bits(outs["cpu"][0], q_ref) and same_bits(outs["cpu"][1], s_ref)
+
+
+def test_fused_3d_mxfp8_experts_convert(tmp_path):
+    """transformers-5 style fused experts `experts.gate_up_proj` [E, 2I, H] with a uint8 scale [E, 2I, H/32]."""
+    rel = Release({})
+    mxfp8(rel, "model.layers.0.mlp.experts.gate_up_proj", (2, 2 * INTER, HIDDEN), 3)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    rel.tensors[name + "_scale_inv"] = rel.tensors.pop(name + ".weight_scale")
+    rel.tensors[name] = rel.tensors.pop(name + ".weight")
+    value = rel.truth.pop(name + ".weight")
+    rel.config = {"model_type": "minimax_m3_vl", "quantization_config": {"quant_method": "mxfp8"}}
+    write_release(tmp_path / "c", rel)
+    fp8conv.convert(tmp_path / "c", tmp_path / "bf16", ConvertOptions(to="bf16"))
+    assert same_bits(load_dir(tmp_path / "bf16")[name], value.to(torch.float32).to(torch.bfloat16))
+    fp8conv.convert(tmp_path / "c", tmp_path / "block", ConvertOptions(to="block"))
+    out = load_dir(tmp_path / "block")
+    for e in range(2):
+        q_ref, s_ref = quantize_reference(value[e].to(torch.float32), (128, 128))
+        assert same_bits(out[name][e], q_ref) and same_bits(out[name + "_scale_inv"][e], s_ref), e
+
+
+def test_modelopt_fp8_per_channel_per_token_is_channel_fp8(tmp_path):
+    """FP8_PER_CHANNEL_PER_TOKEN: weight_scale [N] per output channel, no input_scale (vLLM's
+    ModelOptFp8PcPtLinearMethod)."""
+    rel = Release({})
+    for i, (proj, shape) in enumerate(LLAMA_PROJ.items()):
+        base, q = f"model.layers.0.{proj}", fp8(shape, i)
+        s = torch.rand(shape[0], generator=torch.Generator().manual_seed(i)) * 0.01 + 0.001
+        rel.tensors[base + ".weight"], rel.tensors[base + ".weight_scale"] = q, s
+        rel.truth[base + ".weight"] = q.to(torch.float64) * s.to(torch.float64)[:, None]
+    rel.config = llama_config(quant_method="modelopt", quant_algo="FP8_PER_CHANNEL_PER_TOKEN")
+    write_release(tmp_path / "c", rel)
+    assert fp8conv.inspect(tmp_path / "c").formats == {"channel-fp8": 7, "unquantized": 0}
+    for to in TARGETS:
+        fp8conv.convert(tmp_path / "c", tmp_path / to, ConvertOptions(to=to))
+        out = load_dir(tmp_path / to)
+        for name, value in rel.truth.items():
+            expected_weight(value, to, out, name)
+
+
+def test_mxfp8_tag_with_another_block_size_is_refused(tmp_path):
+    rel = minimax_m3_mxfp8()
+    rel.config["quantization_config"]["weight_block_size"] = [128, 128]
+    _refused(tmp_path, rel, "quant_method 'mxfp8' with weight_block_size \\[128, 128\\]")
