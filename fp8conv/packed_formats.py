@@ -8,6 +8,7 @@ times for int32), and the scale grid must be exactly K / group along K, or the t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from .weight_format import Kind, WeightFormat
 E8M0_DTYPES = ("F8_E8M0", "U8")  # UE8M0 exponents: float8_e8m0fnu, or uint8 as gpt-oss stores them
 INT4_SCALE_DTYPES = ("BF16", "F16", "F32")
 CODES_PER_ELEMENT = {"U8": 2, "I8": 2, "I32": 8}
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # a per-expert routed weight: mlp.experts.E.gate_proj
 CONFIG_DECLARES = {
     Kind.MXFP4: "expert_dtype 'fp4' (DeepSeek-V4), or store_dtype / routed_experts_quant_method 'mxfp4' in an fp8 "
     "config (MiMo-V2.5-Pro-FP4, Ling)",
@@ -70,26 +72,44 @@ def classify_packed(
                 "fp8conv reads symmetric INT4 only",
             )
     else:  # X.weight, int8 / uint8, with a scale companion
-        base = name[: -len(".weight")]
-        mxfp4_in_fp8 = [base + x for x in (".weight_scale_inv", ".weight_scale") if _has_e8m0(index, base + x, names)]
-        if base + ".scale" in names:
-            found = _PackedNames(Kind.MXFP4, name, base + ".scale")
-        elif mxfp4_in_fp8 and settings is not None and settings.method == "fp8":
-            # MXFP4 experts declared inside an fp8 config (store_dtype); _confirmed checks the declaration
-            found = _PackedNames(Kind.MXFP4, name, mxfp4_in_fp8[0])
-        else:
-            found = _PackedNames(Kind.NVFP4_MODELOPT, name, base + ".weight_scale", base + ".weight_scale_2")
-        scale = found.scale
-        if found.kind is Kind.NVFP4_MODELOPT and (scale not in names or index.entry(scale).dtype != FP8_E4M3):
-            present = [base + s for s in (".weight_scale", ".weight_scale_inv") if base + s in names]
-            return refuse(
-                f"{entry.dtype} weights with a {index.entry(present[0]).dtype} scale are int8, not FP8 or packed FP4",
-                "fp8conv converts FP8 and packed 4-bit (MXFP4, NVFP4, INT4) weights only",
-                scale=present[0],
-            )
+        named = _byte_weight_names(index, settings, name, names)
+        if isinstance(named, tuple):
+            return refuse(*named[:2], scale=named[2])
+        found = named
     if found.kind in (Kind.MXFP4_GPT_OSS, Kind.NVFP4, Kind.INT4, Kind.MXFP4_CT):  # named by their companions
         companions = tuple(c for c in companions if c not in (found.scale, found.global_scale, found.shape_tensor))
     return _confirmed(index, settings, name, names, companions, found)
+
+
+def _byte_weight_names(
+    index: CheckpointIndex, settings: QuantSettings | None, name: str, names: set[str]
+) -> _PackedNames | tuple[str, str, str]:
+    """An int8 / uint8 X.weight with a scale: DeepSeek-V4 MXFP4 (X.scale), MXFP4 routed experts of an fp8
+    config (an E8M0 weight_scale_inv / weight_scale), or ModelOpt NVFP4 (e4m3 weight_scale); else
+    (reason, fix, scale) of its refusal."""
+    base = name[: -len(".weight")]
+    entry = index.entry(name)
+    mxfp4_in_fp8 = [base + x for x in (".weight_scale_inv", ".weight_scale") if _has_e8m0(index, base + x, names)]
+    if base + ".scale" in names:
+        return _PackedNames(Kind.MXFP4, name, base + ".scale")
+    if mxfp4_in_fp8 and settings is not None and settings.method == "fp8":
+        if not ROUTED_EXPERT.search(name):  # vLLM's Fp8Config gives only RoutedExperts its MXFP4 method
+            return (
+                f"is {entry.dtype} with an E8M0 scale, but MXFP4 inside an fp8 config (store_dtype / "
+                "routed_experts_quant_method) covers routed experts (.experts.E.) only",
+                "engines load this module as FP8; the checkpoint is in a layout fp8conv does not know",
+                mxfp4_in_fp8[0],
+            )
+        return _PackedNames(Kind.MXFP4, name, mxfp4_in_fp8[0])  # _confirmed checks the declaration
+    found = _PackedNames(Kind.NVFP4_MODELOPT, name, base + ".weight_scale", base + ".weight_scale_2")
+    if found.scale not in names or index.entry(found.scale).dtype != FP8_E4M3:
+        present = [base + s for s in (".weight_scale", ".weight_scale_inv") if base + s in names]
+        return (
+            f"{entry.dtype} weights with a {index.entry(present[0]).dtype} scale are int8, not FP8 or packed FP4",
+            "fp8conv converts FP8 and packed 4-bit (MXFP4, NVFP4, INT4) weights only",
+            present[0],
+        )
+    return found
 
 
 def _has_e8m0(index: CheckpointIndex, scale: str, names: set[str]) -> bool:

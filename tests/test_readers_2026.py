@@ -34,6 +34,7 @@ from .readers_2026 import (
     minimax_m3_mxfp8,
     modelopt_fp8_llama,
     modelopt_mxfp8_llama,
+    mxfp4,
     mxfp8,
     write_release,
 )
@@ -297,3 +298,11 @@ def test_mxfp8_tag_with_another_block_size_is_refused(tmp_path):
     rel = minimax_m3_mxfp8()
     rel.config["quantization_config"]["weight_block_size"] = [128, 128]
     _refused(tmp_path, rel, "quant_method 'mxfp8' with weight_block_size \\[128, 128\\]")
+
+
+def test_mxfp4_in_an_fp8_config_outside_the_routed_experts_is_refused(tmp_path):
+    """vLLM's Fp8Config gives store_dtype mxfp4 to RoutedExperts only: a packed shared expert is refused."""
+    rel = fp8_with_mxfp4_experts("mimo")
+    mxfp4(rel, "model.layers.1.mlp.shared_experts.up_proj", (INTER, HIDDEN), 40, "weight", "weight_scale")
+    message = _refused(tmp_path, rel, "covers routed experts \\(.experts.E.\\) only")
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in message
