@@ -69,7 +69,8 @@ def input_kv_declaration(qconfig: dict[str, Any] | None) -> tuple[dict[str, Any]
     messages, None when it declares nothing). Read where vLLM reads it: kv_cache_scheme at the top level
     (compressed-tensors, ModelOpt's flat form) or ModelOpt's kv_cache_quant_algo, nested or top level."""
     method = normalized_method(qconfig.get("quant_method")) if qconfig else None
-    if method is None or not (method == "compressed-tensors" or method.startswith("modelopt")):
+    # MiniMax's quant_method mxfp8 is read as ModelOpt MXFP8, its kv_cache_quant_algo with it
+    if method is None or not (method in ("compressed-tensors", "mxfp8") or method.startswith("modelopt")):
         return None, None  # vLLM's Fp8Config (and the others fp8conv reads) read no KV-cache key
     scheme = qconfig.get("kv_cache_scheme")
     if isinstance(scheme, dict):

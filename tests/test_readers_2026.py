@@ -306,3 +306,16 @@ def test_mxfp4_in_an_fp8_config_outside_the_routed_experts_is_refused(tmp_path):
     mxfp4(rel, "model.layers.1.mlp.shared_experts.up_proj", (INTER, HIDDEN), 40, "weight", "weight_scale")
     message = _refused(tmp_path, rel, "covers routed experts \\(.experts.E.\\) only")
     assert "model.layers.1.mlp.shared_experts.up_proj.weight" in message
+
+
+def test_minimax_mxfp8_kv_cache_declaration_is_kept_for_channel(tmp_path):
+    """vLLM reads a MiniMax mxfp8 tag's kv_cache_quant_algo as ModelOpt's: --to channel declares it."""
+    rel = minimax_m3_mxfp8()
+    rel.config["quantization_config"]["kv_cache_quant_algo"] = "FP8"
+    for kv in ("k_scale", "v_scale"):
+        rel.tensors[f"language_model.model.layers.0.self_attn.{kv}"] = torch.tensor(0.125, dtype=torch.float32)
+    write_release(tmp_path / "c", rel)
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="channel"))
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert quant["kv_cache_scheme"]["num_bits"] == 8 and quant["kv_cache_scheme"]["type"] == "float"
+    assert "language_model.model.layers.0.self_attn.k_scale" in load_dir(tmp_path / "out")
