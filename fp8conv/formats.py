@@ -16,13 +16,15 @@ from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
 from .mimo_kv import mimo_row_scales
+from .mistral_native import FAKE_QUANTIZER, NATIVE_ACTIVATION_SUFFIX, NATIVE_SCALE_SUFFIX
 from .packed_formats import classify_packed
 from .quant_config import QuantSettings, module_matches, read_quant_settings
 from .safetensors_file import TensorEntry
 from .weight_format import CONVERTIBLE, PACKED, Kind, WeightFormat
 
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
-ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
+# Mistral-native consolidated files name them `.qscale_weight` / `.qscale_act` (fp8conv.mistral_native)
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", NATIVE_SCALE_SUFFIX)
+ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale", NATIVE_ACTIVATION_SUFFIX)
 BARE_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a fused 3-D expert parameter without `.weight`
 PACKED_SUFFIXES = (".weight_packed", "_blocks")  # compressed-tensors packed FP4/INT4, gpt-oss MXFP4
 V4_SCALE_SUFFIX = ".scale"  # DeepSeek-V4 names a weight's scale `<module>.scale`
@@ -158,7 +160,7 @@ def _orphan_scales(ctx: _Context, weights: dict[str, WeightFormat], consumed: se
     """Scales no weight consumes: the shard holding their weight is missing."""
     problems = []
     for name in ctx.index.locations:
-        if name in weights or name in consumed:
+        if name in weights or name in consumed or FAKE_QUANTIZER.search(name):  # Mistral's have no weight
             continue
         if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
             problems.append(

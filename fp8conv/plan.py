@@ -26,6 +26,7 @@ from .families import FUSED_EXPERTS, Family, family_of, fused_group, width_disag
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from .mimo_kv import fused_qkv_problems
+from .mistral_native import FAKE_QUANTIZER, fake_quantizer_warning, native_only, native_problems
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .options import DEFAULT_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
@@ -149,7 +150,21 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
     _plan_mistral_params(ckpt, plan)
+    _plan_mistral_native(ckpt, cls, plan)
     return plan
+
+
+def _plan_mistral_native(ckpt: Checkpoint, cls: Classification, plan: ConversionPlan) -> None:
+    """A release of Mistral-native files only: converted in their own names (bf16), FP8 targets refused."""
+    shard_names = [s.name for s in ckpt.index.shards]
+    if not native_only(shard_names, ckpt.config is not None, ckpt.other_files):
+        return
+    first = next(iter(cls.weights), None)
+    shard = ckpt.index.shard_of(first).name if first else shard_names[0]
+    plan.problems += native_problems(shard, first, plan.target)
+    fakes = [n for n in ckpt.index.locations if FAKE_QUANTIZER.search(n)]
+    if fakes:
+        plan.warnings.append(fake_quantizer_warning(fakes))
 
 
 def _plan_mistral_params(ckpt: Checkpoint, plan: ConversionPlan) -> None:

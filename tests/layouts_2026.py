@@ -232,3 +232,76 @@ def build_mistral4(path) -> dict[str, torch.Tensor]:
     tensors["lm_head.weight"] = torch.randn(40, 64, generator=_gen(10)).to(torch.bfloat16)
     write_checkpoint(path, tensors, mistral4_config(), shards=2)
     return truth
+
+
+# ------------------------------------------------------------------ Mistral-native only (Mistral-Large-3)
+
+MISTRAL_NATIVE_FP8 = [
+    "layers.0.attention.wq_a",
+    "layers.0.attention.wq_b",
+    "layers.0.attention.wkv_a_with_mqa",
+    "layers.0.attention.wkv_b",
+    "layers.0.attention.wo",
+    "layers.0.feed_forward.w1",
+    "layers.0.feed_forward.w2",
+    "layers.0.feed_forward.w3",
+    "layers.1.experts.0.w1",
+    "layers.1.experts.0.w2",
+    "layers.1.experts.1.w3",
+    "layers.1.shared_experts.w1",
+]
+
+
+def mistral_large3_params() -> dict:
+    return {
+        "dim": 64,
+        "n_layers": 2,
+        "head_dim": 32,
+        "hidden_dim": 96,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 32,
+        "vocab_size": 40,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "moe": {"num_experts": 2, "num_experts_per_tok": 1, "expert_hidden_dim": 48, "first_k_dense_replace": 1},
+        "quantization": {"qformat_weight": "fp8_e4m3", "qscheme_act": "TENSOR"},
+    }
+
+
+def build_mistral_native(path) -> dict[str, torch.Tensor]:
+    """consolidated-0000{1,2}-of-00002.safetensors + params.json + tekken.json, no config.json, no HF
+    shard: per-tensor `qscale_weight` (0-D and [1]) and `qscale_act`, a KV fake-quantizer scale, bf16
+    norms, router, embeddings and output. The exact decode of every FP8 weight by name."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    truth: dict[str, torch.Tensor] = {}
+    for i, module in enumerate(MISTRAL_NATIVE_FP8):
+        q, s = _per_tensor(torch.randn(48 + 8 * (i % 3), 64, generator=_gen(500 + i)))
+        s = s.reshape(1) if i % 2 else s
+        tensors |= {module + ".weight": q, module + ".qscale_weight": s, module + ".qscale_act": torch.tensor(0.25)}
+        truth[module + ".weight"] = q.to(torch.float32) * s.reshape(())
+    for name, shape in [
+        ("tok_embeddings.weight", (40, 64)),
+        ("output.weight", (40, 64)),
+        ("layers.1.gate.weight", (2, 64)),
+    ]:
+        tensors[name] = torch.randn(shape, generator=_gen(9)).to(torch.bfloat16)
+    for name in ["norm.weight", "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"]:
+        tensors[name] = torch.ones(64, dtype=torch.bfloat16)
+    tensors["layers.0.attention.kv_fake_quantizer.qscale_act"] = torch.tensor(0.5)
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    for part in range(2):
+        shard = {n: tensors[n].contiguous() for n in names[part::2]}
+        save_file(shard, str(path / f"consolidated-{part + 1:05d}-of-00002.safetensors"), metadata={"format": "pt"})
+    (path / "params.json").write_text(json.dumps(mistral_large3_params(), indent=2))
+    (path / "tekken.json").write_text('{"config": {}}')
+    return truth

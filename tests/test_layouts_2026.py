@@ -15,12 +15,13 @@ from fp8conv.errors import PlanRefused
 
 from .helpers import load_dir
 from .layouts_2026 import (
-    EXPERTS,
     MIMO_LAYERS,
     build_mimo_flash,
     build_mimo_fused_qkv,
     build_mistral4,
+    build_mistral_native,
     decode_block_plain,
+    mistral_large3_params,
 )
 from .reference import quantize_reference, same_bits
 
@@ -107,10 +108,10 @@ def test_mimo_fused_qkv_to_block_from_the_exact_decode(tmp_path):
     truth = build_mimo_fused_qkv(tmp_path / "in")
     out = _convert(tmp_path / "in", tmp_path / "out", "block")
     for name, value in truth.items():
-        assert all(same_bits(g, w) for g, w in zip(_outputs(out, name, "block"), _expected_2d(value, "block"))), name
-        naive = decode_block_plain(*quantize_reference(value, (128, 128)))
-        assert out[name + "_scale_inv"].shape == (-(-value.shape[0] // 128), 2)  # the plain grid vLLM reads
-        assert naive.shape == value.shape
+        got, want = _outputs(out, name, "block"), _expected_2d(value, "block")
+        assert all(same_bits(g, w) for g, w in zip(got, want, strict=True)), name
+        # the plain grid ("globally packed"), which vLLM's _shard_fp8_qkv_proj reads too
+        assert out[name + "_scale_inv"].shape == (-(-value.shape[0] // 128), 2)
 
 
 @pytest.mark.parametrize("to", ["bf16", "channel"])
@@ -179,3 +180,46 @@ def test_fused_per_tensor_experts_verify(tmp_path):
     fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to="block"))
     result = fp8conv.verify(tmp_path / "in", tmp_path / "out")
     assert result.ok, result.failures
+
+
+def test_mistral_native_only_to_bf16(tmp_path):
+    """A release of consolidated files only: converted in its own names, params.json without quantization,
+    for vLLM --load-format mistral --config-format mistral."""
+    truth = build_mistral_native(tmp_path / "in")
+    result = fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
+    out = load_dir(tmp_path / "out")
+    for name, value in truth.items():
+        assert same_bits(out[name], value.to(torch.bfloat16)), name
+    assert not [n for n in out if "qscale" in n], "scales (and the fake quantizer's) left behind"
+    assert out["layers.1.gate.weight"].dtype == torch.bfloat16 and "tok_embeddings.weight" in out
+    files = sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("."))
+    assert {"consolidated-00001-of-00002.safetensors", "params.json", "tekken.json"} <= set(files)
+    assert "config.json" not in files
+    params = json.loads((tmp_path / "out" / "params.json").read_text())
+    assert "quantization" not in params and params["moe"] == mistral_large3_params()["moe"]
+    assert any("fake-quantizer" in w for w in result.warnings)
+
+
+@pytest.mark.parametrize("to", ["channel", "block"])
+def test_mistral_native_only_fp8_targets_refused(tmp_path, to):
+    build_mistral_native(tmp_path / "in")
+    message = _refusals(tmp_path / "in", tmp_path / "out", to)
+    assert re.search(r"consolidated-0000[12]-of-00002\.safetensors.*Mistral-native release.*--to bf16", message), (
+        message
+    )
+
+
+def test_hf_file_beside_consolidated_without_index(tmp_path):
+    """HF shards present too (no index): they are the checkpoint, the consolidated file is skipped as before."""
+    from safetensors.torch import save_file
+
+    build_mistral_native(tmp_path / "in")
+    q = torch.ones(8, 64).to(torch.float8_e4m3fn)
+    hf = {"model.layers.0.mlp.down_proj.weight": q, "model.layers.0.mlp.down_proj.weight_scale_inv": torch.tensor(0.5)}
+    save_file(hf, str(tmp_path / "in" / "model.safetensors"))
+    (tmp_path / "in" / "config.json").write_text(
+        json.dumps({"model_type": "mistral", "quantization_config": {"quant_method": "fp8", "weight_block_size": None}})
+    )
+    result = fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
+    assert list(load_dir(tmp_path / "out")) == ["model.layers.0.mlp.down_proj.weight"]
+    assert "consolidated-00001-of-00002.safetensors" in dict(result.files_skipped)
