@@ -13,6 +13,7 @@ never from the grid looking valid: v_proj's grid has a plausible row count eithe
 
 A layer is sliding-window when hybrid_layer_pattern[L] == 1: swa_num_attention_heads,
 swa_num_key_value_heads, swa_head_dim, swa_v_head_dim (vLLM MiMoV2FlashDecoderLayer); else the plain keys.
+A transformers-5 config says it with layer_types, and its SWA layers have twice num_key_value_heads.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ def mimo_text_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _geometry(section: dict[str, Any], swa: bool) -> Heads | None:
-    p = "swa_" if swa else ""
+    p = "swa_" if swa and "swa_num_key_value_heads" in section else ""
     heads, kv = section.get(p + "num_attention_heads"), section.get(p + "num_key_value_heads")
     hd = section.get(p + "head_dim")
     vhd = section.get(p + "v_head_dim") or hd
+    if swa and not p and isinstance(kv, int):  # transformers' MiMoV2FlashAttention: SWA layers have 2x KV heads
+        kv *= 2
     if not all(isinstance(x, int) and x > 0 for x in (heads, kv, hd, vhd)) or heads % kv:
         return None
     return Heads(heads, kv, hd, vhd)
@@ -65,6 +68,8 @@ def _geometry(section: dict[str, Any], swa: bool) -> Heads | None:
 def _candidates(section: dict[str, Any], prefix: str) -> list[Heads]:
     """The layer's geometry from hybrid_layer_pattern; both kinds where the layer is not in it (MTP)."""
     pattern = section.get("hybrid_layer_pattern")
+    if not isinstance(pattern, list) and isinstance(section.get("layer_types"), list):  # a transformers-5 save
+        pattern = [int(t == "sliding_attention") for t in section["layer_types"]]
     m = _LAYER.search(prefix)
     if m and not prefix.startswith(("mtp.", "model.mtp.")) and isinstance(pattern, list):
         layer = int(m.group(1))

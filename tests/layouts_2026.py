@@ -305,3 +305,47 @@ def build_mistral_native(path) -> dict[str, torch.Tensor]:
     (path / "params.json").write_text(json.dumps(mistral_large3_params(), indent=2))
     (path / "tekken.json").write_text('{"config": {}}')
     return truth
+
+
+def build_mimo_transformers(path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A tiny transformers MiMoV2FlashForCausalLM (one full, one sliding layer: 2 and 4 KV heads), every
+    Linear but lm_head block FP8, k/v_proj quantized per KV head. (config, the exact decode as a bf16
+    state dict, the state dict decoding v_proj on its naive grid)."""
+    import transformers
+
+    config = transformers.MiMoV2FlashConfig(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "dense"],
+        sliding_window=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.MiMoV2FlashForCausalLM(config).to(torch.bfloat16)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors, exact, naive = dict(state), dict(state), dict(state)
+    for layer in range(2):
+        p = f"model.layers.{layer}.self_attn."
+        k, v = state[p + "k_proj.weight"].float(), state[p + "v_proj.weight"].float()
+        v[: V_HEAD_DIM // 2] *= 40  # V rows unlike K's (the same weights in every model compared)
+        qk, sk, qv, sv = quantize_kv_per_head(k, v, k.shape[0] // HEAD_DIM)
+        tensors |= {p + "k_proj.weight": qk, p + "k_proj.weight_scale_inv": sk}
+        tensors |= {p + "v_proj.weight": qv, p + "v_proj.weight_scale_inv": sv}
+        dk, dv = decode_kv_per_head(qk, sk, qv, sv, k.shape[0] // HEAD_DIM)
+        exact[p + "k_proj.weight"], exact[p + "v_proj.weight"] = dk.bfloat16(), dv.bfloat16()
+        naive[p + "k_proj.weight"], naive[p + "v_proj.weight"] = dk.bfloat16(), decode_block_plain(qv, sv).bfloat16()
+    plain_linears = ("q_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    for name, w in state.items():
+        if name.endswith(plain_linears):
+            q, s = quantize_block_plain(w.float())
+            tensors |= {name: q, name[: -len("weight")] + "weight_scale_inv": s}
+            exact[name] = naive[name] = decode_block_plain(q, s).bfloat16()
+    raw = config.to_dict() | {
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    }
+    write_checkpoint(path, tensors, raw, shards=2)
+    return raw, exact, naive

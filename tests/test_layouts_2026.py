@@ -18,6 +18,7 @@ from .layouts_2026 import (
     MIMO_LAYERS,
     build_mimo_flash,
     build_mimo_fused_qkv,
+    build_mimo_transformers,
     build_mistral4,
     build_mistral_native,
     decode_block_plain,
@@ -223,3 +224,29 @@ def test_hf_file_beside_consolidated_without_index(tmp_path):
     result = fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
     assert list(load_dir(tmp_path / "out")) == ["model.layers.0.mlp.down_proj.weight"]
     assert "consolidated-00001-of-00002.safetensors" in dict(result.files_skipped)
+
+
+def test_mimo_bf16_output_loads_in_transformers(tmp_path):
+    """transformers' MiMoV2FlashForCausalLM (its config: layer_types, SWA layers with twice the KV heads)
+    loads the bf16 output with no missing or unexpected key, its weights the exact decode; the model
+    that read v_proj's naive grid computes other logits (tolerance 1e-2, bf16 ulps of float reductions)."""
+    transformers = pytest.importorskip("transformers")
+    _, exact, naive = build_mimo_transformers(tmp_path / "in")
+    fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
+    loaded, info = transformers.MiMoV2FlashForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.bfloat16, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    got = loaded.state_dict()
+    assert all(same_bits(got[n], exact[n]) for n in exact if n in got), "weights are not the exact decode"
+    tokens = torch.tensor([[1, 7, 42, 3, 9, 20, 17, 5]])
+    reference = transformers.MiMoV2FlashForCausalLM(loaded.config).to(torch.bfloat16)
+    reference.load_state_dict(naive)
+    with torch.no_grad():
+        logits = loaded(tokens).logits.float()
+        reference.load_state_dict(exact)
+        same = reference(tokens).logits.float()
+        reference.load_state_dict(naive)
+        wrong = reference(tokens).logits.float()
+    assert torch.allclose(logits, same, atol=1e-2, rtol=0)  # a few bf16 ulps: float reductions
+    assert (logits - wrong).abs().max() > 0.2
