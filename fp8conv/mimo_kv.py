@@ -55,9 +55,12 @@ def mimo_text_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _geometry(section: dict[str, Any], swa: bool) -> Heads | None:
     p = "swa_" if swa and "swa_num_key_value_heads" in section else ""
-    heads, kv = section.get(p + "num_attention_heads"), section.get(p + "num_key_value_heads")
-    hd = section.get(p + "head_dim")
-    vhd = section.get(p + "v_head_dim") or hd
+
+    def key(name: str) -> Any:  # a swa_ key the config leaves out is the layer's plain one
+        return section.get(p + name, section.get(name))
+
+    heads, kv, hd = key("num_attention_heads"), key("num_key_value_heads"), key("head_dim")
+    vhd = key("v_head_dim") or hd
     if swa and not p and isinstance(kv, int):  # transformers' MiMoV2FlashAttention: SWA layers have 2x KV heads
         kv *= 2
     if not all(isinstance(x, int) and x > 0 for x in (heads, kv, hd, vhd)) or heads % kv:
