@@ -15,14 +15,17 @@ from .config import CONFIG_NAME
 from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
+from .mimo_kv import mimo_row_scales
+from .mistral_native import FAKE_QUANTIZER, NATIVE_ACTIVATION_SUFFIX, NATIVE_SCALE_SUFFIX
 from .mxfp8 import classify_mxfp8
 from .packed_formats import classify_packed
 from .quant_config import QuantSettings, module_matches, read_quant_settings
 from .safetensors_file import TensorEntry
 from .weight_format import CONVERTIBLE, PACKED, Kind, WeightFormat
 
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
-ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
+# Mistral-native consolidated files name them `.qscale_weight` / `.qscale_act` (fp8conv.mistral_native)
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", NATIVE_SCALE_SUFFIX)
+ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale", NATIVE_ACTIVATION_SUFFIX)
 BARE_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a fused 3-D expert parameter without `.weight`
 PACKED_SUFFIXES = (".weight_packed", "_blocks")  # compressed-tensors packed FP4/INT4, gpt-oss MXFP4
 V4_SCALE_SUFFIX = ".scale"  # DeepSeek-V4 names a weight's scale `<module>.scale`
@@ -91,6 +94,8 @@ def classify(
     block, block_source = _block_size(settings, block_size, problems)
     ctx = _Context(index, block, block_source, problems, settings)
     weights, consumed = _classify_weights(ctx)
+    weights = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
+    consumed.update(n for fmt in weights.values() for n in fmt.consumed)
     problems += _orphan_scales(ctx, weights, consumed)
     plain = [n for n in index.locations if n not in weights and n not in consumed]
     plain = [n for n in plain if not n.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES)]
@@ -156,7 +161,7 @@ def _orphan_scales(ctx: _Context, weights: dict[str, WeightFormat], consumed: se
     """Scales no weight consumes: the shard holding their weight is missing."""
     problems = []
     for name in ctx.index.locations:
-        if name in weights or name in consumed:
+        if name in weights or name in consumed or FAKE_QUANTIZER.search(name):  # Mistral's have no weight
             continue
         if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
             problems.append(
@@ -237,7 +242,9 @@ def _bare_fp8(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightForma
     name = entry.name
     bare = [name + s for s in BARE_SCALE_SUFFIXES if name + s in names]
     if len(bare) == 1 and len(entry.shape) == 3:
-        return _classify_scaled(ctx, entry, ctx.index.entry(bare[0]), ())
+        # transformers' static FP8Experts: one activation scale per expert, `<param>_activation_scale` [E]
+        activation = tuple(n for n in (name + "_activation_scale",) if n in names)
+        return _classify_scaled(ctx, entry, ctx.index.entry(bare[0]), activation)
     return WeightFormat(
         name,
         Kind.UNSUPPORTED,
@@ -311,6 +318,10 @@ def _classify_scaled(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: 
         return make(Kind.PER_TENSOR)
     if s.shape == (*lead, n) and n > 1:
         return make(Kind.CHANNEL)
+    if lead and ctx.block is None and s.shape == (*lead, 1, 1):  # transformers' FP8Experts, per expert
+        return make(Kind.PER_TENSOR)
+    if _per_half(w, s, ctx.block):  # transformers' FP8Experts: one scale per gate / up half, gate first
+        return make(Kind.PER_TENSOR, block=(n // 2, w.shape[-1]))
     if len(s.shape) != len(w.shape) or s.shape[:-2] != lead:
         return make(
             Kind.UNVERIFIED,
@@ -334,6 +345,20 @@ def _classify_scaled(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: 
             "the scale grid does not match the block size; check weight_block_size / --block-size",
         )
     return make(Kind.BLOCK, block=ctx.block)
+
+
+def _per_half(w: TensorEntry, s: TensorEntry, block: tuple[int, int] | None) -> bool:
+    """A fused `experts.gate_up_proj` [E, 2I, H] with a per-tensor `_scale_inv` [E, 2, 1]: FP8Experts
+    allocates two scale rows when no block size is set (min_sf_out=2), and its kernel takes the block
+    from the scale's shape, so each scale covers one half ([gate; up], gate first, as _apply_gate splits)."""
+    lead = w.shape[:-2]
+    return (
+        block is None
+        and len(lead) == 1
+        and w.name.endswith("gate_up_proj")
+        and w.shape[-2] % 2 == 0
+        and s.shape == (*lead, 2, 1)
+    )
 
 
 def has_partial_blocks(fmt: WeightFormat, shape: tuple[int, ...]) -> bool:

@@ -25,6 +25,8 @@ from .errors import CheckpointError, OptionsError
 from .families import FUSED_EXPERTS, Family, family_of, fused_group, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
+from .mimo_kv import fused_qkv_problems
+from .mistral_native import FAKE_QUANTIZER, fake_quantizer_warning, native_only, native_problems
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .options import DEFAULT_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
@@ -34,6 +36,10 @@ from .writer import TensorSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
 DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
+# an embedding table (transformers-5 FP8Embedding), not a Linear named after one (embed_vision.embedding_projection)
+_EMBEDDING = re.compile(
+    r"(?:^|\.)(?:embed_tokens|tok_embeddings|word_embeddings|wte|embeddings?|\w*_embedding)\.weight$"
+)
 
 
 class Action(str, Enum):
@@ -140,10 +146,25 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
         warnings=list(cls.warnings) + planner.warnings,
     )
     plan.problems += _width_problems(ckpt, plan, cls)
+    plan.problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
     _plan_mistral_params(ckpt, plan)
+    _plan_mistral_native(ckpt, cls, plan)
     return plan
+
+
+def _plan_mistral_native(ckpt: Checkpoint, cls: Classification, plan: ConversionPlan) -> None:
+    """A release of Mistral-native files only: converted in their own names (bf16), FP8 targets refused."""
+    shard_names = [s.name for s in ckpt.index.shards]
+    if not native_only(shard_names, ckpt.config is not None, ckpt.other_files):
+        return
+    first = next(iter(cls.weights), None)
+    shard = ckpt.index.shard_of(first).name if first else shard_names[0]
+    plan.problems += native_problems(shard, first, plan.target)
+    fakes = [n for n in ckpt.index.locations if FAKE_QUANTIZER.search(n)]
+    if fakes:
+        plan.warnings.append(fake_quantizer_warning(fakes))
 
 
 def _plan_mistral_params(ckpt: Checkpoint, plan: ConversionPlan) -> None:
@@ -233,6 +254,9 @@ class _Planner:
         if to == "bf16":
             out_dtype = DEQUANT_TARGETS[self.options.dtype][0]
             return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt)
+        if _EMBEDDING.search(name):  # no engine builds an FP8 embedding: it is written dequantized
+            self.warnings.append(f"{name} is an FP8 embedding; written as bf16 (engines load embeddings unquantized)")
+            return Job(name, Action.DEQUANTIZE, (TensorSpec(name, "BF16", shape),), fmt)
         base = module_of(name)
         if to == "channel":
             if not name.endswith(".weight"):
@@ -247,6 +271,7 @@ class _Planner:
                 )
             return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape, name), fmt, None, pad.parts)
         keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
+        keep = keep and fmt.row_scales is None  # scales in another unit (MiMo) are written on the plain grid
         # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
         # moves rows of one input block into two output blocks, so it is quantized afresh
         keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)

@@ -33,7 +33,7 @@ from .index import CheckpointIndex
 from .options import ProgressCallback
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, Job, ShardPlan, Strategy
 from .rewrite.banded import BandedJob
-from .rewrite.dequant import scale_grid
+from .rewrite.dequant import scale_grid, stored_scale
 from .rewrite.experts import ExpertBands
 from .rewrite.jobs import run_job
 from .shard_reader import ShardReader, read_capacity
@@ -265,7 +265,8 @@ class Scheduler:
             banded = ExpertBands(job, self.backend)
         else:
             global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
-            banded = BandedJob(job, inputs[job.fmt.scale], global_scale, self.backend, self.fp8_max)
+            scale = stored_scale(inputs.__getitem__, job.fmt)
+            banded = BandedJob(job, scale, global_scale, self.backend, self.fp8_max)
         k = banded.row_elements
         computing: deque[Future[None]] = deque()
         w: Any = None
@@ -357,7 +358,8 @@ class Scheduler:
             return {}
         names = [job.source] if job.strategy is Strategy.WHOLE else []
         if job.fmt is not None:
-            names += [n for n in (job.fmt.scale, job.fmt.global_scale) if n]
+            peer = job.fmt.row_scales.peer if job.fmt.row_scales else None
+            names += [n for n in (job.fmt.scale, job.fmt.global_scale, peer) if n]
         return {n: self.readers.of(n).read_tensor(self.index.entry(n)) for n in names}
 
     def _buffer(self, kind: str, slot: int, nbytes: int) -> torch.Tensor:

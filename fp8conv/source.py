@@ -11,6 +11,7 @@ from . import hub
 from .config import CONFIG_NAME, MODELOPT_CONFIG_NAME, load_config, with_modelopt_config
 from .errors import CheckpointError
 from .index import INDEX_NAME, CheckpointIndex, load_index
+from .mistral_native import hf_shards_first
 from .safetensors_file import ShardHeader
 
 # Files that hold the same weights in another format: copying them would ship unconverted weights.
@@ -102,7 +103,8 @@ def _open_single_file(path: Path) -> Checkpoint:
 
 def _open_directory(root: Path) -> Checkpoint:
     index_file = root / INDEX_NAME
-    top_level = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+    # Mistral's consolidated files are the checkpoint only when no HF shard is there (fp8conv.mistral_native)
+    top_level = hf_shards_first(sorted(p.name for p in root.glob("*.safetensors") if p.is_file()))
     if index_file.is_file():
         index = load_index(root, [], index_file)
     elif top_level:

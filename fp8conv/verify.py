@@ -29,7 +29,7 @@ from .json_file import read_json_object
 from .manifest import MANIFEST, Manifest, load_manifest
 from .options import ConvertOptions
 from .plan import Action, ConversionPlan, Job, ShardPlan, plan_conversion
-from .rewrite.dequant import dequantize
+from .rewrite.dequant import dequantize, stored_scale
 from .rewrite.jobs import run_job
 from .rewrite.pad import pad_to
 from .rewrite.unpack import unpack_to_float32
@@ -240,7 +240,7 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
     if job.fmt is not None and job.fmt.kind in PACKED:
         truth = unpack_to_float32(read_in, job.fmt, reference)
     elif job.fmt is not None:
-        truth = dequantize(read_in(job.source), read_in(job.fmt.scale), job.fmt, torch.float32, reference)
+        truth = dequantize(read_in(job.source), stored_scale(read_in, job.fmt), job.fmt, torch.float32, reference)
     else:
         truth = read_in(job.source).to(torch.float32)
     q, scale = got[0].to(torch.float32), got[1]

@@ -20,7 +20,7 @@ from .dtypes import torch_dtype
 from .formats import PACKED, Kind
 from .index import CheckpointIndex
 from .plan import Action, Job
-from .rewrite.dequant import scale_grid
+from .rewrite.dequant import scale_grid, stored_scale
 from .safetensors_file import ShardHeader, TensorEntry, as_writable_memoryview, pread_into, read_tensor, tensor_buffer
 
 # Float32 elements of one band: 16 MiB. The bound check keeps up to about ten band-sized float32
@@ -129,7 +129,7 @@ class JobBands:
         job = self.job
         grid = None
         if job.fmt is not None and job.fmt.kind not in PACKED and job.fmt.scale is not None:
-            grid = scale_grid(self.whole(job.fmt.scale), job.fmt, self.shape)  # [M, gn, gk] float32
+            grid = scale_grid(stored_scale(self.whole, job.fmt), job.fmt, self.shape)  # [M, gn, gk] float32
         for piece in piece_list:
             yield self._band_job(piece), self._got(piece), self._reader(piece, grid)
 
@@ -139,7 +139,7 @@ class JobBands:
         if fmt is not None and fmt.kind in PACKED:
             fmt = replace(fmt, shape=(piece.in_rows[1] - piece.in_rows[0], self.shape[-1]))
         elif fmt is not None:  # the band's scales arrive as a float32 grid of math blocks
-            fmt = replace(fmt, kind=Kind.BLOCK, block=fmt.math_block(self.shape))
+            fmt = replace(fmt, kind=Kind.BLOCK, block=fmt.math_block(self.shape), row_scales=None)
         weight = job.outputs[0]
         out_rows = (r1 - r0, weight.shape[-1]) if not transposed(job) else (weight.shape[-1], weight.shape[-2])
         outputs = [replace(weight, shape=out_rows)]

@@ -34,6 +34,17 @@ PACKED = frozenset({Kind.MXFP4, Kind.MXFP4_GPT_OSS, Kind.NVFP4, Kind.NVFP4_MODEL
 
 
 @dataclass(frozen=True)
+class RowScales:
+    """Block FP8 whose scale rows follow another unit than ceil(N / bn) (fp8conv.mimo_kv): each `rows`-row
+    group of the weight takes row `index[i]` of its scales, stacked [own scale; peer's scale]."""
+
+    rows: int
+    index: tuple[int, ...]
+    layout: str  # what the unit is, for messages and inspect
+    peer: str | None = None  # a second scale tensor some rows take (MiMo's v_proj: k_proj's)
+
+
+@dataclass(frozen=True)
 class WeightFormat:
     """One quantized weight and the companions that travel with it."""
 
@@ -50,11 +61,15 @@ class WeightFormat:
     shape_tensor: str | None = None  # compressed-tensors INT4: weight_shape, checked before the run
     shape: tuple[int, ...] | None = None  # the unpacked [..., N, K]
     out_name: str | None = None  # the output weight's name (X.weight_packed -> X.weight, X_blocks -> X)
+    row_scales: RowScales | None = None  # block FP8 with scale rows in another unit than ceil(N / bn)
 
     def math_block(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The block that makes every convertible kind one computation: channel and tensor are (1, K)."""
         k = shape[-1]
-        if self.kind in (Kind.BLOCK, Kind.MXFP8) and self.block:  # MXFP8: (1, 32)
+        if self.row_scales is not None and self.block:
+            return (self.row_scales.rows, self.block[1])
+        # MXFP8: (1, 32); per-tensor with a block: one scale per gate/up half
+        if self.kind in (Kind.BLOCK, Kind.MXFP8, Kind.PER_TENSOR) and self.block:
             return self.block
         if self.kind in PACKED and self.group:
             return (1, self.group)
@@ -63,5 +78,6 @@ class WeightFormat:
 
     @property
     def consumed(self) -> tuple[str, ...]:
-        extra = tuple(n for n in (self.global_scale, self.shape_tensor) if n)
+        peer = self.row_scales.peer if self.row_scales else None
+        extra = tuple(n for n in (self.global_scale, self.shape_tensor, peer) if n)
         return ((self.scale,) if self.scale else ()) + self.companions + extra

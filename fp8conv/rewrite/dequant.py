@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from ..backends import Backend
 from ..backends.scales import scale_to_float32
 from ..formats import WeightFormat
+
+
+def stored_scale(read: Callable[[str], torch.Tensor], fmt: WeightFormat) -> torch.Tensor:
+    """The scale a weight's math_block grid reads: its own, or for scale rows in another unit
+    (fp8conv.mimo_kv) its own and its peer's stacked, one row per math block, as they were made."""
+    assert fmt.scale is not None
+    scale = read(fmt.scale)
+    rows = fmt.row_scales
+    if rows is None:
+        return scale
+    parts = [scale_to_float32(scale)] + ([scale_to_float32(read(rows.peer))] if rows.peer else [])
+    return torch.cat(parts)[torch.tensor(rows.index, dtype=torch.long)]
 
 
 def scale_grid(scale: torch.Tensor, fmt: WeightFormat, shape: tuple[int, ...]) -> torch.Tensor:

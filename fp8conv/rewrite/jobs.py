@@ -10,7 +10,7 @@ from ..backends import Backend
 from ..dtypes import torch_dtype
 from ..formats import PACKED
 from ..plan import Action, Job
-from .dequant import dequantize, scale_grid
+from .dequant import dequantize, scale_grid, stored_scale
 from .pad import pad_to
 from .quant import quantize, requantize
 from .unpack import block_exactness, dequantized_output, unpack_to_float32
@@ -40,11 +40,11 @@ def run_job(
     if job.action is Action.DEQUANTIZE:
         assert job.fmt is not None and job.fmt.scale is not None
         out_dtype = torch_dtype(job.spec.dtype)
-        return [dequantize(read(job.source), read(job.fmt.scale), job.fmt, out_dtype, backend)]
+        return [dequantize(read(job.source), stored_scale(read, job.fmt), job.fmt, out_dtype, backend)]
     if job.action is Action.KEEP_BLOCKS:
         assert job.fmt is not None and job.fmt.scale is not None
         weight = read(job.source)
-        grid = scale_grid(read(job.fmt.scale), job.fmt, tuple(weight.shape))
+        grid = scale_grid(stored_scale(read, job.fmt), job.fmt, tuple(weight.shape))
         grid = grid.reshape(*weight.shape[:-2], *grid.shape[-2:])
         parts = job.pad_parts  # the plan keeps blocks of a fused [gate; up] only when each half is whole blocks
         return [
@@ -56,8 +56,8 @@ def run_job(
         assert job.fmt.scale is not None
         weight = read(job.source)
         if tuple(weight.shape) == job.spec.shape:  # nothing to pad: dequantize and quantize in one go
-            return list(requantize(weight, read(job.fmt.scale), job.fmt, job.out_block, fp8_max, backend))
-        w32 = dequantize(weight, read(job.fmt.scale), job.fmt, torch.float32, backend)
+            return list(requantize(weight, stored_scale(read, job.fmt), job.fmt, job.out_block, fp8_max, backend))
+        w32 = dequantize(weight, stored_scale(read, job.fmt), job.fmt, torch.float32, backend)
     else:
         w32 = read(job.source).to(torch.float32)
     q, scale = quantize(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_block, fp8_max, backend)
