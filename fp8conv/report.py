@@ -129,7 +129,7 @@ def _warnings(ckpt: Checkpoint, cls: Classification, scales: bool, family: Famil
     if family is not None and family.by_rule:
         warnings.append(
             f"model_type {model_type_of(ckpt.config)!r} is not in the family table: its MLP roles are found by "
-            f"rule ({family.name.split('(', 1)[1].rstrip(')')})"
+            f"rule ({family.name.split('roles by rule: ', 1)[-1].rstrip(')')})"
         )
         warnings += family.refusals
     return warnings
