@@ -115,8 +115,7 @@ def plan_mlp_padding(
 ) -> MlpPadding:
     """Pad each chosen role's width to a multiple of tp * lcm(bn, bk): every rank then holds whole blocks
     of gate/up rows (block_n) and of down columns (block_k). Roles no tensor plays are left alone; a
-    config key two roles share is padded for both or neither. `family`: found by rule when the table
-    does not name the model_type (roles.py); a role whose width key is unknown is refused."""
+    config key two roles share is padded for both or neither. `family`: one found by rule (roles.py)."""
     family = family or family_of(config)
     if family is None:
         raise OptionsError(

@@ -11,7 +11,8 @@ API (for other test files):
                           bf16 master, the Linears a conversion to FP8 quantizes
     release.bf16_linears  modules that stay bf16 and that a loader must be told not to quantize
     release.layout        "block" | "tensor" | "bf16" (an unquantized master)
-    release.hf_class      the transformers class that loads the bf16 output, or None
+    release.hf_class      the transformers class that loads the bf16 output's text model (config.json's
+                          text section), or None
 
 Widths are not multiples of 128 (padding has something to do); experts 3, layers 2-4.
 """
@@ -219,7 +220,8 @@ def _qwen3_5(folder: Path, layout: str, moe: bool) -> Release:
     config = {"architectures": [arch], "model_type": kind, "text_config": text}
     config = _with_quant(config, layout, modules_to_not_convert=skip)
     b.write(folder, config)
-    return Release(kind, folder, config, b.fp8, b.bf16_linears, layout)
+    hf_class = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
+    return Release(kind, folder, config, b.fp8, b.bf16_linears, layout, hf_class)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -286,6 +288,7 @@ def _glm5(folder: Path, layout: str) -> Release:
         "v_head_dim": 32,
         "num_attention_heads": 4,
         "index_n_heads": 2,
+        "indexer_types": ["full", "full", "shared"],  # GLM-5.2: indexers on "full" layers only
         "index_head_dim": 32,
         "vocab_size": 300,
     }
@@ -293,7 +296,7 @@ def _glm5(folder: Path, layout: str) -> Release:
     skip = ["lm_head", "model.embed_tokens"] + [f"model.layers.{i}.self_attn.indexers_proj" for i in range(4)]
     config = _with_quant(config, layout, modules_to_not_convert=skip)
     b.write(folder, config)
-    return Release("glm_moe_dsa", folder, config, b.fp8, b.bf16_linears, layout)
+    return Release("glm_moe_dsa", folder, config, b.fp8, b.bf16_linears, layout, "GlmMoeDsaForCausalLM")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,7 +364,7 @@ def _nemotron_h(folder: Path, layout: str) -> Release:
     }
     config = _with_quant(config, layout)
     b.write(folder, config)
-    return Release("nemotron_h", folder, config, b.fp8, b.bf16_linears, layout)
+    return Release("nemotron_h", folder, config, b.fp8, b.bf16_linears, layout, "NemotronHForCausalLM")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -419,7 +422,10 @@ def _hy_v3(folder: Path, layout: str) -> Release:
     for i in range(2):
         p = f"model.layers.{i}."
         b.plain(p + "input_layernorm.weight", (H,))
+        b.plain(p + "post_attention_layernorm.weight", (H,))
         _attention(b, p + "self_attn.")
+        b.plain(p + "self_attn.q_norm.weight", (32,))
+        b.plain(p + "self_attn.k_norm.weight", (32,))
         if i == 0:
             _gated_mlp(b, p + "mlp.", 330)
             continue
@@ -446,7 +452,7 @@ def _hy_v3(folder: Path, layout: str) -> Release:
     }
     config = _with_quant(config, layout)
     b.write(folder, config)
-    return Release("hy_v3", folder, config, b.fp8, b.bf16_linears, layout)
+    return Release("hy_v3", folder, config, b.fp8, b.bf16_linears, layout, "HYV3ForCausalLM")
 
 
 def _bailing(folder: Path, layout: str) -> Release:

@@ -233,3 +233,57 @@ def test_expert_dtype_fp8_is_not_deepseek_v4(tmp_path):
     assert written["intermediate_size"] == 1024
     assert "expert_dtype" not in written  # not made a DeepSeek-V4 config
     assert load_dir(tmp_path / "out")["model.layers.0.block_sparse_moe.experts.2.w2.weight"].shape == (96, 1024)
+
+
+# ---------------------------------------------------------------------------------------------------
+# transformers (5.24 has these architectures) loads the bf16 output's text model: every parameter found,
+# each equal to the tensor written (renamed back the way its conversion_mapping renames), experts merged
+
+
+_RENAMES = (
+    ("model.", "model.language_model."),
+    ("model.", "backbone."),
+    ("mlp.gate.", "mlp.router.gate."),
+    ("mlp.shared_experts.", "mlp.shared_mlp."),
+    ("mlp.e_score_correction_bias", "mlp.expert_bias"),
+)
+HF_RELEASES = ["qwen3.6-35b-a3b-fp8", "qwen3.6-27b-fp8", "glm-5.2-fp8", "hy3-fp8", "nemotron-3-fp8-tensor"]
+
+
+def _written_name(key: str, written: dict[str, torch.Tensor]) -> str | None:
+    names = {key}
+    for old, new in _RENAMES:
+        names |= {n.replace(old, new, 1) for n in names}
+    return next((n for n in names if n in written), None)
+
+
+@pytest.mark.parametrize("name", HF_RELEASES)
+def test_transformers_loads_the_bf16_output(built, name, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    release = built(name)
+    out = tmp_path / "out"
+    fp8conv.convert(release.path, out, ConvertOptions(to="bf16"))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(_text(config) | {"architectures": [release.hf_class]}))
+    model_class = getattr(transformers, release.hf_class)
+    model, info = model_class.from_pretrained(out, output_loading_info=True, dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    written = load_dir(out)
+    state = model.state_dict()
+    direct = 0
+    for key, value in state.items():
+        source = _written_name(key, written)
+        if source is not None:
+            assert same_bits(value, written[source].to(value.dtype)), key  # as from_pretrained casts it
+            direct += 1
+    assert direct > len(state) // 2
+    merged = [k for k in state if k.endswith(("experts.gate_up_proj", "experts.up_proj"))]
+    for key in merged:  # expert 1 of the merged tensor is expert 1's own rows (gate first)
+        prefix = _written_name(key.removesuffix("gate_up_proj").removesuffix("up_proj") + "1.up_proj.weight", written)
+        assert prefix is not None, key
+        rows = [
+            written[prefix.replace("up_proj", p)]
+            for p in ("gate_proj", "up_proj")
+            if prefix.replace("up_proj", p) in written
+        ]
+        assert same_bits(state[key][1], torch.cat(rows)), key
