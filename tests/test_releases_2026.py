@@ -119,6 +119,10 @@ def test_fp8_targets(built, name, to, tmp_path):
             assert same_bits(got, ref), w  # the FP8 bytes and their scales are kept
         else:
             assert within_fp8_bound(got, ref, ref.abs().amax()), w
+    quantized = set(release.fp8_weights)
+    for n, t in src.items():  # routers, convolutions, norms, bf16 Linears: written as they are
+        if n not in quantized and not n.endswith(("_scale_inv", "_scale")):
+            assert same_bits(out[n], t), n
     ignored = _ignored(config)
     for module in release.bf16_linears:  # a loader must not build these as FP8
         assert out[module + ".weight"].dtype == torch.bfloat16, module
