@@ -251,11 +251,9 @@ def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...
 
 
 def register(family: Family) -> None:
-    """A family found by rule: its roles are then matched by name like the table's."""
-    if _BY_NAME.get(family.name) is not family:
-        _BY_NAME[family.name] = family
-        _MATCHERS.pop(family.name, None)
-        _role_index.cache_clear()
+    """A family found by rule: its roles are then matched by name like the table's. Its name states each
+    role's width key, and a role's tensors are fixed by rule, so one name always means the same roles."""
+    _BY_NAME[family.name] = family
 
 
 def model_type_of(config: dict[str, Any] | None) -> str:
@@ -279,18 +277,13 @@ def _matcher(family: Family) -> tuple[re.Pattern[str], list[tuple[MlpRole, MlpTe
     return _MATCHERS[family.name]
 
 
+_LAYER_PREFIX = re.compile(_LAYER)
+
+
 def _in_layer(name: str) -> str | None:
-    """The part of a name after its decoder layer's 'layers.N.', or None."""
-    start = 0
-    while (i := name.find("layers.", start)) >= 0:
-        j = i + len("layers.")
-        k = j
-        while k < len(name) and name[k].isdigit():
-            k += 1
-        if (i == 0 or name[i - 1] == ".") and k > j and k < len(name) and name[k] == ".":
-            return name[k + 1 :]
-        start = j
-    return None
+    """The part of a name after its (first) decoder layer's 'layers.N.', or None."""
+    m = _LAYER_PREFIX.search(name)
+    return None if m is None else name[m.end() :]
 
 
 def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:

@@ -11,6 +11,7 @@ EXCEPTIONS, by model_type. No torch.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     model_type = model_type_of(config)
     c = text_config(config)
     hidden = c.get("hidden_size") if isinstance(c.get("hidden_size"), int) else None
-    found = _role_tensors(shapes)
+    found, mixers = _role_tensors(shapes)
     roles: list[MlpRole] = []
     refusals: list[str] = []
     for group in ("dense", "routed", "shared"):
@@ -144,43 +145,53 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
         unquantized=re.compile("(" + "|".join((_UNQUANTIZED_BASE, _UNQUANTIZED_RULES, *extra.unquantized)) + ")"),
         mlp_other=MLP_OTHER,
         refusals=tuple(refusals),
-        mlp_mixers=_mlp_mixers(found),
+        mlp_mixers=mixers,
         by_rule=True,
     )
     register(family)
     return family
 
 
-_ANY_ROLE = {
-    group: re.compile("|".join(f"(?:{t.pattern.pattern})" for t in tensors)) for group, tensors in ROLE_TENSORS.items()
-}
+_ROLE_MATCH = re.compile(
+    "|".join(f"(?P<{g}{i}>{t.pattern.pattern})" for g, tensors in ROLE_TENSORS.items() for i, t in enumerate(tensors))
+)
 _VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|mm_projector|multi_modal_projector|audio\w*)\.")
+# (example name, shape, tensor) of each distinct kind of role tensor: a 200k-name checkpoint has a few dozen
+_Kinds = dict[str, dict[tuple[int, tuple[int, ...]], str]]
 
 
-def _role_tensors(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Each role group's (name, shape) in the decoder layers (language model and MTP), vision left out."""
-    found: dict[str, list[tuple[str, tuple[int, ...]]]] = {g: [] for g in ROLE_TENSORS}
+@functools.lru_cache(maxsize=1 << 19)  # planning asks again about the same names
+def _role_of_name(name: str) -> tuple[str, int] | None:
+    """(group, index in ROLE_TENSORS[group]) of a decoder-layer tensor (language model and MTP)."""
+    rest = _in_layer(name)
+    if rest is None or _VISION.search(name):
+        return None
+    m = _ROLE_MATCH.match(rest)
+    if m is None or m.lastgroup is None:
+        return None
+    group = m.lastgroup.rstrip("0123456789")
+    return group, int(m.lastgroup[len(group) :])
+
+
+def _role_tensors(shapes: Mapping[str, tuple[int, ...]]) -> tuple[_Kinds, frozenset[str]]:
+    """Each role group's distinct (tensor, shape) with an example name; the `mixer.` modules holding them."""
+    found: _Kinds = {g: {} for g in ROLE_TENSORS}
+    mixers = set()
     for name, shape in shapes.items():
-        rest = _in_layer(name)
-        if rest is None or _VISION.search(name):
+        role = _role_of_name(name)
+        if role is None:
             continue
-        for group, pattern in _ANY_ROLE.items():
-            if pattern.match(rest):
-                found[group].append((name, shape))
-                break
-    return found
-
-
-def _tensor_of(group: str, name: str) -> MlpTensor:
-    rest = _in_layer(name) or ""
-    return next(t for t in ROLE_TENSORS[group] if t.pattern.match(rest))
+        found[role[0]].setdefault((role[1], tuple(shape)), name)
+        if (i := name.find(".mixer.")) >= 0:  # Nemotron-H: this layer's mixer is an MLP
+            mixers.add(name[: i + len(".mixer.")])
+    return found, frozenset(mixers)
 
 
 def _match_width(
-    group: str, tensors: list[tuple[str, tuple[int, ...]]], c: dict[str, Any], hidden: int | None
+    group: str, tensors: dict[tuple[int, tuple[int, ...]], str], c: dict[str, Any], hidden: int | None
 ) -> tuple[Width | None, str]:
     """The one candidate key every tensor of the role fits; else None and the refusal naming them."""
-    kinds = [(name, shape, _tensor_of(group, name)) for name, shape in tensors]
+    kinds = [(name, shape, ROLE_TENSORS[group][i]) for (i, shape), name in tensors.items()]
     fits = []
     for width in WIDTH_CANDIDATES[group]:
         value = width.of(c)
@@ -202,16 +213,5 @@ def _match_width(
     )
     return None, (
         f"no config.json key gives the {group} MLP's width: {misfit[0]} has shape {list(misfit[1])}, "
-        f"candidates {stated or 'none'} ({len(kinds)} {group} tensors)"
+        f"candidates {stated or 'none'}"
     )
-
-
-def _mlp_mixers(found: dict[str, list[tuple[str, tuple[int, ...]]]]) -> frozenset[str]:
-    """Nemotron-H's `layers.N.mixer.` modules that are MLPs (others are Mamba or attention)."""
-    mixers = set()
-    for tensors in found.values():
-        for name, _ in tensors:
-            i = name.find(".mixer.")
-            if i >= 0:
-                mixers.add(name[: i + len(".mixer.")])
-    return frozenset(mixers)
