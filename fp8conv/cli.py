@@ -125,7 +125,7 @@ def _render_report(r: InspectReport) -> str:
         "dtypes:        " + ", ".join(f"{k} {v}" for k, v in r.dtypes.items()),
         "output size:   " + ", ".join(f"--to {k} ~{_gib(v)}" for k, v in r.estimated_output_bytes.items()),
     ]
-    mtp = ", ".join(str(i) for i in r.mtp_layers) if r.mtp_layers else "none"
+    mtp = ", ".join([str(i) for i in r.mtp_layers] + r.mtp_modules) or "none"
     lines.append(
         f"MTP layers:    {mtp}" + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,11 @@ class Family:
     # False: transformers builds this family's experts one Linear per expert under compressed-tensors
     # (SequentialLlama4TextExperts), so fused 3-D experts cannot stay fused beside a channel FP8 config
     fused_experts_beside_channel: bool = True
+    # A family the table does not name, its roles found by rule (roles.py): why --pad-for-tp cannot pad it
+    # (widths no config key matches, or two keys match), and the `mixer.` modules that are MLPs
+    refusals: tuple[str, ...] = ()
+    mlp_mixers: frozenset[str] = frozenset()
+    by_rule: bool = False
 
 
 def _gate_up_down(container: str, gate_up: str = r"(?:gate_proj|up_proj)", down: str = "down_proj"):
@@ -228,8 +233,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return nested if isinstance(nested, dict) and "hidden_size" in nested else config
 
 
-def family_of(config: dict[str, Any] | None) -> Family | None:
-    """The family of the (text) config's model_type; None for a model type the table does not know."""
+def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Family | None:
+    """The family of the (text) config's model_type. For a model type the table does not know: with the
+    checkpoint's tensor shapes, its roles found by rule (roles.py); without them, None."""
     if not config:
         return None
     c = text_config(config)
@@ -237,7 +243,17 @@ def family_of(config: dict[str, Any] | None) -> Family | None:
         family = _BY_MODEL_TYPE.get(str(section.get("model_type")))
         if family is not None:
             return family
-    return None
+    if shapes is None:
+        return None
+    from .roles import rule_family  # roles.py builds on this module's types
+
+    return rule_family(config, shapes)
+
+
+def register(family: Family) -> None:
+    """A family found by rule: its roles are then matched by name like the table's. Its name states each
+    role's width key, and a role's tensors are fixed by rule, so one name always means the same roles."""
+    _BY_NAME[family.name] = family
 
 
 def model_type_of(config: dict[str, Any] | None) -> str:
@@ -261,18 +277,13 @@ def _matcher(family: Family) -> tuple[re.Pattern[str], list[tuple[MlpRole, MlpTe
     return _MATCHERS[family.name]
 
 
+_LAYER_PREFIX = re.compile(_LAYER)
+
+
 def _in_layer(name: str) -> str | None:
-    """The part of a name after its decoder layer's 'layers.N.', or None."""
-    start = 0
-    while (i := name.find("layers.", start)) >= 0:
-        j = i + len("layers.")
-        k = j
-        while k < len(name) and name[k].isdigit():
-            k += 1
-        if (i == 0 or name[i - 1] == ".") and k > j and k < len(name) and name[k] == ".":
-            return name[k + 1 :]
-        start = j
-    return None
+    """The part of a name after its (first) decoder layer's 'layers.N.', or None."""
+    m = _LAYER_PREFIX.search(name)
+    return None if m is None else name[m.end() :]
 
 
 def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
@@ -312,9 +323,11 @@ def fused_group(name: str, family: Family | None = None) -> str | None:
     return None
 
 
-def widths_by_role(config: dict[str, Any] | None) -> dict[str, int]:
+def widths_by_role(
+    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> dict[str, int]:
     """Each MLP width the (text) config states, by its label ('intermediate_size', ...)."""
-    family = family_of(config)
+    family = family_of(config, shapes)
     if family is None:
         return {}
     c = text_config(config or {})
@@ -325,8 +338,11 @@ def width_disagreements(
     config: dict[str, Any] | None, tensors: Iterable[tuple[str, tuple[int, ...], str]], fix: str
 ) -> list[CheckpointError]:
     """Every (name, shape, shard) whose MLP width differs from the one the (text) config states for
-    its role: transformers and vLLM build the layer from config.json and stop on the size mismatch."""
-    family = family_of(config)
+    its role: transformers and vLLM build the layer from config.json and stop on the size mismatch.
+    A family found by rule has each role's key matched to its tensors: this then checks the output
+    (the padded widths written where the roles' keys are)."""
+    tensors = list(tensors)
+    family = family_of(config, {name: shape for name, shape, _ in tensors})
     if family is None:
         return []
     c = text_config(config or {})

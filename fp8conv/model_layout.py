@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,10 @@ def is_quantizable_linear(name: str, dtype: str, ndim: int, family: Family | Non
     return name.endswith(".weight") and dtype in FLOAT_DTYPES and ndim in (2, 3) and not unquantized.search(name)
 
 
-def mlp_widths(config: dict[str, Any] | None) -> dict[str, int]:
+def mlp_widths(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
     """Each intermediate width the MLP tensors use, by its config label."""
-    if family_of(config) is not None:
-        return widths_by_role(config)
+    if family_of(config, shapes) is not None:
+        return widths_by_role(config, shapes)
     c = text_config(config or {})
     return {k: v for k in _GENERIC_WIDTH_KEYS for v in [c.get(k)] if isinstance(v, int) and v > 0}
 
@@ -67,9 +67,10 @@ class MlpPadding:
     def padded_shape(self, name: str, shape: tuple[int, ...], shard: str) -> Pad | None:
         found = role_of(self.family, name)
         if found is None:
-            if is_language_mlp(name) and not (self.family.mlp_other.search(name) or OUTPUT_BIAS.search(name)):
+            if self._in_mlp(name) and not (self.family.mlp_other.search(name) or OUTPUT_BIAS.search(name)):
+                known = "the naming rules (fp8conv/roles.py) give" if self.family.by_rule else "the family table knows"
                 raise CheckpointError(
-                    f"is inside an MLP but plays no role the family table knows for {self.family.name}, "
+                    f"is inside an MLP but plays no role {known} for {self.family.name}, "
                     "so --pad-for-tp cannot tell which width it has",
                     tensor=name,
                     shard=shard,
@@ -98,6 +99,11 @@ class MlpPadding:
         new[axis] = new_width * tensor.parts
         return Pad(tuple(new), tensor.parts)
 
+    def _in_mlp(self, name: str) -> bool:
+        """In an MLP container; `mixer.` (Nemotron-H) only where that layer's mixer is an MLP."""
+        i = name.find(".mixer.")
+        return is_language_mlp(name) or (i >= 0 and name[: i + len(".mixer.")] in self.family.mlp_mixers)
+
 
 def plan_mlp_padding(
     config: dict[str, Any] | None,
@@ -105,17 +111,20 @@ def plan_mlp_padding(
     block: tuple[int, int],
     names: Iterable[str],
     groups: tuple[str, ...] | None = None,
+    family: Family | None = None,
 ) -> MlpPadding:
     """Pad each chosen role's width to a multiple of tp * lcm(bn, bk): every rank then holds whole blocks
     of gate/up rows (block_n) and of down columns (block_k). Roles no tensor plays are left alone; a
-    config key two roles share is padded for both or neither."""
-    family = family_of(config)
+    config key two roles share is padded for both or neither. `family`: one found by rule (roles.py)."""
+    family = family or family_of(config)
     if family is None:
         raise OptionsError(
             f"--pad-for-tp does not know model_type {model_type_of(config)!r}: which tensors use which MLP "
             "width is in fp8conv's family table",
             fix="convert without --pad-for-tp",
         )
+    if family.refusals:
+        raise OptionsError(f"--pad-for-tp: {family.refusals[0]}", fix="convert without --pad-for-tp")
     c = text_config(config or {})
     chosen = groups or ROLE_GROUPS
     present: dict[int, str] = {}  # role index -> one tensor playing it
@@ -172,13 +181,14 @@ def tp_report(
     block: tuple[int, int],
     tps: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
     names: Iterable[str] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, list[str]]:
     """For each TP size, the MLP widths whose per-rank slice is not whole blocks, as vLLM's
     validate_fp8_block_shape checks them: gate/up rows (merged, column-parallel) by block_n at any TP,
     down columns (row-parallel) by block_k once split across ranks. With `names`, a known family's widths
     that no tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has)."""
-    widths = mlp_widths(config)
-    family = family_of(config)
+    widths = mlp_widths(config, shapes)
+    family = family_of(config, shapes)
     if family is not None and names is not None:
         used = {found[0].width.label for name in names for found in [role_of(family, name)] if found}
         widths = {label: w for label, w in widths.items() if label in used}

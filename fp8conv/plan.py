@@ -22,7 +22,7 @@ from .config import (
 )
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import CheckpointError, OptionsError
-from .families import FUSED_EXPERTS, Family, family_of, fused_group, width_disagreements
+from .families import FUSED_EXPERTS, Family, family_of, fused_group, model_type_of, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from .mimo_kv import fused_qkv_problems
@@ -200,10 +200,13 @@ class _Planner:
         self.quantize_floats = options.to != "bf16" and not any(
             w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
         )
-        self.family = family_of(ckpt.config)
+        # a model_type the table does not name has its roles found by rule from the tensors (roles.py)
+        self.family = family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index)})
         self.padding: MlpPadding | None = None
+        # transformers-5 FineGrainedFP8Config saves write quantization_config.expert_dtype "fp8" too
+        self.deepseek_v4 = cls.settings.expert_dtype is not None and model_type_of(ckpt.config) == "deepseek_v4"
         if options.pad_for_tp:
-            if cls.settings.expert_dtype is not None or any(w.kind in PACKED for w in cls.weights.values()):
+            if self.deepseek_v4 or any(w.kind in PACKED for w in cls.weights.values()):
                 # its MLP names (ffn.experts.E.w1, *_blocks, weight_packed) are not the ones padding knows:
                 # config.json would claim padded widths the tensors do not have
                 raise OptionsError(
@@ -211,7 +214,7 @@ class _Planner:
                     fix="convert without --pad-for-tp",
                 )
             self.padding = plan_mlp_padding(
-                ckpt.config, options.pad_for_tp, self.out_block, ckpt.index.locations, options.pad_roles
+                ckpt.config, options.pad_for_tp, self.out_block, ckpt.index.locations, options.pad_roles, self.family
             )
             self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
@@ -317,7 +320,7 @@ class _Planner:
                 return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None, pad.parts)
             block = self.out_block
             return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, block), None, block, pad.parts)
-        if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and "embed" not in name:
+        if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and not _embedding_table(name, shape):
             self.unquantized_linears.append(module_of(name))
         elif (m := FUSED_EXPERTS.match(name)) and len(shape) == 3 and dtype != FP8_E4M3:
             # transformers swaps every `*.experts` module not listed for FP8 experts (and vLLM quantizes
@@ -349,7 +352,7 @@ class _Planner:
             return _with_expert_dtype(rewrite_for_dequantized(config, self.options.dtype), None)
         ignore = sorted(set(self.unquantized_linears))
         # DeepSeek-V4: every expert is FP8 now (block FP8 with float32 scales, as V4's Base model ships)
-        expert_dtype = "fp8" if self.cls.settings.expert_dtype is not None else None
+        expert_dtype = "fp8" if self.deepseek_v4 else None
         if to == "channel":
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
             out = _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
@@ -362,6 +365,18 @@ class _Planner:
         input_qconfig = find_quantization_config(config)[0]
         self.warnings += declare_kv_cache(out["quantization_config"], input_qconfig, self.kv_scales, to)
         return out
+
+
+# The last name part of an embedding table (embed_tokens, word_embeddings, pos_embed, wte): never a Linear
+_EMBEDDING_TABLE = re.compile(r"(?:embed|embedding|embeddings|emb|wte|wpe|tokens)$")
+
+
+def _embedding_table(name: str, shape: tuple[int, ...]) -> bool:
+    """An embedding (not listed in ignore); a 2-D `*embed*` module whose own name is a projection
+    (Gemma-4's embed_vision.embedding_projection, a patch_embedder.input_proj) is a Linear."""
+    if "embed" not in name:
+        return False
+    return len(shape) != 2 or bool(_EMBEDDING_TABLE.search(module_of(name)))
 
 
 def _channel_outputs(base: str, shape: tuple[int, ...], weight: str | None = None) -> tuple[TensorSpec, ...]:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import Fp8ConvError
-from .families import ROLE_GROUPS, family_of, model_type_of, role_of, width_disagreements
+from .families import ROLE_GROUPS, Family, family_of, model_type_of, role_of, width_disagreements
 from .formats import Classification, classify, has_partial_blocks
 from .model_layout import tp_report
 from .options import DEFAULT_BLOCK, TARGETS, ConvertOptions
@@ -44,6 +44,7 @@ class InspectReport:
     partial_block_tensors: list[PartialBlockTensor]
     num_hidden_layers: int | None
     mtp_layers: list[int]
+    mtp_modules: list[str]  # top-level multi-token-prediction modules: Qwen3.5's mtp.layers.0, V4's mtp.0
     tp_indivisible: dict[str, list[str]]  # TP size -> MLP widths that would not give each rank whole blocks
     # TP size -> --pad-roles choice ("dense,shared,routed", "dense,shared", ...) -> --to block bytes
     padded_output_bytes: dict[str, dict[str, int]]
@@ -76,12 +77,13 @@ def inspect(
     partial = _partial_block_tensors(ckpt, cls)
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
     block = cls.block_size or DEFAULT_BLOCK
-    tp_bad = tp_report(ckpt.config, block, names=ckpt.index.locations)
-    family = family_of(ckpt.config)
+    shapes = _shapes(ckpt, cls)
+    tp_bad = tp_report(ckpt.config, block, names=ckpt.index.locations, shapes=shapes)
+    family = family_of(ckpt.config, shapes)
     widths = width_disagreements(
         ckpt.config, cls.input_shapes(ckpt.index), "config.json and the tensors disagree: correct config.json"
     )
-    warnings = _warnings(ckpt, cls, scales, family is None)
+    warnings = _warnings(ckpt, cls, scales, family)
     return InspectReport(
         source=str(source),
         format=cls.checkpoint_format,
@@ -97,6 +99,7 @@ def inspect(
         partial_block_tensors=partial,
         num_hidden_layers=layers,
         mtp_layers=_mtp_layers(ckpt, layers),
+        mtp_modules=_mtp_modules(ckpt),
         tp_indivisible=tp_bad,
         padded_output_bytes={}
         if widths
@@ -119,15 +122,16 @@ def _partial_block_tensors(ckpt: Checkpoint, cls: Classification) -> list[Partia
     return partial
 
 
-def _warnings(ckpt: Checkpoint, cls: Classification, scales: bool, no_family: bool) -> list[str]:
+def _warnings(ckpt: Checkpoint, cls: Classification, scales: bool, family: Family | None) -> list[str]:
     warnings = list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files]
     if scales and cls.problems:
         warnings.append("--scales: the scales are not read while the headers show problems; fix those first")
-    if no_family and ckpt.config is not None:
+    if family is not None and family.by_rule:
         warnings.append(
-            f"model_type {model_type_of(ckpt.config)!r} is not in the family table: MLP widths are not checked "
-            "against the tensors and --pad-for-tp refuses it"
+            f"model_type {model_type_of(ckpt.config)!r} is not in the family table: its MLP roles are found by "
+            f"rule ({family.name.split('roles by rule: ', 1)[-1].rstrip(')')})"
         )
+        warnings += family.refusals
     return warnings
 
 
@@ -141,7 +145,7 @@ def inspect_invocation(block_size: tuple[int, int] | None, revision: str | None,
 def pad_role_choices(ckpt: Checkpoint) -> list[tuple[str, ...]]:
     """Every MLP role the checkpoint has; and, when it has routed experts, the roles left once they are not
     padded (expert-parallel experts are not split across ranks), minus any role sharing their width key."""
-    family = family_of(ckpt.config)
+    family = family_of(ckpt.config, {n: e.shape for n, (_, e) in ckpt.index.locations.items()})
     if family is None:
         return []
     roles = {found[0] for name in ckpt.index.locations for found in [role_of(family, name)] if found}
@@ -187,3 +191,17 @@ def _mtp_layers(ckpt: Checkpoint, num_hidden_layers: int | None) -> list[int]:
         return []
     found = {int(m.group(1)) for name in ckpt.index.locations for m in [LAYER_RE.search(name)] if m}
     return sorted(i for i in found if i >= num_hidden_layers)
+
+
+MTP_MODULE = re.compile(r"^(?:model\.)?(mtp\.(?:layers\.)?\d+)\.")
+
+
+def _mtp_modules(ckpt: Checkpoint) -> list[str]:
+    """Top-level MTP / draft modules (Qwen3.5 and Nemotron-H mtp.layers.N, DeepSeek-V4's mtp.N,
+    MiMo's model.mtp.layers.N), whatever num_hidden_layers says."""
+    found = {m.group(1) for name in ckpt.index.locations for m in [MTP_MODULE.match(name)] if m}
+    return sorted(found, key=lambda s: int(s.rsplit(".", 1)[1]))
+
+
+def _shapes(ckpt: Checkpoint, cls: Classification) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, shape, _ in cls.input_shapes(ckpt.index)}

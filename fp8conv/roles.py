@@ -1,0 +1,217 @@
+"""MLP roles by rule, for a model_type the family table does not name.
+
+Engines load MLP tensors by a few naming conventions (`mlp.experts.{E}.{gate,up,down}_proj`, fused 3-D
+`experts.gate_up_proj` / `down_proj`, Step-3.5's stacked `moe.{gate,up,down}_proj.weight`, `w1/w2/w3`,
+`shared_expert(s)` / `share_expert` / `shared_mlp`, Nemotron-H's `mixer.`). Each role found is given the
+config key whose value its tensors have; a role whose tensors fit no candidate key, or two keys, is not
+guessed: --pad-for-tp is refused naming the tensors and the keys. What rules cannot know (fused groups an
+engine builds, modules engines keep unquantized whatever the config says, unusual width keys) is in
+EXCEPTIONS, by model_type. No torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .families import (
+    _MLA,
+    _QKV,
+    _UNQUANTIZED_BASE,
+    Family,
+    MlpRole,
+    MlpTensor,
+    Width,
+    _gate_up_down,
+    _in_layer,
+    model_type_of,
+    register,
+    text_config,
+    width_axis,
+)
+
+_GATE_UP = r"(?:gate_proj|up_proj|w1|w3)"
+_DOWN = r"(?:down_proj|w2)"
+_EXPERT_HOME = r"(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)\."
+_SHARED_HOME = (
+    r"(?:(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)\.)?(?:shared_experts?|share_expert|shared_mlp)\."
+)
+_DENSE_HOME = r"(?:mlp|feed_forward|ffn|mixer)\."
+
+
+def _fused(home: str) -> tuple[MlpTensor, ...]:
+    """transformers 5's fused 3-D experts, [E, 2I, H] / [E, H, I] or transposed; Nemotron-H's
+    non-gated experts fuse up_proj alone ([E, I, H])."""
+    prefix = home + r"experts\."
+    return (
+        MlpTensor(re.compile(prefix + r"gate_up_proj$"), -2, parts=2, alt_axis=-1),
+        MlpTensor(re.compile(prefix + r"(?:gate_proj|up_proj)$"), -2, alt_axis=-1),
+        MlpTensor(re.compile(prefix + r"down_proj$"), -1, alt_axis=-2),
+    )
+
+
+# Step-3.5 / 3.7: every expert of a layer stacked in one 3-D tensor [E, out, in] under `moe.`
+_STACKED = (
+    MlpTensor(re.compile(r"moe\.(?:gate_proj|up_proj)\.weight$"), -2),
+    MlpTensor(re.compile(r"moe\.down_proj\.weight$"), -1),
+)
+ROLE_TENSORS: dict[str, tuple[MlpTensor, ...]] = {
+    "routed": _gate_up_down(_EXPERT_HOME + r"experts\.\d+\.", _GATE_UP, _DOWN) + _fused(_EXPERT_HOME) + _STACKED,
+    "shared": _gate_up_down(_SHARED_HOME, _GATE_UP, _DOWN),
+    "dense": _gate_up_down(_DENSE_HOME, _GATE_UP, _DOWN),
+}
+# The config keys each role's width may have, most specific first; a role takes the one its tensors fit.
+WIDTH_CANDIDATES: dict[str, tuple[Width, ...]] = {
+    "dense": (Width("intermediate_size"), Width("intermediate_size_mlp"), Width("dense_intermediate_size")),
+    "routed": (Width("moe_intermediate_size"), Width("intermediate_size"), Width("expert_intermediate_size")),
+    "shared": (
+        Width("shared_expert_intermediate_size"),
+        Width("moe_shared_expert_intermediate_size"),
+        Width("share_expert_dim"),
+        Width("moe_intermediate_size", "n_shared_experts"),
+        Width("moe_intermediate_size", "num_shared_experts"),
+        Width("intermediate_size"),
+    ),
+}
+_HOMES = r"(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)"
+# Inside an MLP and without a width: routers and their biases, norms, latent projections (hidden-sized)
+MLP_OTHER = re.compile(
+    rf"\.{_HOMES}\.(?:(?:router\.)?gate\.\w+|router\.\w+|e_score_correction_bias|expert_bias|router_bias"
+    r"|experts\.e_score_correction_bias|shared_expert_gate\.weight|fc[12]_latent_proj\.\w+|\w*norm\w*\.\w+)$"
+)
+# Kept unquantized by every engine whatever the config says: routers (Step's moe.gate, Nemotron's
+# mixer.gate, Hy3's mlp.router.gate), convolutions (Mamba / gated-delta-net conv1d), DSA indexer scores,
+# audio towers and patch mergers that are not in `vision*`.
+_UNQUANTIZED_RULES = rf"\.{_HOMES}\.gate\.weight$|\.router\.|conv1d|\.indexer\.weights_proj\.|audio|patch_merge_mlp"
+_FUSED_RULES = (
+    _QKV,
+    _MLA,
+    re.compile(
+        r"^(.*\.(?:shared_experts?|share_expert|shared_mlp|mlp|feed_forward|ffn|mixer)\.)" + _GATE_UP + r"\.weight$"
+    ),
+    re.compile(r"^(.*\.experts\.)\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"),
+    re.compile(r"^(.*\.moe\.)(?:gate_proj|up_proj|down_proj)\.weight$"),
+)
+
+
+@dataclass(frozen=True)
+class Exceptions:
+    """What a family's names cannot tell: fused groups an engine builds, modules kept unquantized."""
+
+    fused: tuple[str, ...] = ()
+    unquantized: tuple[str, ...] = ()
+
+
+_QWEN3_5 = Exceptions(
+    # vLLM's qwen3_5.py loads in_proj_qkv + in_proj_z as one in_proj_qkvz, in_proj_b + in_proj_a as in_proj_ba
+    fused=(
+        r"^(.*\.linear_attn\.)(?:in_proj_qkv|in_proj_z)\.weight$",
+        r"^(.*\.linear_attn\.)(?:in_proj_b|in_proj_a)\.weight$",
+    ),
+    # the releases keep in_proj_b / in_proj_a (64 rows at most per rank) and mtp.fc in bf16
+    unquantized=(r"\.linear_attn\.in_proj_[ba]\.", r"(?:^|\.)mtp\.fc\."),
+)
+EXCEPTIONS: dict[str, Exceptions] = {
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _QWEN3_5),
+}
+
+
+def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> Family:
+    """The family of an unnamed model_type: its MLP roles found from the names, each width key matched
+    to the tensors' widths."""
+    model_type = model_type_of(config)
+    c = text_config(config)
+    hidden = c.get("hidden_size") if isinstance(c.get("hidden_size"), int) else None
+    found, mixers = _role_tensors(shapes)
+    roles: list[MlpRole] = []
+    refusals: list[str] = []
+    for group in ("dense", "routed", "shared"):
+        if found[group]:
+            width, refusal = _match_width(group, found[group], c, hidden)
+            if width is not None:
+                roles.append(MlpRole(group, width, ROLE_TENSORS[group]))
+            else:
+                refusals.append(refusal)
+    extra = EXCEPTIONS.get(model_type, Exceptions())
+    labels = ", ".join(f"{r.group} {r.width.label}" for r in roles) or "no MLP roles"
+    family = Family(
+        name=f"{model_type} (roles by rule: {labels})",
+        model_types=(model_type,),
+        roles=tuple(roles),
+        fused=(*_FUSED_RULES, *(re.compile(p) for p in extra.fused)),
+        unquantized=re.compile("(" + "|".join((_UNQUANTIZED_BASE, _UNQUANTIZED_RULES, *extra.unquantized)) + ")"),
+        mlp_other=MLP_OTHER,
+        refusals=tuple(refusals),
+        mlp_mixers=mixers,
+        by_rule=True,
+    )
+    register(family)
+    return family
+
+
+_ROLE_MATCH = re.compile(
+    "|".join(f"(?P<{g}{i}>{t.pattern.pattern})" for g, tensors in ROLE_TENSORS.items() for i, t in enumerate(tensors))
+)
+_VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|mm_projector|multi_modal_projector|audio\w*)\.")
+# (example name, shape, tensor) of each distinct kind of role tensor: a 200k-name checkpoint has a few dozen
+_Kinds = dict[str, dict[tuple[int, tuple[int, ...]], str]]
+
+
+@functools.lru_cache(maxsize=1 << 19)  # planning asks again about the same names
+def _role_of_name(name: str) -> tuple[str, int] | None:
+    """(group, index in ROLE_TENSORS[group]) of a decoder-layer tensor (language model and MTP)."""
+    rest = _in_layer(name)
+    if rest is None or _VISION.search(name):
+        return None
+    m = _ROLE_MATCH.match(rest)
+    if m is None or m.lastgroup is None:
+        return None
+    group = m.lastgroup.rstrip("0123456789")
+    return group, int(m.lastgroup[len(group) :])
+
+
+def _role_tensors(shapes: Mapping[str, tuple[int, ...]]) -> tuple[_Kinds, frozenset[str]]:
+    """Each role group's distinct (tensor, shape) with an example name; the `mixer.` modules holding them."""
+    found: _Kinds = {g: {} for g in ROLE_TENSORS}
+    mixers = set()
+    for name, shape in shapes.items():
+        role = _role_of_name(name)
+        if role is None:
+            continue
+        found[role[0]].setdefault((role[1], tuple(shape)), name)
+        if (i := name.find(".mixer.")) >= 0:  # Nemotron-H: this layer's mixer is an MLP
+            mixers.add(name[: i + len(".mixer.")])
+    return found, frozenset(mixers)
+
+
+def _match_width(
+    group: str, tensors: dict[tuple[int, tuple[int, ...]], str], c: dict[str, Any], hidden: int | None
+) -> tuple[Width | None, str]:
+    """The one candidate key every tensor of the role fits; else None and the refusal naming them."""
+    kinds = [(name, shape, ROLE_TENSORS[group][i]) for (i, shape), name in tensors.items()]
+    fits = []
+    for width in WIDTH_CANDIDATES[group]:
+        value = width.of(c)
+        if value is not None and all(width_axis(t, shape, value, hidden) is not None for _, shape, t in kinds):
+            fits.append(width)
+    keys = list(dict.fromkeys(w.key for w in fits))
+    if len(keys) == 1:
+        return fits[0], ""
+    stated = {w.label: w.of(c) for w in WIDTH_CANDIDATES[group] if w.of(c) is not None}
+    name, shape, _ = kinds[0]
+    if keys:
+        return None, (
+            f"the {group} MLP ({name}, shape {list(shape)}) fits config.json's "
+            f"{' and '.join(w.label for w in fits)} alike, so which one an engine sizes it by is not known"
+        )
+    misfit = next(
+        ((n, s) for n, s, t in kinds if not any(width_axis(t, s, v, hidden) is not None for v in stated.values())),
+        (name, shape),
+    )
+    return None, (
+        f"no config.json key gives the {group} MLP's width: {misfit[0]} has shape {list(misfit[1])}, "
+        f"candidates {stated or 'none'}"
+    )
