@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp8conv-installed
 DEMO_DIR := build/demo
 
-.PHONY: setup demo test lint bench kernel gpu-check slurm-test engine-test clean
+.PHONY: setup demo test lint bench kernel gpu-check slurm-test engine-test test-avx2 clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,8 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check fp8conv tests tests_engine examples bench
 	$(VENV)/bin/ruff format --check fp8conv tests tests_engine examples bench
+	# requires-python says >=3.10 and only 3.11 runs the tests: vermin names any call 3.10 lacks
+	$(VENV)/bin/vermin -q --no-tips --violations --eval-annotations -t=3.10- fp8conv
 
 test: setup lint
 	$(PY) -m pytest -q
@@ -47,6 +49,20 @@ $(ENGINE_STAMP):
 
 engine-test: setup $(ENGINE_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests_engine
+
+# An AVX2-only x86 host (no AVX-512, no AMX), reproduced on any x86 host: torch's and oneDNN's kernels limited
+# to AVX2, and vLLM shown an AVX2-only CPU (it loads its AVX2 build, which has no CPU FP8 ops; see
+# tests_engine/vllm_worker.py). Runs the tests whose numbers or kernels depend on the CPU: logits of padded
+# models, the CPU backend's parity with the reference, vLLM's CPU FP8 kernels. AVX2_TESTS=tests AVX2_K= runs
+# the whole main suite so.
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FP8CONV_VLLM_CPU=avx2
+AVX2_TESTS ?= tests/test_engines.py tests/test_padding_families.py tests/test_families_independent.py
+AVX2_K ?= not test_families_independent or test_block_padded and 4]
+test-avx2: setup $(ENGINE_STAMP)
+	$(AVX2_ENV) $(PY) -c "import sys, torch; c = torch.backends.cpu.get_cpu_capability(); sys.exit(0 if c == 'AVX2' else f'torch runs {c} kernels here, not AVX2')"
+	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_backend.py -k cpu
+	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS) -k '$(AVX2_K)'
+	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests_engine -k 'load_only or computed_by_vllm_where'
 
 # Not part of `make test`: builds multi-GiB synthetic checkpoints and takes several minutes.
 # Writes bench/results.json and bench/results.md; BENCH_ARGS="--sizes 1,8 --reps 5" to change.

@@ -24,8 +24,11 @@ MANIFEST = Path(".fp8conv") / "manifest.json"
 
 
 def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # not hashlib.file_digest: that needs Python 3.11, and 3.10 is supported
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def input_identity(ckpt: Checkpoint) -> dict[str, Any]:

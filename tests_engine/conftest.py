@@ -22,7 +22,7 @@ from .models import KINDS, build_fp8
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("FP8CONV_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
-WORKER_TIMEOUT_S = 600
+WORKER_TIMEOUT_S = 1200  # the load worker builds 7 models x 3 ranks: over 600 s on a busy 2-core host
 
 TIMINGS: list[tuple[str, float]] = []
 VERDICTS: list[str] = []  # what each test saw, shown after the run (what was computed, what only loaded)

@@ -5,6 +5,12 @@ one model per process; `load` imports vLLM once and forks the ranks of each mode
   load OUT_DIR NAME=MODEL... --tp 1,2       vLLM's model construction and weight loaders, no compute
 
 Not imported by the tests: this file needs vllm, which the main .venv does not have.
+
+What vLLM's CPU build computes depends on the host. It loads one of three kernel libraries by what torch
+says of the CPU: _C (AVX-512 with bf16), _C_AVX512 or _C_AVX2, and only _C has the FP8 ops
+(fp8_scaled_mm_cpu); its block-FP8 Linear and FP8 MoE kernels also need AMX. With FP8CONV_VLLM_CPU=avx2
+vLLM sees an AVX2-only CPU on any x86 host (no AVX-512, no AMX, so it loads _C_AVX2 and has no CPU FP8
+ops): `make test-avx2` reproduces that host this way.
 """
 
 from __future__ import annotations
@@ -25,12 +31,62 @@ TOP_LOGPROBS = 5
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 KV_CACHE_BYTES = 64 << 20
 
+CPU_ENV = "FP8CONV_VLLM_CPU"
+KERNELS_LINE = "fp8conv-worker: vLLM's CPU FP8 kernels here:"  # the tests read the rest of this stderr line
+
+
+def _as_avx2_host() -> None:
+    """Before vLLM is imported: torch's CPU probes, which vLLM reads to choose its library and kernels, say
+    AVX2 only. Probes of the hardware itself that vLLM reads later (AMX-FP8) are answered in _no_amx_fp8."""
+    import torch
+
+    for probe in ("avx512", "avx512_bf16", "amx_tile", "amx_fp16"):
+        setattr(torch.cpu, f"_is_{probe}_supported", lambda: False)
+
+
+def _no_amx_fp8() -> None:
+    """vLLM's W8A8 CPU kernels need AMX-FP8 hardware (cpu_has_amx_fp8, asked of the chip): declared absent."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    ops.cpu_has_amx_fp8 = cpu_moe.cpu_has_amx_fp8 = lambda: False
+
+
+def _declare_cpu_fp8_kernels() -> None:
+    """LOAD-ONLY: vLLM picks each FP8 layer's CPU kernel while it builds the model, and refuses to build a
+    layer whose kernel this CPU or this build lacks (no AMX; no fp8_scaled_mm_cpu outside _C). Nothing
+    computes here, so the W8A16 kernels a CPU with AMX and the FP8 ops would pick are declared available,
+    and the AMX-FP8 ones absent: every host builds the same model, parameters and weight loaders."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as linear_cpu
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    _no_amx_fp8()
+    ops._supports_cpu_fp8_w8a16 = True
+    linear_cpu.CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
+    cpu_moe.CPUExpertsFp8._supports_current_device = staticmethod(lambda: True)
+
+
+def _report_cpu_fp8_kernels() -> None:
+    """One line on stderr saying which of vLLM's CPU FP8 needs are missing: a test that skips names them."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    needs = {"the fp8_scaled_mm_cpu op": ops._supports_cpu_fp8_w8a16, "AMX tiles": torch.cpu._is_amx_tile_supported()}
+    missing = [name for name, present in needs.items() if not present]
+    state = f"missing {' and '.join(missing)}" if missing else "all present"
+    emulated = f" ({CPU_ENV}=avx2)" if os.environ.get(CPU_ENV) == "avx2" else ""
+    print(f"{KERNELS_LINE} {state}{emulated}", file=sys.stderr, flush=True)
+
 
 def generate(model: str, out: Path, native_rope: bool) -> None:
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
     t1 = time.perf_counter()
+    if os.environ.get(CPU_ENV) == "avx2":
+        _no_amx_fp8()
+    _report_cpu_fp8_kernels()
     kwargs = {}
     if native_rope:
         # vLLM's CPU rotary op (ops.rotary_embedding, RotaryEmbedding.forward_cpu) rotates MLA's strided
@@ -60,8 +116,8 @@ def generate(model: str, out: Path, native_rope: bool) -> None:
 def _load_rank(model: str, out: Path, tp: int, rank: int, port: int) -> None:
     """One tensor-parallel rank: vLLM builds the model with its quantization method (create_weights, the
     per-rank parameter shapes) and runs the model's load_weights through DefaultModelLoader, which
-    refuses any parameter the checkpoint did not initialize. process_weights_after_loading is not run:
-    it picks the compute kernel, and the CPU kernels for block FP8 Linear and FP8 MoE need AMX."""
+    refuses any parameter the checkpoint did not initialize. process_weights_after_loading is not run: it
+    packs the weights for the compute kernels, which need AMX and the FP8 ops (_declare_cpu_fp8_kernels)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -108,6 +164,7 @@ def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
 
     import vllm  # noqa: F401
 
+    _declare_cpu_fp8_kernels()
     failed = 0
     for name, model in models.items():
         timing = {}
@@ -150,6 +207,10 @@ def main() -> int:
     ld.add_argument("models", nargs="+", help="NAME=PATH for each checkpoint")
     ld.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2")
     a = parser.parse_args()
+    if os.environ.get(CPU_ENV) == "avx2":
+        _as_avx2_host()
+    elif os.environ.get(CPU_ENV):
+        parser.error(f"{CPU_ENV}: only 'avx2' is understood, not {os.environ[CPU_ENV]!r}")
     if a.cmd == "generate":
         generate(a.model, a.out, a.native_rope)
         return 0
