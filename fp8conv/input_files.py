@@ -75,8 +75,8 @@ def _walk(boundary: Path, pending: list[str], where: dict[str, str]) -> int:
             if part in ("", "."):
                 continue
             if part == "..":
-                if not names:
-                    raise _outside(boundary, names, where, "..")
+                if not names:  # the target as the link spells it, resolved from where it climbs out
+                    raise _outside(boundary, [], where, os.path.join("..", *pending))
                 os.close(stack.pop())
                 names.pop()
                 continue

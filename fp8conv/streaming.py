@@ -89,14 +89,17 @@ def header_document(h: ShardHeader) -> dict[str, Any]:
 
 def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
     """Headers an interrupted run of the same repo and commit saved, validated as a shard's own are
-    (header.parse_header); every fetched shard is still checked against them. Missing, unreadable or
-    of another repo, commit or fp8conv version: read again. One that lies is refused by name."""
+    (header.parse_header); every fetched shard is still checked against them. Missing, or of another
+    repo, commit or fp8conv version: read again. A damaged one (fp8conv wrote it) is refused by name."""
     path = out / HEADERS_FILE
-    try:  # a cache; O_NOFOLLOW: never read through a link planted in the output
+    fix = "delete it (the headers are then read again), or convert again without --resume"
+    try:  # O_NOFOLLOW: never read through a link planted in the output
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        doc = read_json_object(path, fix="its headers are read again", error=OutputError, fd=fd)
-    except (OSError, OutputError):
+    except FileNotFoundError:
         return {}
+    except OSError as exc:
+        raise OutputError(f"cannot be read ({exc.strerror or exc})", file=str(path), fix=fix) from exc
+    doc = read_json_object(path, fix=fix, name=str(path), error=OutputError, fd=fd)
     saved = doc.get("headers")
     if (doc.get("repo_id"), doc.get("commit")) != (source.repo_id, source.commit) or not isinstance(saved, dict):
         return {}
@@ -109,11 +112,7 @@ def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
             headers[name] = parse_header(json.dumps(header).encode(), None, name)
         except CheckpointError as exc:
             inner = CheckpointError(exc.problem, tensor=exc.tensor, shard=exc.shard).one_line()
-            raise OutputError(
-                f"holds a damaged saved header ({inner})",
-                file=str(path),
-                fix="delete it (the headers are then read again), or convert again without --resume",
-            ) from exc
+            raise OutputError(f"holds a damaged saved header ({inner})", file=str(path), fix=fix) from exc
     return headers
 
 
