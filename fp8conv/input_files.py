@@ -5,8 +5,9 @@ O_NOFOLLOW relative to the one before it; a symlink met on the way is read (read
 content) and its target resolved by this walk, so that `..` can never climb above the root. The Hub
 cache's snapshot -> blob links stay inside the repo's cache folder (models--org--name), the root for a
 snapshot; a link into another repo's cache, or anywhere else, is refused before anything is read.
-The file itself is opened with O_NOFOLLOW | O_NONBLOCK (a FIFO does not block the open) and checked
-with fstat() on the descriptor: what is read is what was checked.
+The file itself is opened with O_NOFOLLOW | O_NONBLOCK (a FIFO does not block the open) by the path the
+walk found, and kept only if fstat() on the descriptor finds the file the walk checked (same device and
+inode): what is read is what was checked.
 
 Later opens by path (the run's readers, another process) compare the opened file's (st_dev, st_ino)
 with the one recorded here (`reopen`): a link swapped in since is refused, not followed."""
@@ -92,7 +93,7 @@ def _walk(boundary: Path, pending: list[str], where: dict[str, str]) -> int:
                 stack.append(_open_dir(part, stack[-1], where))
                 names.append(part)
                 continue
-            return _open_file(part, stack[-1], st, where)
+            return _open_file(os.path.join(boundary, *names, part), st, where)
         raise NotRegular("is a directory, not a file", **where, fix="point at the checkpoint's files")
     finally:
         for fd in stack:
@@ -127,20 +128,22 @@ def _open_dir(part: str, parent: int, where: dict[str, str]) -> int:
         raise
 
 
-def _open_file(part: str, parent: int, st: os.stat_result, where: dict[str, str]) -> int:
+def _open_file(path: str, st: os.stat_result, where: dict[str, str]) -> int:
+    """The walk's last component, opened by the path the walk found (no link in it: every part was
+    checked, relative to its directory) and kept only if it is the very file that was checked."""
     if not stat.S_ISREG(st.st_mode):  # never opened: opening a device can have effects of its own
         kind = file_kind(st.st_mode)
         raise NotRegular(f"is not a regular file ({kind})", **where, fix="remove it or copy the file in")
     try:
-        fd = os.open(part, _OPEN_FLAGS, dir_fd=parent)
+        fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # became a link since the stat
+        if exc.errno == errno.ELOOP:  # became a link since the walk
             raise Outside("was replaced by a symlink while it was opened", **where, fix=OUTSIDE_FIX) from exc
         raise
     opened = os.fstat(fd)
-    if not stat.S_ISREG(opened.st_mode):
+    if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
         os.close(fd)
-        raise NotRegular(f"is not a regular file ({file_kind(opened.st_mode)})", **where, fix="copy the file in")
+        raise Outside("changed while it was opened (a link or another file swapped in)", **where, fix=OUTSIDE_FIX)
     return fd
 
 

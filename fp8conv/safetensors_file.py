@@ -70,7 +70,8 @@ def read_header(
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError("is not a regular file", shard=shard, fix="point at the checkpoint's real shards")
             size = st.st_size if file_size is None else file_size
-            prefix = os.pread(fd, 8, 0)
+            os.lseek(fd, 0, os.SEEK_SET)  # read(), not pread(): tests trace that only the header is read
+            prefix = _read_exactly(fd, 8)
             if len(prefix) < 8:
                 raise CheckpointError("file is too short to be safetensors", shard=shard, fix="re-download this shard")
             (header_len,) = struct.unpack("<Q", prefix)
@@ -80,7 +81,7 @@ def read_header(
                     shard=shard,
                     fix="the file is truncated or not safetensors; re-download it",
                 )
-            raw = _pread_exactly(fd, header_len, 8)
+            raw = _read_exactly(fd, header_len)
         finally:
             if own:
                 os.close(fd)
@@ -90,10 +91,10 @@ def read_header(
     return dataclasses.replace(header, identity=(st.st_dev, st.st_ino))
 
 
-def _pread_exactly(fd: int, n: int, offset: int) -> bytes:
+def _read_exactly(fd: int, n: int) -> bytes:
     parts, done = [], 0
     while done < n:
-        chunk = os.pread(fd, n - done, offset + done)
+        chunk = os.read(fd, n - done)
         if not chunk:
             break
         parts.append(chunk)

@@ -222,7 +222,7 @@ def test_a_sparse_1gib_config_json_is_refused_by_size_before_it_is_read(tiny, tm
     started = time.monotonic()
     with pytest.raises(CheckpointError, match=r"config\.json: is 1073741824 bytes, more than the"):
         fp8conv.inspect(tiny.path)
-    assert time.monotonic() - started < 5  # reading 1 GiB and parsing it took far longer, and 2.3 GB
+    assert time.monotonic() - started < 30  # loose: a loaded CI machine; the message is the real check
 
 
 # --- headers: one validator, every path ---------------------------------------------------------------
@@ -276,16 +276,23 @@ def test_trailing_bytes_and_a_truncated_file_are_refused(tmp_path):
         parse_header(b'{"__metadata__": {"x": NaN}}', None, "s")
 
 
-def test_a_million_empty_tensors_are_refused_fast(tmp_path):
+def test_a_million_empty_tensors_are_refused_fast(monkeypatch):
     header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(1_000_000)}
     raw = json.dumps(header).encode()
     started = time.monotonic()
     with pytest.raises(CheckpointError, match=f"lists 1000000 tensors, more than the {MAX_TENSORS}"):
         parse_header(raw, 8 + len(raw), "big.safetensors")
-    assert time.monotonic() - started < 2
-    at_cap = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(MAX_TENSORS)}
-    raw = json.dumps(at_cap).encode()
-    assert len(parse_header(raw, 8 + len(raw), "cap.safetensors").tensors) == MAX_TENSORS  # the cap is allowed
+    assert time.monotonic() - started < 20  # counted before parsing; it took over 60 s to accept before
+    from fp8conv import header as header_module
+
+    monkeypatch.setattr(header_module, "MAX_TENSORS", 1000)  # the cap itself is allowed, one more is not
+    for count, ok in ((1000, True), (1001, False)):
+        raw = json.dumps({f"t{i}": header[f"t{i}"] for i in range(count)}).encode()
+        if ok:
+            assert len(parse_header(raw, 8 + len(raw), "cap.safetensors").tensors) == count
+        else:
+            with pytest.raises(CheckpointError, match="lists 1001 tensors"):
+                parse_header(raw, 8 + len(raw), "cap.safetensors")
 
 
 @pytest.mark.parametrize(("header", "size", "match"), LIES[:5])
