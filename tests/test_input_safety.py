@@ -197,6 +197,7 @@ def test_stream_index_names_stay_inside_the_snapshot(tiny, tmp_path):
     ("text", "match"),
     [
         ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests arrays or objects more than 64 deep under key 'a'"),
+        ('{"a": ' + "[" * 100 + "]" * 100 + "}", "nests arrays or objects more than 64 deep under key 'a'"),
         ('{"hidden_size": ' + "9" * 5000 + "}", "holds an integer of 5000 digits under key 'hidden_size'"),
         ('{"name": "\\udc80"}', "holds a string with a lone UTF-16 surrogate under key 'name'"),
     ],
@@ -279,11 +280,17 @@ def test_trailing_bytes_and_a_truncated_file_are_refused(tmp_path):
 def test_a_million_empty_tensors_are_refused_fast(monkeypatch):
     header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(1_000_000)}
     raw = json.dumps(header).encode()
-    started = time.monotonic()
-    with pytest.raises(CheckpointError, match=f"lists 1000000 tensors, more than the {MAX_TENSORS}"):
-        parse_header(raw, 8 + len(raw), "big.safetensors")
-    assert time.monotonic() - started < 20  # counted before parsing; it took over 60 s to accept before
     from fp8conv import header as header_module
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the header was parsed before its tensors were counted")
+
+    started = time.monotonic()
+    with monkeypatch.context() as patched:
+        patched.setattr(header_module, "parse_json", no_parse)
+        with pytest.raises(CheckpointError, match=f"lists 1000000 tensors, more than the {MAX_TENSORS}"):
+            parse_header(raw, 8 + len(raw), "big.safetensors")
+    assert time.monotonic() - started < 20  # it took over 60 s (and 2 GB) to accept before
 
     monkeypatch.setattr(header_module, "MAX_TENSORS", 1000)  # the cap itself is allowed, one more is not
     for count, ok in ((1000, True), (1001, False)):
@@ -293,6 +300,9 @@ def test_a_million_empty_tensors_are_refused_fast(monkeypatch):
         else:
             with pytest.raises(CheckpointError, match="lists 1001 tensors"):
                 parse_header(raw, 8 + len(raw), "cap.safetensors")
+    entries = json.dumps({f"t{i}": {} for i in range(1001)}).encode()  # no data_offsets to count: counted parsed
+    with pytest.raises(CheckpointError, match="lists 1001 tensors"):
+        parse_header(entries, 8 + len(entries), "cap.safetensors")
 
 
 @pytest.mark.parametrize(("header", "size", "match"), LIES[:5])
