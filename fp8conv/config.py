@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
-
-from .json_file import read_json_object
 
 CONFIG_NAME = "config.json"
 # Mistral releases ship params.json (vLLM --config-format mistral) beside config.json.
@@ -23,8 +22,17 @@ READ_FROM_KEY = "_fp8conv_read_from"
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    """config.json (or params.json): a JSON object, or one refusal naming the file."""
-    return read_json_object(path, fix=f"fix or re-download {path.name}")
+    """config.json (or params.json): a JSON object, or one refusal naming the file; opened with no link
+    followed out of its checkpoint folder, size-capped and depth-guarded (index.read_input_json)."""
+    from .index import read_input_json  # index.py reads shards, which config readers do not need
+
+    return read_input_json(path, fix=f"fix or re-download {path.name}")
+
+
+def present(path: Path) -> bool:
+    """There is an entry by this name (a dangling link, a FIFO too: opening it then says why it cannot
+    be read, rather than the file being taken as absent)."""
+    return os.path.lexists(path)
 
 
 def find_quantization_config(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
@@ -44,7 +52,7 @@ def with_modelopt_config(config: dict[str, Any] | None, root: Path) -> dict[str,
     """config.json as vLLM reads it: without a quantization_config of its own, hf_quant_config.json's
     ({"producer": ..., "quantization": {"quant_algo": ...}}) becomes it, as quant_method modelopt."""
     path = root / MODELOPT_CONFIG_NAME
-    if config is None or find_quantization_config(config)[0] is not None or not path.is_file():
+    if config is None or find_quantization_config(config)[0] is not None or not present(path):
         return config
     sidecar = load_config(path)
     return config | {"quantization_config": {"quant_method": "modelopt", **sidecar, READ_FROM_KEY: path.name}}

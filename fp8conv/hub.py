@@ -3,11 +3,14 @@ that only what a conversion needs is downloaded, and remote safetensors headers 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 from .errors import CheckpointError
-from .safetensors_file import ShardHeader, TensorEntry
+from .header import parse_header
+from .safetensors_file import ShardHeader
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Weights as safetensors, and every file a model needs beside them; never other weight formats.
@@ -75,10 +78,21 @@ def remote_headers(repo_id: str, revision: str | None) -> dict[str, ShardHeader]
         raise _hub_error(repo_id, exc) from exc
     headers = {}
     for filename, file_meta in meta.files_metadata.items():
-        entries = {}
-        for name, info in file_meta.tensors.items():
-            begin, end = info.data_offsets
-            entries[name] = TensorEntry(name, info.dtype, tuple(info.shape), begin, end - begin)
-        size = max((e.start + e.nbytes for e in entries.values()), default=0)
-        headers[filename] = ShardHeader(Path(filename), size, 0, entries, dict(file_meta.metadata or {}))
+        headers[filename] = parse_header(remote_header_json(file_meta), None, filename)
     return headers
+
+
+def remote_header_json(file_meta: Any) -> bytes:
+    """A remote header as the JSON a shard holds, for the validator local headers go through
+    (huggingface_hub parsed it, and checked nothing)."""
+    doc: dict[str, Any] = {}
+    if file_meta.metadata:
+        doc["__metadata__"] = file_meta.metadata
+    for name, info in file_meta.tensors.items():
+        offsets = info.data_offsets
+        doc[name] = {
+            "dtype": info.dtype,
+            "shape": info.shape,
+            "data_offsets": list(offsets) if isinstance(offsets, tuple) else offsets,
+        }
+    return json.dumps(doc).encode()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import OptionsError
+from .input_files import read_contained, reopen
 from .json_file import read_json_object
 from .options import ConvertOptions
 from .source import Checkpoint
@@ -36,7 +38,8 @@ def input_identity(ckpt: Checkpoint) -> dict[str, Any]:
     dtype, shape and offset), and config.json's hash."""
     shards = []
     for shard in ckpt.index.shards:
-        with open(shard.header.path, "rb") as f:
+        fd = reopen(shard.header.path, shard.header.identity, where={"shard": shard.name})
+        with os.fdopen(fd, "rb") as f:
             header = f.read(shard.header.data_start)
         shards.append(
             {"name": shard.name, "size": shard.header.file_size, "header_sha256": hashlib.sha256(header).hexdigest()}
@@ -44,7 +47,9 @@ def input_identity(ckpt: Checkpoint) -> dict[str, Any]:
     config = ckpt.root / "config.json"
     return {
         "shards": shards,
-        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if ckpt.config is not None else None,
+        "config_sha256": hashlib.sha256(read_contained(ckpt.root, config.name)).hexdigest()
+        if ckpt.config is not None
+        else None,
     }
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointError, OutputError
-from .formats import CONVERTIBLE, PACKED, Classification, WeightFormat
+from .formats import CONVERTIBLE, PACKED, Classification, Kind, WeightFormat
+from .input_files import reopen
 from .safetensors_file import read_tensor
 from .source import Checkpoint
 
@@ -33,7 +34,8 @@ def check_scales(
     def read(name: str) -> torch.Tensor:
         shard = ckpt.index.shard_of(name)
         if shard.name not in fds:
-            fds[shard.name] = os.open(ckpt.index.root / shard.name, os.O_RDONLY)
+            where = {"shard": shard.name}  # the very file the plan's header came from
+            fds[shard.name] = reopen(ckpt.index.root / shard.name, shard.header.identity, where=where)
         return read_tensor(fds[shard.name], ckpt.index.entry(name), shard.name)
 
     try:
@@ -45,7 +47,11 @@ def check_scales(
             shard = ckpt.index.shard_of(fmt.scale)
             if fmt.kind in PACKED:
                 problems += _packed_companion_problems(fmt, read, ckpt)
-            found, noted = _scale_problems(fmt, read(fmt.scale), shard.name, allow_nonfinite)
+            stored = read(fmt.scale)
+            found, noted = _scale_problems(fmt, stored, shard.name, allow_nonfinite)
+            weight_dtype = ckpt.index.entry(fmt.weight).dtype
+            if not found and not noted and (too_big := _overflow_problem(fmt, stored, weight_dtype, shard.name)):
+                (warnings.append(f"{too_big} (--allow-nonfinite)") if allow_nonfinite else problems.append(too_big))
             problems += found
             warnings += noted
     finally:
@@ -100,6 +106,41 @@ def _scale_problems(
             )
         )
     return problems, warnings
+
+
+# The largest magnitude a stored weight code can have, by the weight's dtype (MXFP4: e2m1's 6).
+CODE_MAX = {"F8_E4M3": 448.0, "F8_E4M3FNUZ": 240.0, "F8_E5M2": 57344.0, "F8_E5M2FNUZ": 57344.0}
+MXFP4_CODE_MAX = 6.0
+BF16_MAX = 3.3895313892515355e38  # below float32's: the bound every target (bf16, or float32 math) fits
+
+
+def _overflow_problem(fmt: WeightFormat, stored: torch.Tensor, weight_dtype: str, shard: str) -> CheckpointError | None:
+    """A finite scale so large that the largest weight code times it leaves bfloat16's range: the
+    converted weight (or a channel output's weight_scale) would be Inf. Refused by the scale's name
+    before the run, rather than fp8conv refusing its own output after it. A bound on the worst code, not
+    the codes stored: only absurd scales (> 7.5e35 for e4m3) are refused."""
+    import torch  # here, not at the top: planning and --dry-run never load torch
+
+    from .backends.scales import E8M0_NAN, scale_to_float32
+
+    code_max = MXFP4_CODE_MAX if fmt.kind in (Kind.MXFP4, Kind.MXFP4_GPT_OSS) else CODE_MAX.get(weight_dtype)
+    if code_max is None or stored.numel() == 0:  # NVFP4's scales come with a global scale; INT4's are unbounded
+        return None
+    if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):  # the largest exponent byte that is not NaN
+        bits = stored.view(torch.uint8).reshape(-1)
+        bits = bits[bits != E8M0_NAN]
+        largest = 2.0 ** (int(bits.max()) - 127) if bits.numel() else 0.0
+    else:
+        largest = float(scale_to_float32(stored).abs().max())
+    if largest * code_max <= BF16_MAX:
+        return None
+    return CheckpointError(
+        f"has a value of {largest:.4g}: times the largest {weight_dtype} code ({code_max:g}) it is beyond "
+        "bfloat16's range, so the converted weight would hold Inf",
+        tensor=fmt.scale,
+        shard=shard,
+        fix="the checkpoint is damaged; re-download it",
+    )
 
 
 def _packed_companion_problems(fmt: WeightFormat, read, ckpt: Checkpoint) -> list[CheckpointError]:

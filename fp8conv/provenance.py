@@ -72,7 +72,10 @@ def model_card_note(record: dict[str, Any], plan: ConversionPlan) -> str:
 
 def write_model_card(src: Path, dst: Path, note: str) -> None:
     """The model card with the note appended (once: a card that already has one keeps only the new one)."""
-    text = src.read_text(encoding="utf-8", errors="surrogateescape")
+    from .input_files import reopen  # a regular file only, as every copied file
+
+    with os.fdopen(reopen(src, None, where={"file": src.name}), "rb") as f:
+        text = f.read().decode("utf-8", errors="surrogateescape")
     if NOTE_HEADING in text:  # converted again from an fp8conv output: the old note is stale
         text = text[: text.index(NOTE_HEADING)].rstrip("\n")
     write_file_atomic(dst, (text.rstrip("\n") + note).encode("utf-8", errors="surrogateescape"))

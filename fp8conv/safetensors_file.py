@@ -7,22 +7,24 @@ tensor, contiguous, at the offsets the header names (relative to the end of the 
 from __future__ import annotations
 
 import ctypes
-import json
+import dataclasses
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .dtypes import ELEMENT_BYTES, torch_dtype
+from .dtypes import torch_dtype
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
 # A real header is a few MB at most (DeepSeek-V3: ~100 KB per shard); refuse absurd ones before reading.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# safetensors' own cap (MAX_HEADER_SIZE in safetensors/src/tensor.rs).
+MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -47,96 +49,57 @@ class ShardHeader:
     data_start: int
     tensors: dict[str, TensorEntry]  # in file order
     metadata: dict[str, str]
+    identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read; None: read remotely
 
 
-def read_header(path: Path, display_name: str | None = None) -> ShardHeader:
-    """Parse and validate one shard's header. Reads only the header bytes."""
+def read_header(
+    path: Path, display_name: str | None = None, *, fd: int | None = None, file_size: int | None = None
+) -> ShardHeader:
+    """Parse and validate one shard's header (header.parse_header). Reads only the header bytes, from
+    `fd` when given (opened by input_files with no link followed out of the checkpoint; not closed
+    here), else from `path`, which must be a regular file: a FIFO is refused, never waited on."""
+    from .header import parse_header  # header.py builds on this module's records
+
     shard = display_name or path.name
+    own = fd is None
     try:
-        file_size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError("is not a regular file", shard=shard, fix="point at the checkpoint's real shards")
+            size = st.st_size if file_size is None else file_size
+            os.lseek(fd, 0, os.SEEK_SET)  # read(), not pread(): tests trace that only the header is read
+            prefix = _read_exactly(fd, 8)
             if len(prefix) < 8:
                 raise CheckpointError("file is too short to be safetensors", shard=shard, fix="re-download this shard")
             (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
                 raise CheckpointError(
-                    f"header length {header_len} is impossible for a {file_size}-byte file",
+                    f"header length {header_len} is impossible for a {size}-byte file",
                     shard=shard,
                     fix="the file is truncated or not safetensors; re-download it",
                 )
-            raw = f.read(header_len)
+            raw = _read_exactly(fd, header_len)
+        finally:
+            if own:
+                os.close(fd)
     except OSError as exc:
         raise CheckpointError(f"cannot read: {exc.strerror}", shard=shard) from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"header is not valid JSON ({exc})", shard=shard, fix="re-download this shard") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError("header is not a JSON object", shard=shard, fix="re-download this shard")
-    data_start = 8 + header_len
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError("__metadata__ is not an object", shard=shard)
-    entries = [_parse_entry(name, spec, shard, data_start) for name, spec in header.items()]
-    entries.sort(key=lambda e: e.start)
-    _check_layout(entries, shard, data_start, file_size)
-    return ShardHeader(
-        path=path,
-        file_size=file_size,
-        data_start=data_start,
-        tensors={e.name: e for e in entries},
-        metadata={str(k): str(v) for k, v in metadata.items()},
-    )
+    header = parse_header(raw, size, shard, path=path)
+    return dataclasses.replace(header, identity=(st.st_dev, st.st_ino))
 
 
-def _parse_entry(name: str, spec: object, shard: str, data_start: int) -> TensorEntry:
-    if not isinstance(spec, dict):
-        raise CheckpointError("header entry is not an object", tensor=name, shard=shard)
-    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if dtype not in ELEMENT_BYTES:
-        raise CheckpointError(
-            f"dtype {dtype!r} is not one fp8conv knows",
-            tensor=name,
-            shard=shard,
-            fix="this tensor's format is unsupported",
-        )
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CheckpointError(f"shape {shape!r} is not a list of sizes", tensor=name, shard=shard)
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and o >= 0 for o in offsets)
-        or offsets[1] < offsets[0]
-    ):
-        raise CheckpointError(f"data_offsets {offsets!r} are invalid", tensor=name, shard=shard)
-    nbytes = math.prod(shape) * ELEMENT_BYTES[dtype]
-    if offsets[1] - offsets[0] != nbytes:
-        raise CheckpointError(
-            f"data_offsets span {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs {nbytes}",
-            tensor=name,
-            shard=shard,
-            fix="the shard is corrupt; re-download it",
-        )
-    return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], nbytes)
-
-
-def _check_layout(entries: list[TensorEntry], shard: str, data_start: int, file_size: int) -> None:
-    cursor = data_start
-    for e in entries:
-        if e.start < cursor:
-            raise CheckpointError(
-                "its bytes overlap the previous tensor's", tensor=e.name, shard=shard, fix="re-download it"
-            )
-        cursor = e.start + e.nbytes
-    if cursor > file_size:
-        last = entries[-1].name
-        raise CheckpointError(
-            f"data runs to byte {cursor} but the file has {file_size} (truncated)",
-            tensor=last,
-            shard=shard,
-            fix="re-download this shard",
-        )
+def _read_exactly(fd: int, n: int) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        chunk = os.read(fd, n - done)
+        if not chunk:
+            break
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
 
 
 def tensor_buffer(nbytes: int) -> torch.Tensor:

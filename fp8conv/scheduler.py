@@ -71,7 +71,8 @@ class InputReaders:
         shard_name = self.index.shard_of(tensor).name
         with self._lock:
             if shard_name not in self._open:
-                self._open[shard_name] = ShardReader(self.index.root / shard_name, self.direct)
+                identity = self.index.shard_of(tensor).header.identity  # the file the plan read
+                self._open[shard_name] = ShardReader(self.index.root / shard_name, self.direct, identity)
             return self._open[shard_name]
 
     def close(self, shard_name: str) -> None:

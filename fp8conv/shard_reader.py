@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from . import preread
 from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
 from .dtypes import ELEMENT_BYTES, torch_dtype
+from .input_files import reopen
 from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, pread_into
 
 if TYPE_CHECKING:
@@ -29,10 +30,15 @@ def read_capacity(nbytes: int) -> int:
 
 
 class ShardReader:
-    def __init__(self, path: Path, direct: bool = True) -> None:
+    def __init__(self, path: Path, direct: bool = True, identity: tuple[int, int] | None = None) -> None:
+        """`identity`: the (st_dev, st_ino) the plan's header was read from (input_files.reopen refuses
+        any other file, such as a link swapped in since)."""
         self.name = path.name
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = reopen(path, identity, where={"shard": path.name})
         self.direct_fd = open_direct(path, os.O_RDONLY) if direct else None
+        if self.direct_fd is not None and os.fstat(self.direct_fd).st_ino != os.fstat(self.fd).st_ino:
+            os.close(self.direct_fd)  # replaced between the two opens: read only what was checked
+            self.direct_fd = None
         self.direct = self.direct_fd is not None  # False once the filesystem turns a direct read down
         self.key = preread.file_key(self.fd)
 

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from . import hub
-from .config import CONFIG_NAME, MODELOPT_CONFIG_NAME, load_config, with_modelopt_config
+from .config import CONFIG_NAME, MODELOPT_CONFIG_NAME, load_config, present, with_modelopt_config
 from .errors import CheckpointError
 from .index import INDEX_NAME, CheckpointIndex, load_index
+from .input_files import containment_root as containment_root  # re-exported: where it used to live
+from .input_files import is_contained_file
 from .mistral_native import hf_shards_first
 from .safetensors_file import ShardHeader
 
@@ -47,7 +49,7 @@ def open_checkpoint(
         raise CheckpointError(
             f"{location} does not exist", fix="give a checkpoint directory, a .safetensors file or a Hub repo ID"
         )
-    if path.is_file():
+    if not path.is_dir():  # a file; a FIFO or a device is refused when opened, never read
         return _open_single_file(path)
     return _open_directory(path)
 
@@ -56,9 +58,8 @@ def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
     root = hub.snapshot(repo_id, revision, headers_only=True)  # config.json and the index, a few KB
     headers = hub.remote_headers(repo_id, revision)
     index_file = root / INDEX_NAME
-    index = load_index(root, [], index_file if index_file.is_file() else None, headers=headers)
-    config_path = root / CONFIG_NAME
-    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
+    index = load_index(root, [], index_file if present(index_file) else None, headers=headers)
+    config = _read_config(root)
     return Checkpoint(root=root, index=index, config=config, single_file=False)
 
 
@@ -66,25 +67,17 @@ def open_with_headers(root: Path, headers: dict[str, ShardHeader]) -> Checkpoint
     """A folder whose shards are not all there yet (--stream): the index from `headers`, the config and
     the other files from the folder."""
     index_file = root / INDEX_NAME
-    index = load_index(root, [], index_file if index_file.is_file() else None, headers=headers)
-    config_path = root / CONFIG_NAME
-    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
+    index = load_index(root, [], index_file if present(index_file) else None, headers=headers)
+    config = _read_config(root)
     ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
-    _list_other_files(ckpt, containment_root(root))
+    _list_other_files(ckpt)
     return ckpt
 
 
-def containment_root(root: Path) -> Path:
-    """What symlinks may point into: the checkpoint folder, or for a Hugging Face cache snapshot
-    (models--org--name/snapshots/<rev>) the repo's cache folder, whose blobs/ the snapshot links to."""
-    resolved = root.resolve()
-    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith(("models--", "datasets--")):
-        return resolved.parent.parent
-    return resolved
-
-
-def _outside(path: Path, boundary: Path) -> bool:
-    return boundary != path.resolve() and boundary not in path.resolve().parents
+def _read_config(root: Path) -> dict[str, Any] | None:
+    """config.json with hf_quant_config.json's quantization, each opened inside the checkpoint."""
+    config_path = root / CONFIG_NAME
+    return with_modelopt_config(load_config(config_path) if present(config_path) else None, root)
 
 
 def _open_single_file(path: Path) -> Checkpoint:
@@ -95,8 +88,7 @@ def _open_single_file(path: Path) -> Checkpoint:
             fix="fp8conv reads safetensors only (it never unpickles .bin/.pt files)",
         )
     root = path.parent
-    config_path = root / CONFIG_NAME
-    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
+    config = _read_config(root)
     index = load_index(root, [path.name], None)
     return Checkpoint(root=root, index=index, config=config, single_file=True)
 
@@ -105,7 +97,7 @@ def _open_directory(root: Path) -> Checkpoint:
     index_file = root / INDEX_NAME
     # Mistral's consolidated files are the checkpoint only when no HF shard is there (fp8conv.mistral_native)
     top_level = hf_shards_first(sorted(p.name for p in root.glob("*.safetensors") if p.is_file()))
-    if index_file.is_file():
+    if present(index_file):
         index = load_index(root, [], index_file)
     elif top_level:
         index = load_index(root, top_level, None)
@@ -117,26 +109,16 @@ def _open_directory(root: Path) -> Checkpoint:
             else "point at a folder holding *.safetensors (and model.safetensors.index.json)"
         )
         raise CheckpointError(f"{root} holds no .safetensors files", fix=hint)
-    boundary = containment_root(root)
-    for shard in index.shards:
-        if _outside(root / shard.name, boundary):
-            raise CheckpointError(
-                f"is a symlink to {(root / shard.name).resolve()}, outside the checkpoint",
-                shard=shard.name,
-                fix="fp8conv does not follow links out of a checkpoint; copy the file in",
-            )
-    config_path = root / CONFIG_NAME
-    if config_path.is_file() and _outside(config_path, boundary):
-        raise CheckpointError("is a symlink outside the checkpoint", file=CONFIG_NAME, fix="copy the file in")
-    config = with_modelopt_config(load_config(config_path) if config_path.is_file() else None, root)
+    config = _read_config(root)  # every file opened inside the checkpoint (input_files.open_beneath)
     ckpt = Checkpoint(root=root, index=index, config=config, single_file=False)
-    _list_other_files(ckpt, boundary)
+    _list_other_files(ckpt)
     return ckpt
 
 
-def _list_other_files(ckpt: Checkpoint, boundary: Path) -> None:
-    """Everything that is not a shard, the index or config.json is copied, except other weights and
-    hf_quant_config.json (config.json describes the output's quantization)."""
+def _list_other_files(ckpt: Checkpoint) -> None:
+    """Everything that is not a shard, the index or config.json is copied, except other weights,
+    hf_quant_config.json (config.json describes the output's quantization), links out of the
+    checkpoint and what is not a regular file (a FIFO, a device: never opened)."""
     own = {s.name for s in ckpt.index.shards} | {INDEX_NAME, CONFIG_NAME}
     for dirpath, dirnames, filenames in os.walk(ckpt.root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
@@ -144,8 +126,9 @@ def _list_other_files(ckpt: Checkpoint, boundary: Path) -> None:
             rel = (Path(dirpath) / fname).relative_to(ckpt.root).as_posix()
             if rel in own:
                 continue
-            if _outside(Path(dirpath) / fname, boundary):
-                ckpt.skipped_files.append((rel, "a symlink out of the checkpoint, not followed"))
+            refused = is_contained_file(ckpt.root, rel)
+            if refused is not None:
+                ckpt.skipped_files.append((rel, refused))
                 continue
             if rel == MODELOPT_CONFIG_NAME:
                 why = (

@@ -26,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from . import hub
+from .config import present
 from .errors import CheckpointError, OptionsError, OutputError
-from .index import INDEX_NAME, CheckpointIndex, Shard, read_weight_map
+from .header import parse_header
+from .index import INDEX_NAME, CheckpointIndex, Shard, check_shard_name, read_shard_header, read_weight_map
+from .input_files import read_contained
 from .json_file import read_json_object
 from .manifest import input_identity
 from .plan import ConversionPlan
-from .safetensors_file import ShardHeader, TensorEntry, read_header
+from .safetensors_file import ShardHeader
 from .shard_source import HubShardSource, ShardSource
 from .source import Checkpoint, open_checkpoint, open_with_headers
 from .writer import write_file_atomic
@@ -68,29 +71,48 @@ def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None
     prov = source.provenance()
     if "commit" not in prov:
         return
-    shards = {}
+    headers = {}
     for shard in ckpt.index.shards:
-        h = shard.header
-        tensors = {t: [e.dtype, list(e.shape), e.start - h.data_start, e.nbytes] for t, e in h.tensors.items()}
-        shards[shard.name] = {"tensors": tensors, "metadata": h.metadata}
-    doc = {"repo_id": prov["repo_id"], "commit": prov["commit"], "shards": shards}
+        headers[shard.name] = header_document(shard.header)
+    doc = {"repo_id": prov["repo_id"], "commit": prov["commit"], "headers": headers}
     write_file_atomic(out / HEADERS_FILE, json.dumps(doc).encode())
 
 
+def header_document(h: ShardHeader) -> dict[str, Any]:
+    """A header as its shard holds it (offsets relative to the data), for header.parse_header."""
+    doc: dict[str, Any] = {"__metadata__": h.metadata} if h.metadata else {}
+    for t, e in h.tensors.items():
+        begin = e.start - h.data_start
+        doc[t] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [begin, begin + e.nbytes]}
+    return doc
+
+
 def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
-    """Headers an interrupted run of the same repo and commit saved, in the remote form (offsets
-    relative to the data); every fetched shard is still checked against them."""
-    try:  # a cache: when missing or damaged, the headers are read again
-        doc = read_json_object(out / HEADERS_FILE, fix="its headers are read again", error=OutputError)
-    except OutputError:
+    """Headers an interrupted run of the same repo and commit saved, validated as a shard's own are
+    (header.parse_header); every fetched shard is still checked against them. Missing, or of another
+    repo, commit or fp8conv version: read again. A damaged one (fp8conv wrote it) is refused by name."""
+    path = out / HEADERS_FILE
+    fix = "delete it (the headers are then read again), or convert again without --resume"
+    try:  # O_NOFOLLOW: never read through a link planted in the output
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
         return {}
-    if (doc.get("repo_id"), doc.get("commit")) != (source.repo_id, source.commit):
+    except OSError as exc:
+        raise OutputError(f"cannot be read ({exc.strerror or exc})", file=str(path), fix=fix) from exc
+    doc = read_json_object(path, fix=fix, name=str(path), error=OutputError, fd=fd)
+    saved = doc.get("headers")
+    if (doc.get("repo_id"), doc.get("commit")) != (source.repo_id, source.commit) or not isinstance(saved, dict):
         return {}
     headers = {}
-    for name, shard in doc["shards"].items():
-        entries = {t: TensorEntry(t, d, tuple(shape), start, n) for t, (d, shape, start, n) in shard["tensors"].items()}
-        size = max((e.start + e.nbytes for e in entries.values()), default=0)
-        headers[name] = ShardHeader(Path(name), size, 0, entries, dict(shard["metadata"]))
+    for name, header in saved.items():
+        try:
+            check_shard_name(name, HEADERS_FILE.as_posix())
+            if not isinstance(header, dict):
+                raise CheckpointError("header is not a JSON object", shard=name)
+            headers[name] = parse_header(json.dumps(header).encode(), None, name)
+        except CheckpointError as exc:
+            inner = CheckpointError(exc.problem, tensor=exc.tensor, shard=exc.shard).one_line()
+            raise OutputError(f"holds a damaged saved header ({inner})", file=str(path), fix=fix) from exc
     return headers
 
 
@@ -101,7 +123,7 @@ def _hub_headers(
     (a few KB each), never the weights."""
     index_file = root / INDEX_NAME
     names: list[str] | None = None
-    if index_file.is_file():
+    if present(index_file):
         names = sorted(set(read_weight_map(index_file).values()))  # validated as the local index is
     elif source.present(SINGLE_FILE):  # no index: one model.safetensors, cached
         names = [SINGLE_FILE]
@@ -120,8 +142,8 @@ def _hub_headers(
         ) from exc
     headers = {}
     for name in names if names is not None else sorted(remote):
-        if source.present(name):
-            headers[name] = read_header(root / name, display_name=name)
+        if source.present(name):  # opened inside the repo's cache folder: never another repo's blobs
+            headers[name] = read_shard_header(root, name, INDEX_NAME)
         else:
             headers[name] = saved.get(name) or remote.get(name)
         if headers[name] is None:
@@ -135,12 +157,13 @@ def stream_identity(ckpt: Checkpoint, source: ShardSource) -> dict[str, Any]:
     prov = source.provenance()
     if "commit" not in prov:
         return input_identity(ckpt)
-    config = ckpt.root / "config.json"
     return {
         "repo_id": prov["repo_id"],
         "commit": prov["commit"],
         "shards": [{"name": s.name} for s in ckpt.index.shards],
-        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if ckpt.config is not None else None,
+        "config_sha256": hashlib.sha256(read_contained(ckpt.root, "config.json")).hexdigest()
+        if ckpt.config is not None
+        else None,
     }
 
 
@@ -234,7 +257,7 @@ def check_stream_space(
 def adopt_local_header(index: CheckpointIndex, name: str, path: Path) -> None:
     """A fetched shard's own header replaces the one the plan was made from (remote headers carry
     offsets relative to the data); every tensor must be where the plan expects it."""
-    local = read_header(path, display_name=name)
+    local = read_shard_header(index.root, name)  # index.root is where the source delivers (`path`)
     position = next(i for i, s in enumerate(index.shards) if s.name == name)
     planned = index.shards[position].header
 

@@ -509,8 +509,10 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 
 def copy_file_atomic(src: Path, dest: Path) -> None:
+    from .input_files import reopen  # a regular file only: a FIFO or device swapped in is not copied
+
     def fill(f: BinaryIO) -> None:
-        with open(src, "rb") as fin:
+        with os.fdopen(reopen(src, None, where={"file": src.name}), "rb") as fin:
             shutil.copyfileobj(fin, f, COPY_CHUNK_BYTES)
 
     _atomically(dest, fill)
