@@ -13,8 +13,10 @@ from typing import Any
 from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .hub import looks_like_repo_id
+from .lock import LOCK_DIR, LOCK_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from .options import ConvertOptions, RunOptions
+from .out_dir import OutDir, check_output_path
 from .parts import assign_parts, check_part, part_path
 from .plan import ConversionPlan, Strategy, plan_conversion
 from .preflight import check_free_space, check_scales
@@ -60,7 +62,7 @@ def prepare(
     band_elements = band_elements_for(how.max_memory)
     choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes, once
     _check_memory_cap(ckpt, plan, how.max_memory)
-    out = Path(output)
+    out = check_output_path(output)  # before Path(): Path("") is the working directory
     identity = input_identity(ckpt) if feed_source is None else stream_identity(ckpt, feed_source)
     manifest = Manifest(__version__, Manifest.options_dict(options), identity)
     record = _source_record(source, ckpt, feed_source, how)
@@ -155,6 +157,7 @@ def _check_space(
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
+    check_output_path(out)
     src = ckpt.root.resolve()
     dst = out.resolve()
     # a single-file input only owns its folder's top level; a directory input owns everything below it
@@ -173,6 +176,22 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
         raise OptionsError(f"output {out} exists and is not a directory", fix="choose another path")
     if not overwrite:
         check_output_empty(out)
+
+
+def check_locked_output(within: OutDir, lenient: bool) -> None:
+    """Once OUT is open and locked: no link (or device, FIFO) anywhere in it, and, without --overwrite,
+    --resume or --part, still empty but for the lock just taken (another run may have filled it
+    between prepare()'s look and the lock)."""
+    within.refuse_links()
+    if lenient:
+        return
+    extra = [n for n in within.names() if n != LOCK_DIR.name]
+    extra += [f"{LOCK_DIR}/{n}" for n in within.names(LOCK_DIR) if n != LOCK_NAME.name]
+    if extra:
+        raise OptionsError(
+            f"output directory {within.path} is not empty (another run wrote {extra[0]} meanwhile)",
+            fix="choose an empty directory, or pass --overwrite to replace its checkpoint",
+        )
 
 
 def check_output_empty(out: Path) -> None:

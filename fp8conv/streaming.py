@@ -30,6 +30,7 @@ from .errors import CheckpointError, OptionsError, OutputError
 from .index import INDEX_NAME, CheckpointIndex, Shard, read_weight_map
 from .json_file import read_json_object
 from .manifest import input_identity
+from .out_dir import OutDir
 from .plan import ConversionPlan
 from .safetensors_file import ShardHeader, TensorEntry, read_header
 from .shard_source import HubShardSource, ShardSource
@@ -62,7 +63,7 @@ def open_stream(
     return open_with_headers(root, _hub_headers(location, root, source, saved)), source
 
 
-def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None:
+def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource, within: OutDir | None = None) -> None:
     """The headers the plan was made from, for --resume: an evicted shard is then never needed again,
     not even its header (an offline resume plans without the network). Removed once the run is done."""
     prov = source.provenance()
@@ -74,7 +75,7 @@ def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None
         tensors = {t: [e.dtype, list(e.shape), e.start - h.data_start, e.nbytes] for t, e in h.tensors.items()}
         shards[shard.name] = {"tensors": tensors, "metadata": h.metadata}
     doc = {"repo_id": prov["repo_id"], "commit": prov["commit"], "shards": shards}
-    write_file_atomic(out / HEADERS_FILE, json.dumps(doc).encode())
+    write_file_atomic(out / HEADERS_FILE, json.dumps(doc).encode(), within)
 
 
 def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
