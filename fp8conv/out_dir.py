@@ -248,23 +248,28 @@ def check_output_path(output: str | os.PathLike[str]) -> Path:
     if not str(text).strip():
         raise OptionsError("the output directory is an empty name", fix="give -o a directory, e.g. -o ./out")
     path = Path(text)
-    if path.is_symlink() and not path.exists():
-        raise OptionsError(f"output {path} is a dangling symbolic link", fix="remove it, or choose another output")
-    if path.exists() and not path.is_dir():
-        raise OptionsError(f"output {path} exists and is not a directory", fix="choose another path")
-    for part in path.parts:
+    for part in path.parts:  # first: asking about a name too long raises instead of answering
         if len(os.fsencode(part)) > _name_max(path):
             raise OptionsError(
                 f"output {path}: the name {part[:40]!r}... is too long for the filesystem",
                 fix="choose a shorter output path",
             )
-    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+    try:
+        dangling = path.is_symlink() and not path.exists()
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:
+        raise OptionsError(f"output {path} cannot be used: {exc.strerror or exc}", fix="choose another path") from exc
+    if dangling:
+        raise OptionsError(f"output {path} is a dangling symbolic link", fix="remove it, or choose another output")
+    if exists and not is_dir:
+        raise OptionsError(f"output {path} exists and is not a directory", fix="choose another path")
+    if is_dir and not os.access(path, os.W_OK | os.X_OK):
         raise OptionsError(f"output directory {path} is not writable", fix="make it writable, or choose another")
     return path
 
 
 def _name_max(path: Path) -> int:
-    probe = next((p for p in [path, *path.parents] if p.exists()), Path("."))
+    probe = next((p for p in path.parents if p.exists()), Path("."))
     try:
         return os.pathconf(probe, "PC_NAME_MAX")
     except (OSError, ValueError):

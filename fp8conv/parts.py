@@ -21,7 +21,7 @@ from .part_record import check_copy_source, check_part_record
 from .plan import ShardPlan
 from .provenance import MODEL_CARD, write_model_card
 from .version import __version__
-from .writer import copy_file_atomic, fsync_dir, write_file_atomic
+from .writer import TEMP_SUFFIX, copy_file_atomic, fsync_dir, temp_owner_alive, write_file_atomic
 
 PART_FILE = re.compile(r"^part-(\d+)-of-(\d+)\.json$")
 
@@ -152,11 +152,21 @@ def finalize(output: str | Path, *, require_all: bool = True, within: OutDir | N
             raise OptionsError(f"{out} is not a directory", fix="give finalize the output of convert --part I/N")
         with OutDir.open(out, create=False) as opened, OutputLock.for_run(opened, None, "finalize"):
             opened.refuse_links()
-            return _finalize(out, require_all, opened)
-    return _finalize(Path(output), require_all, within)
+            return _finalize(out, require_all, opened, alone=True)
+    return _finalize(Path(output), require_all, within, alone=False)
 
 
-def _finalize(out: Path, require_all: bool, within: OutDir) -> FinalizeResult | None:
+def drop_temporaries(within: OutDir, dirs: set[str], alone: bool) -> None:
+    """A killed finalize's (or run's) temporaries in OUT, .fp8conv and the directories of the files it
+    copies: all of them when this process holds OUT alone, else those of no live process (parts run
+    side by side)."""
+    for rel in sorted(dirs | {".", str(MANIFEST.parent)}):
+        for name in within.names(rel):
+            if name.startswith(".") and name.endswith(TEMP_SUFFIX) and (alone or not temp_owner_alive(name)):
+                within.unlink(f"{rel}/{name}")
+
+
+def _finalize(out: Path, require_all: bool, within: OutDir, alone: bool) -> FinalizeResult | None:
     docs = part_docs(out)
     if not docs:
         raise OptionsError(f"{out} holds no part manifests", fix="run convert --part I/N first")
@@ -184,6 +194,8 @@ def _finalize(out: Path, require_all: bool, within: OutDir) -> FinalizeResult | 
     for doc in docs.values():
         shards.update(doc["shards"])
     fin = first["finalize"]
+    dirs = {str(Path(rel).parent) for rel in [*fin["copy_files"], *(fin.get("json_files") or {})]}
+    drop_temporaries(within, dirs, alone)
     check_copy_source(Path(fin["copy_from"]), first["input"], fin["copy_files"], str(part_path(out, (1, n))))
     merged = Manifest(first["fp8conv_version"], first["options"], first["input"], shards, within=within)
     for name in fin["planned_shards"]:

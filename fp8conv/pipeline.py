@@ -29,7 +29,7 @@ from .shard_source import ShardSource
 from .source import Checkpoint
 from .streaming import HEADERS_FILE, Schedule, StreamFeed, adopt_local_header, save_input_headers
 from .verify import OutputCheck, VerifyResult, verify
-from .writer import TEMP_SUFFIX, temp_owner, temp_target
+from .writer import TEMP_SUFFIX, temp_owner_alive, temp_target
 
 
 @dataclass
@@ -292,22 +292,5 @@ def _prepare_output(within: OutDir, keep: set[str], others: set[str]) -> None:
         if stale_shard or stale_temp:
             within.unlink(name)
     for name in within.names(MANIFEST.parent):  # the manifest's and part records' temporaries
-        if name.endswith(TEMP_SUFFIX) and _dead_or_mine(name, others):
+        if name.endswith(TEMP_SUFFIX) and (not others or not temp_owner_alive(name)):
             within.unlink(MANIFEST.parent / name)
-
-
-def _dead_or_mine(temp: str, others: set[str]) -> bool:
-    """A temporary in .fp8conv is removed unless a running part of the fan-out may be writing it: a whole
-    run holds OUT alone, and a part leaves those of live processes (the parts side by side) alone."""
-    if not others:
-        return True
-    pid = temp_owner(temp)
-    if pid is None or pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False

@@ -82,10 +82,19 @@ def temp_target(temp_name: str) -> str:
     return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
 
 
-def temp_owner(temp_name: str) -> int | None:
-    """The pid of the process that made a temporary name (None when it is no name of ours)."""
+def temp_owner_alive(temp_name: str) -> bool:
+    """The process whose pid a temporary name carries may still be writing it: it is running here (a
+    part of a fan-out beside this one), or it is this process. A name of no pid is nobody's."""
     pid = temp_name.removesuffix(TEMP_SUFFIX).rsplit(".", 1)[-1]
-    return int(pid) if pid.isdigit() else None
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class ShardLayout:
