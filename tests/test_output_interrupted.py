@@ -103,6 +103,13 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _loads_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in (Path("/proc") / str(pid) / "maps").read_text()
+    except OSError:
+        return False
+
+
 def _alive(pid: int) -> bool:
     try:
         state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -116,9 +123,12 @@ def test_the_workers_die_with_their_parent(make_tiny, tmp_path):
     out = tmp_path / "out"
     fp8conv_cli = Path(sys.executable).parent / "fp8conv"
     parent = subprocess.Popen([str(fp8conv_cli), "convert", str(ckpt.path), "--to", "bf16", "-o", str(out), "-j", "2"])
-    deadline = time.monotonic() + 60
-    while len(workers := _children(parent.pid)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    deadline = time.monotonic() + 120
+    workers: list[int] = []
+    # both workers past their start (bind_to_parent runs first) and loading torch: still far from done
+    while not (len(workers) == 2 and all(_loads_torch(w) for w in workers)) and time.monotonic() < deadline:
+        workers = _children(parent.pid)
+        time.sleep(0.005)
     assert len(workers) == 2
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()

@@ -272,3 +272,26 @@ def test_a_second_run_into_a_locked_output_is_refused_naming_the_holder(make_tin
     (out / ".fp8conv" / "lock").write_text(json.dumps({"pid": 999999, "host": "gone", "started": "then"}))
     fp8conv.convert(ckpt.path, out, ConvertOptions(to="bf16"), run=RunOptions(overwrite=True))
     assert dir_snapshot(out) == before  # and the finished output holds no lock file
+
+
+# -- the space estimate ----------------------------------------------------------------------------
+
+
+def test_the_space_check_counts_every_byte_the_run_writes(make_tiny, tmp_path, monkeypatch):
+    """Headers, index, config, manifest and copied files too: free space one byte short of what a
+    finished output holds is refused (the estimate of the tensor bytes alone passed, then ENOSPC)."""
+    ckpt = make_tiny(num_shards=2)
+    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to="bf16"))
+    written = sum(len(data) for data in dir_snapshot(tmp_path / "single").values())
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=written - 1))
+    with pytest.raises(OutputError, match=rf"needs \d+ bytes .* has {written - 1} bytes"):
+        fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failing_worker_is_one_line_and_leaves_no_output_behind(tmp_path):
+    out = tmp_path / "out"
+    code, output = _cli("convert", str(tmp_path / "missing"), "--to", "bf16", "-o", str(out), "-j", "2")
+    _one_line_refusal(code, output, "missing")
+    assert not out.exists()  # the parent made it to hold the lock, and removed it again
