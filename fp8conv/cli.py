@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -21,10 +20,13 @@ from . import warm_start
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
+from .lock import LOCK_DIR, OutputLock
 from .options import DEFAULT_BLOCK, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_PREFETCH, TARGETS, ConvertOptions, RunOptions
+from .out_dir import OutDir, check_output_path
 from .parts import finalize, parse_part
-from .prepare import check_output_empty
+from .prepare import check_locked_output, check_output_empty
 from .report import InspectReport, inspect
+from .workers import WORKER_COMMAND, bind_to_parent, failure_line, start_worker
 
 if TYPE_CHECKING:
     from .dry_run import PlanSummary
@@ -512,33 +514,43 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2).upper()])
 
 
-WORKER_COMMAND = "part-worker"
-
-
 def _run_workers(
     checkpoint: str, output: str, options: ConvertOptions, parts: list[RunOptions], threads: int, quiet: bool
 ) -> None:
     """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure.
 
-    Each is a fresh `python -m fp8conv part-worker JOB`, JOB the two values as JSON (the manifest's own
-    record of ConvertOptions): an option added to either value reaches the workers with no code here."""
+    Each is a fresh `python -I -m fp8conv part-worker JOB` (workers.py: nothing importable from the
+    working directory, dies with this process), JOB the two values as JSON (the manifest's own record of
+    ConvertOptions): an option added to either value reaches the workers with no code here. This
+    process holds OUT's lock for the whole run; the workers lock only their own parts."""
+    out = check_output_path(output)
     if not (parts[0].overwrite or parts[0].resume):
-        check_output_empty(Path(output))
+        check_output_empty(out)
     started = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "fp8conv", WORKER_COMMAND, _worker_job(checkpoint, output, options, run, threads)],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for run in parts
-    ]
-    errors = [err for proc in procs for err in [proc.communicate()[1]] if proc.returncode != 0]
+    made = not out.exists()
+    with OutDir.open(out) as within, OutputLock.for_run(within, None, f"convert -j {len(parts)}"):
+        check_locked_output(within, parts[0].overwrite or parts[0].resume)
+        jobs = [(run.part, start_worker(_worker_job(checkpoint, output, options, run, threads))) for run in parts]
+        errors = []
+        for part, proc in jobs:
+            stderr = proc.communicate()[1]
+            if proc.returncode != 0 and part is not None:
+                errors.append(failure_line(stderr, part, proc.returncode))
     if errors:
-        click.echo(errors[0].strip().splitlines()[0] if errors[0].strip() else "error: a worker failed", err=True)
+        if made:  # refused before anything was written: leave no directory behind
+            _remove_if_empty(out)
+        click.echo(errors[0], err=True)
         sys.exit(1)
     if not quiet:
         click.echo(f"wrote {output} with {len(parts)} worker processes in {time.monotonic() - started:.1f} s")
+
+
+def _remove_if_empty(out: Path) -> None:
+    """OUT as -j's parent made it, with nothing in it but the (now removed) lock's directory: removed again."""
+    lock_dir = out / LOCK_DIR
+    if [p.name for p in out.iterdir()] == [LOCK_DIR.name] and not any(lock_dir.iterdir()):
+        lock_dir.rmdir()
+        out.rmdir()
 
 
 def _worker_job(checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int) -> str:
@@ -550,6 +562,7 @@ def _worker_job(checkpoint: str, output: str, options: ConvertOptions, run: RunO
 @click.argument("job")
 def part_worker_command(job: str) -> None:
     """One part of `convert -j N`: JOB is the JSON _worker_job writes. Reports as `convert -q` does."""
+    bind_to_parent()
     doc = json.loads(job)
     options, run = ConvertOptions.from_dict(doc["options"]), RunOptions.from_dict(doc["run"])
     from .pipeline import convert

@@ -14,11 +14,14 @@ from .config import CONFIG_NAME, dump_json
 from .errors import OptionsError, OutputError
 from .index import INDEX_NAME
 from .json_file import read_json_object
+from .lock import OutputLock
 from .manifest import MANIFEST, Manifest, resume_mismatch
+from .out_dir import OutDir
+from .part_record import check_copy_source, check_part_record
 from .plan import ShardPlan
 from .provenance import MODEL_CARD, write_model_card
 from .version import __version__
-from .writer import copy_file_atomic, fsync_dir, write_file_atomic
+from .writer import TEMP_SUFFIX, copy_file_atomic, fsync_dir, temp_owner_alive, write_file_atomic
 
 PART_FILE = re.compile(r"^part-(\d+)-of-(\d+)\.json$")
 
@@ -50,7 +53,7 @@ def part_files(out: Path) -> dict[tuple[int, int], Path]:
     files = {}
     for path in sorted((out / MANIFEST.parent).glob("part-*-of-*.json")):
         m = PART_FILE.match(path.name)
-        if m:
+        if m and not path.is_symlink():  # a link planted there is no record of ours (refused before a run)
             files[(int(m.group(1)), int(m.group(2)))] = path
     return files
 
@@ -83,6 +86,7 @@ def _read_part(path: Path, part: tuple[int, int]) -> dict[str, Any]:
         missing = [f"finalize.{k}" for k in _FINALIZE_KEYS if not isinstance(fin, dict) or k not in fin]
     if missing:
         raise OutputError(f"lacks {', '.join(missing)}", file=label, fix=fix)
+    check_part_record(doc, label, fix)
     return doc
 
 
@@ -120,11 +124,14 @@ def _doc_mismatch(doc: dict[str, Any], manifest: Manifest) -> str | None:
     return resume_mismatch(Manifest(doc["fp8conv_version"], doc["options"], doc["input"]), manifest)
 
 
-def drop_other_splits(out: Path, count: int) -> None:
+def drop_other_splits(out: Path, count: int, within: OutDir | None = None) -> None:
     """--overwrite: the manifests of a split into another N would keep finalize from ever finishing."""
     for i, m in part_files(out):  # by name only: a damaged manifest of another split goes too
         if m != count:
-            part_path(out, (i, m)).unlink(missing_ok=True)
+            if within is not None:
+                within.unlink(part_path(out, (i, m)).relative_to(out))
+            else:
+                part_path(out, (i, m)).unlink(missing_ok=True)
 
 
 @dataclass
@@ -134,11 +141,32 @@ class FinalizeResult:
     shards: int
 
 
-def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult | None:
+def finalize(output: str | Path, *, require_all: bool = True, within: OutDir | None = None) -> FinalizeResult | None:
     """Check every part's shards (present, size, sha256; a shard whose mtime and inode are still those
     its part recorded is not read again), then copy the other files and write the manifest, index and
-    config. With require_all=False, return None while parts are unfinished."""
-    out = Path(output)
+    config. With require_all=False, return None while parts are unfinished. `within`: OUT opened and
+    locked by the part that calls this; without it, finalize opens OUT and holds its lock itself."""
+    if within is None:
+        out = Path(output)
+        if not out.is_dir():
+            raise OptionsError(f"{out} is not a directory", fix="give finalize the output of convert --part I/N")
+        with OutDir.open(out, create=False) as opened, OutputLock.for_run(opened, None, "finalize"):
+            opened.refuse_links()
+            return _finalize(out, require_all, opened, alone=True)
+    return _finalize(Path(output), require_all, within, alone=False)
+
+
+def drop_temporaries(within: OutDir, dirs: set[str], alone: bool) -> None:
+    """A killed finalize's (or run's) temporaries in OUT, .fp8conv and the directories of the files it
+    copies: all of them when this process holds OUT alone, else those of no live process (parts run
+    side by side)."""
+    for rel in sorted(dirs | {".", str(MANIFEST.parent)}):
+        for name in within.names(rel):
+            if name.startswith(".") and name.endswith(TEMP_SUFFIX) and (alone or not temp_owner_alive(name)):
+                within.unlink(f"{rel}/{name}")
+
+
+def _finalize(out: Path, require_all: bool, within: OutDir, alone: bool) -> FinalizeResult | None:
     docs = part_docs(out)
     if not docs:
         raise OptionsError(f"{out} holds no part manifests", fix="run convert --part I/N first")
@@ -166,13 +194,17 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
     for doc in docs.values():
         shards.update(doc["shards"])
     fin = first["finalize"]
-    merged = Manifest(first["fp8conv_version"], first["options"], first["input"], shards)
+    dirs = {str(Path(rel).parent) for rel in [*fin["copy_files"], *(fin.get("json_files") or {})]}
+    drop_temporaries(within, dirs, alone)
+    check_copy_source(Path(fin["copy_from"]), first["input"], fin["copy_files"], str(part_path(out, (1, n))))
+    merged = Manifest(first["fp8conv_version"], first["options"], first["input"], shards, within=within)
     for name in fin["planned_shards"]:
         if not merged.shard_intact(out, name, trust_unchanged=True):
             raise OutputError("is missing or does not match its part's hash", shard=name, fix="run its part again")
     all_pow2 = all(doc.get("all_scales_pow2", True) for doc in docs.values())
     with_scale_fmt(fin["config"], fin["claims_ue8m0"], all_pow2)
     final = merged.without_stat()
+    final.within = within
     if "source" in first:  # provenance, as a single run records it
         final.extra = {"source": first["source"]}
     finish(
@@ -184,6 +216,7 @@ def finalize(output: str | Path, *, require_all: bool = True) -> FinalizeResult 
         fin["config"],
         fin.get("json_files"),
         fin.get("model_card_note"),
+        within,
     )
     return FinalizeResult(out, n, len(shards))
 
@@ -207,19 +240,33 @@ def finish(
     config: dict[str, Any] | None,
     json_files: dict[str, dict[str, Any]] | None = None,
     model_card_note: str | None = None,
+    within: OutDir | None = None,
 ) -> None:
     """The end of every run: the other files (the model card with `model_card_note` appended), the
-    manifest, then the index and config, last."""
+    manifest, then the index and config, last: both written under temporary names first and renamed
+    one right after the other, so a run killed before then leaves neither. `within`: OUT opened once;
+    a link found in it now (planted during the run) is refused before the output is made complete."""
     for rel in copy_files:
         if rel == MODEL_CARD and model_card_note is not None:
-            write_model_card(copy_from / rel, out / rel, model_card_note)
+            write_model_card(copy_from / rel, out / rel, model_card_note, within)
         else:
-            copy_file_atomic(copy_from / rel, out / rel)
+            copy_file_atomic(copy_from / rel, out / rel, within)
     for rel, doc in (json_files or {}).items():
-        write_file_atomic(out / rel, dump_json(doc))
+        write_file_atomic(out / rel, dump_json(doc), within)
     manifest.save(out)
-    if index is not None:
-        write_file_atomic(out / INDEX_NAME, dump_json(index))
-    if config is not None:
-        write_file_atomic(out / CONFIG_NAME, dump_json(config))
-    fsync_dir(out)
+    last = [(name, doc) for name, doc in ((INDEX_NAME, index), (CONFIG_NAME, config)) if doc is not None]
+    if within is None:
+        for name, doc in last:
+            write_file_atomic(out / name, dump_json(doc))
+        fsync_dir(out)
+        return
+    within.refuse_links()  # a kept shard swapped for a link, a link planted mid-run: never shipped
+    temps = [within.create_temp(name) for name, _ in last]
+    try:
+        for temp, (_, doc) in zip(temps, last, strict=True):
+            within.fill(temp, dump_json(doc))
+        for temp in temps:
+            within.commit(temp)
+    finally:
+        for temp in temps:
+            within.abort(temp)  # those not committed

@@ -16,18 +16,20 @@ from .config import CONFIG_NAME
 from .errors import PlanRefused
 from .formats import classify
 from .index import INDEX_NAME
-from .manifest import Manifest
+from .lock import OutputLock
+from .manifest import MANIFEST, Manifest
 from .options import ConvertOptions, RunOptions
+from .out_dir import OutDir
 from .parts import drop_other_splits, finalize, finish, with_scale_fmt
 from .plan import ConversionPlan
 from .preflight import check_scales
-from .prepare import PreparedRun, prepare
+from .prepare import PreparedRun, check_locked_output, prepare
 from .scheduler import InputReaders, RunTotals, Scheduler
 from .shard_source import ShardSource
 from .source import Checkpoint
 from .streaming import HEADERS_FILE, Schedule, StreamFeed, adopt_local_header, save_input_headers
 from .verify import OutputCheck, VerifyResult, verify
-from .writer import TEMP_SUFFIX, temp_target
+from .writer import TEMP_SUFFIX, temp_owner_alive, temp_target
 
 
 @dataclass
@@ -68,14 +70,17 @@ def convert(
     how = run or RunOptions()  # both checked themselves when made
     backend = get_backend(how.device)
     prep = prepare(source, output, options, how)  # every refusal, before anything is written
-    _start_output(prep, how)
-    stream_check = None
-    if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
-        stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
-    totals, streamed = _execute(prep, backend, how, stream_check)
-    _exactness_warning(prep.plan, totals.exactness)
-    finalized = _finish_output(prep, totals.all_scales_pow2, how.part)
-    verified = _verified(prep, options, how, stream_check)
+    # OUT opened once and locked for the whole run: nothing written through a link, one run at a time
+    with OutDir.open(prep.out) as within, OutputLock.for_run(within, how.part, "convert"):
+        prep.manifest.within = within
+        _start_output(prep, how, within)
+        stream_check = None
+        if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
+            stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
+        totals, streamed = _execute(prep, backend, how, stream_check, within)
+        _exactness_warning(prep.plan, totals.exactness)
+        finalized = _finish_output(prep, totals.all_scales_pow2, how.part, within)
+        verified = _verified(prep, options, how, stream_check)
     plan, others = prep.plan, prep.others
     return ConvertResult(
         output=prep.out,
@@ -98,20 +103,22 @@ def convert(
     )
 
 
-def _start_output(prep: PreparedRun, how: RunOptions) -> None:
-    """The first writes: the directory cleaned of what would make a failed run look complete, then the
-    manifest naming the options and input the shards to come are of."""
+def _start_output(prep: PreparedRun, how: RunOptions, within: OutDir) -> None:
+    """The first writes, under the lock: OUT checked again (another run may have filled it since
+    prepare() looked), cleaned of what would make a failed run look complete, then the manifest naming
+    the options and input the shards to come are of."""
     out, part = prep.out, how.part
-    _prepare_output(out, prep.keep, prep.others)
+    check_locked_output(within, how.overwrite or how.resume or part is not None)
+    _prepare_output(within, prep.keep, prep.others)
     if part is None or how.overwrite:  # records of another split (or of none: this run is whole) are stale
-        drop_other_splits(out, part[1] if part else 0)
+        drop_other_splits(out, part[1] if part else 0, within)
     prep.manifest.save(out)
     if prep.feed_source is not None:
-        save_input_headers(out, prep.ckpt, prep.feed_source)
+        save_input_headers(out, prep.ckpt, prep.feed_source, within)
 
 
 def _execute(
-    prep: PreparedRun, backend: Backend, how: RunOptions, stream_check: OutputCheck | None
+    prep: PreparedRun, backend: Backend, how: RunOptions, stream_check: OutputCheck | None, within: OutDir
 ) -> tuple[RunTotals, dict[str, Any] | None]:
     """The scheduler's run of the plan (with --stream, inside the feed that fetches and evicts shards);
     its totals and, streaming, what was fetched, evicted and waited for."""
@@ -127,7 +134,7 @@ def _execute(
             feed.start()
         scheduler = Scheduler(ckpt.index, plan, backend, readers, how.direct_io, how.progress, how.max_memory)
         totals = scheduler.run(
-            out, prep.keep | prep.others, feed.wait_for if feed else None, _on_commit(out, prep.manifest, feed)
+            out, prep.keep | prep.others, feed.wait_for if feed else None, _on_commit(out, prep.manifest, feed), within
         )
         if feed is not None:
             feed.finish()
@@ -146,7 +153,7 @@ def _exactness_warning(plan: ConversionPlan, exactness: tuple[int, int]) -> None
         )
 
 
-def _finish_output(prep: PreparedRun, all_scales_pow2: bool, part: tuple[int, int] | None) -> bool:
+def _finish_output(prep: PreparedRun, all_scales_pow2: bool, part: tuple[int, int] | None, within: OutDir) -> bool:
     """The files that make the output complete (config, index, copies, manifest), written last; a part
     records what they need instead, and the last part to finish writes them. False: parts unfinished."""
     ckpt, plan, out, manifest = prep.ckpt, prep.plan, prep.out, prep.manifest
@@ -155,13 +162,13 @@ def _finish_output(prep: PreparedRun, all_scales_pow2: bool, part: tuple[int, in
     if part is None:
         if not with_scale_fmt(config, plan.claims_ue8m0, all_scales_pow2):
             plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
-        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, prep.card_note)
-        (out / HEADERS_FILE).unlink(missing_ok=True)  # --stream: only a resume needed them
+        finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, prep.card_note, within)
+        within.unlink(HEADERS_FILE)  # --stream: only a resume needed them
         return True
     # a part records what finalize needs; the last part to finish finalizes
     manifest.extra = _finalize_record(ckpt, plan, all_scales_pow2, index, prep.card_note, prep.record)
     manifest.save(out)
-    return finalize(out, require_all=False) is not None
+    return finalize(out, require_all=False, within=within) is not None
 
 
 def _verified(
@@ -272,16 +279,18 @@ def _out_block_text(plan: ConversionPlan) -> str:
     return f"{block[0]}x{block[1]}" if block else ""
 
 
-def _prepare_output(out: Path, keep: set[str], others: set[str]) -> None:
-    """Make the directory; first remove what would make a failed run look complete (index, config),
-    stale shards and temporary files; keep the shards a resumed run already finished, and never touch
-    the shards (or temporary files) of other parts of a fan-out."""
-    out.mkdir(parents=True, exist_ok=True)
+def _prepare_output(within: OutDir, keep: set[str], others: set[str]) -> None:
+    """First remove what would make a failed run look complete (index, config), stale shards and
+    temporary files (a killed run's too, in OUT and in .fp8conv); keep the shards a resumed run already
+    finished, and never touch the shards (or temporary files) of other parts of a fan-out. Every name
+    is removed itself: a link is never followed."""
     for stale in (INDEX_NAME, CONFIG_NAME):
-        (out / stale).unlink(missing_ok=True)
-    for old in out.glob("*.safetensors"):  # missing_ok: parts of a fan-out clean up side by side
-        if old.name not in keep and old.name not in others:
-            old.unlink(missing_ok=True)
-    for old in out.glob(f".*{TEMP_SUFFIX}"):
-        if temp_target(old.name) not in others:
-            old.unlink(missing_ok=True)
+        within.unlink(stale)
+    for name in within.names():
+        stale_shard = name.endswith(".safetensors") and name not in keep | others
+        stale_temp = name.startswith(".") and name.endswith(TEMP_SUFFIX) and temp_target(name) not in others
+        if stale_shard or stale_temp:
+            within.unlink(name)
+    for name in within.names(MANIFEST.parent):  # the manifest's and part records' temporaries
+        if name.endswith(TEMP_SUFFIX) and (not others or not temp_owner_alive(name)):
+            within.unlink(MANIFEST.parent / name)

@@ -13,8 +13,11 @@ from typing import Any
 from .errors import OptionsError, PlanRefused
 from .formats import classify
 from .hub import looks_like_repo_id
+from .lock import LOCK_DIR, LOCK_NAME
 from .manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from .options import ConvertOptions, RunOptions
+from .out_dir import OutDir, check_output_path
+from .output_size import output_bytes
 from .parts import assign_parts, check_part, part_path
 from .plan import ConversionPlan, Strategy, plan_conversion
 from .preflight import check_free_space, check_scales
@@ -60,7 +63,10 @@ def prepare(
     band_elements = band_elements_for(how.max_memory)
     choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes, once
     _check_memory_cap(ckpt, plan, how.max_memory)
-    out = Path(output)
+    out = check_output_path(output)  # before Path(): Path("") is the working directory
+    if out.is_dir():  # before any record in it is read: a link there is refused, never followed
+        with OutDir.open(out, create=False) as existing:
+            existing.refuse_links()
     identity = input_identity(ckpt) if feed_source is None else stream_identity(ckpt, feed_source)
     manifest = Manifest(__version__, Manifest.options_dict(options), identity)
     record = _source_record(source, ckpt, feed_source, how)
@@ -71,7 +77,7 @@ def prepare(
     _check_output(ckpt, out, how.overwrite or how.resume or how.part is not None)
     schedule = make_schedule(ckpt.index, plan, keep) if feed_source is not None else None
     if how.space_check:
-        _check_space(ckpt, plan, out, keep, others, feed_source, schedule, how)
+        _check_space(ckpt, plan, manifest, card_note, out, keep, others, feed_source, schedule, how)
     return PreparedRun(ckpt, plan, out, manifest, record, card_note, feed_source, schedule, keep, others, band_elements)
 
 
@@ -134,6 +140,8 @@ def _other_parts(out: Path, plan: ConversionPlan, manifest: Manifest, how: RunOp
 def _check_space(
     ckpt: Checkpoint,
     plan: ConversionPlan,
+    manifest: Manifest,
+    card_note: str | None,
     out: Path,
     keep: set[str],
     others: set[str],
@@ -142,19 +150,20 @@ def _check_space(
     how: RunOptions,
 ) -> None:
     """Refuse up front when this run's output (and, streaming, its input's peak) will not fit."""
-    copied = sum((ckpt.root / rel).stat().st_size for rel in plan.copy_files)
-    kept = sum((out / name).stat().st_size for name in keep)
-    mine_bytes = sum(s.nbytes for s in plan.shards if s.name not in others)
+    copied = [(ckpt.root / rel).stat().st_size for rel in plan.copy_files]
+    written = [s for s in plan.shards if s.name not in others | keep]
+    mine_bytes = output_bytes(plan, written, copied, manifest, card_note)  # headers, index, manifest too
     if feed_source is None or schedule is None:
-        check_free_space(out, mine_bytes + copied - kept)
+        check_free_space(out, mine_bytes)
         return
     sizes = {s.name: s.header.file_size for s in ckpt.index.shards}
     present = {name for name in sizes if feed_source.present(name)}
     held, count = schedule.peak_input(sizes, how.prefetch, how.evict_input, present)
-    check_stream_space(out, mine_bytes + copied - kept, feed_source.root, held, count, how.prefetch, how.evict_input)
+    check_stream_space(out, mine_bytes, feed_source.root, held, count, how.prefetch, how.evict_input)
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
+    check_output_path(out)
     src = ckpt.root.resolve()
     dst = out.resolve()
     # a single-file input only owns its folder's top level; a directory input owns everything below it
@@ -173,6 +182,22 @@ def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
         raise OptionsError(f"output {out} exists and is not a directory", fix="choose another path")
     if not overwrite:
         check_output_empty(out)
+
+
+def check_locked_output(within: OutDir, lenient: bool) -> None:
+    """Once OUT is open and locked: no link (or device, FIFO) anywhere in it, and, without --overwrite,
+    --resume or --part, still empty but for the lock just taken (another run may have filled it
+    between prepare()'s look and the lock)."""
+    within.refuse_links()
+    if lenient:
+        return
+    extra = [n for n in within.names() if n != LOCK_DIR.name]
+    extra += [f"{LOCK_DIR}/{n}" for n in within.names(LOCK_DIR) if n != LOCK_NAME.name]
+    if extra:
+        raise OptionsError(
+            f"output directory {within.path} is not empty (another run wrote {extra[0]} meanwhile)",
+            fix="choose an empty directory, or pass --overwrite to replace its checkpoint",
+        )
 
 
 def check_output_empty(out: Path) -> None:

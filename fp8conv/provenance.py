@@ -9,9 +9,10 @@ from typing import Any
 
 from .dtypes import FP8_MAX_GAUDI2
 from .options import DEFAULT_BLOCK
+from .out_dir import OutDir
 from .plan import ConversionPlan
 from .version import __version__
-from .writer import write_file_atomic
+from .writer import open_input_file, write_file_atomic
 
 MODEL_CARD = "README.md"
 NOTE_HEADING = "## Converted with fp8conv"
@@ -70,12 +71,11 @@ def model_card_note(record: dict[str, Any], plan: ConversionPlan) -> str:
     )
 
 
-def write_model_card(src: Path, dst: Path, note: str) -> None:
-    """The model card with the note appended (once: a card that already has one keeps only the new one)."""
-    from .input_files import reopen  # a regular file only, as every copied file
-
-    with os.fdopen(reopen(src, None, where={"file": src.name}), "rb") as f:
+def write_model_card(src: Path, dst: Path, note: str, within: OutDir | None = None) -> None:
+    """The model card with the note appended (once: a card that already has one keeps only the new one).
+    `within`: the output directory, opened once (see out_dir)."""
+    with open_input_file(src) as f:  # a regular file only, as every copied file
         text = f.read().decode("utf-8", errors="surrogateescape")
     if NOTE_HEADING in text:  # converted again from an fp8conv output: the old note is stale
         text = text[: text.index(NOTE_HEADING)].rstrip("\n")
-    write_file_atomic(dst, (text.rstrip("\n") + note).encode("utf-8", errors="surrogateescape"))
+    write_file_atomic(dst, (text.rstrip("\n") + note).encode("utf-8", errors="surrogateescape"), within)

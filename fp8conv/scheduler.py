@@ -31,6 +31,7 @@ from .backends.scales import all_powers_of_two
 from .direct_io import aligned_empty, round_up
 from .index import CheckpointIndex
 from .options import ProgressCallback
+from .out_dir import OutDir
 from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, Job, ShardPlan, Strategy
 from .rewrite.banded import BandedJob
 from .rewrite.dequant import scale_grid, stored_scale
@@ -147,10 +148,11 @@ class Scheduler:
         skip: set[str],
         before_shard: Callable[[str], None] | None = None,
         committed: Callable[[str, str], None] | None = None,
+        within: OutDir | None = None,
     ) -> RunTotals:
-        """Convert every planned shard not in `skip` into `out`. before_shard(name): called before a
-        shard starts (--stream waits for its inputs); committed(name, sha256): on the write thread,
-        once a shard has its final name."""
+        """Convert every planned shard not in `skip` into `out` (`within`: out opened once, see out_dir).
+        before_shard(name): called before a shard starts (--stream waits for its inputs);
+        committed(name, sha256): on the write thread, once a shard has its final name."""
         with ExitStack() as stack:
             self._read_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-read"))
             self._write_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-write"))
@@ -174,6 +176,7 @@ class Scheduler:
                     self._io_pool,
                     self._hash_pool,
                     self.limits.segments,
+                    within,
                 )
                 try:
                     self._shard(shard, writer)

@@ -33,6 +33,7 @@ from .index import INDEX_NAME, CheckpointIndex, Shard, check_shard_name, read_sh
 from .input_files import read_contained
 from .json_file import read_json_object
 from .manifest import input_identity
+from .out_dir import OutDir
 from .plan import ConversionPlan
 from .safetensors_file import ShardHeader
 from .shard_source import HubShardSource, ShardSource
@@ -65,7 +66,7 @@ def open_stream(
     return open_with_headers(root, _hub_headers(location, root, source, saved)), source
 
 
-def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None:
+def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource, within: OutDir | None = None) -> None:
     """The headers the plan was made from, for --resume: an evicted shard is then never needed again,
     not even its header (an offline resume plans without the network). Removed once the run is done."""
     prov = source.provenance()
@@ -75,7 +76,7 @@ def save_input_headers(out: Path, ckpt: Checkpoint, source: ShardSource) -> None
     for shard in ckpt.index.shards:
         headers[shard.name] = header_document(shard.header)
     doc = {"repo_id": prov["repo_id"], "commit": prov["commit"], "headers": headers}
-    write_file_atomic(out / HEADERS_FILE, json.dumps(doc).encode())
+    write_file_atomic(out / HEADERS_FILE, json.dumps(doc).encode(), within)
 
 
 def header_document(h: ShardHeader) -> dict[str, Any]:

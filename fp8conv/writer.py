@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
 from .direct_io import ALIGN, aligned_empty, open_direct, round_up
 from .dtypes import ELEMENT_BYTES
 from .errors import OutputError
+from .out_dir import OutDir, TempFile
 from .safetensors_file import TensorEntry, as_writable_memoryview
 from .shard_reader import ShardReader, read_capacity
 
@@ -66,14 +67,33 @@ def safetensors_header(specs: Iterable[TensorSpec], metadata: dict[str, str]) ->
     return len(raw).to_bytes(8, "little") + raw
 
 
-def temp_path(final: Path) -> Path:
+def temp_name(final_name: str) -> str:
     # the pid keeps processes apart: parts of a fan-out may write the same file (finalize) at once
-    return final.with_name(f".{final.name}.{os.getpid()}{TEMP_SUFFIX}")
+    return f".{final_name}.{os.getpid()}{TEMP_SUFFIX}"
+
+
+def temp_path(final: Path) -> Path:
+    return final.with_name(temp_name(final.name))
 
 
 def temp_target(temp_name: str) -> str:
     """The final file name a temporary name stands for."""
     return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
+
+
+def temp_owner_alive(temp_name: str) -> bool:
+    """The process whose pid a temporary name carries may still be writing it: it is running here (a
+    part of a fan-out beside this one), or it is this process. A name of no pid is nobody's."""
+    pid = temp_name.removesuffix(TEMP_SUFFIX).rsplit(".", 1)[-1]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class ShardLayout:
@@ -220,12 +240,23 @@ class ShardFile:
     allows it (see direct_io), everything else through the page cache. Writes may come from several threads;
     commit() and abort() once they are done."""
 
-    def __init__(self, final_path: Path, direct: bool = True) -> None:
+    def __init__(self, final_path: Path, direct: bool = True, within: OutDir | None = None) -> None:
+        """`within`: the output directory final_path is in, opened once: the temporary is then created
+        there exclusively, following no link (see out_dir)."""
         self.final_path = final_path
         self.temp = temp_path(final_path)
-        final_path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.direct_fd = open_direct(self.temp, os.O_WRONLY) if direct else None
+        self.within = within
+        self._temp: TempFile | None = None
+        if within is not None:
+            self._temp = within.create_temp(final_path.relative_to(within.path))
+            self.fd = self._temp.fd
+            # the open file itself, reopened for direct writes: no name that a link could replace
+            proc = Path(f"/proc/self/fd/{self.fd}")
+            self.direct_fd = open_direct(proc, os.O_WRONLY) if direct and proc.exists() else None
+        else:
+            final_path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.direct_fd = open_direct(self.temp, os.O_WRONLY) if direct else None
         self.direct = self.direct_fd is not None  # False once the filesystem turns a direct write down
 
     def write(self, data: memoryview, offset: int) -> None:
@@ -267,20 +298,35 @@ class ShardFile:
         try:
             os.ftruncate(self.fd, size)  # a last direct write ran to a whole page
             os.fsync(self.fd)
+            if self.within is not None and self._temp is not None:
+                self._close_direct()
+                temp, self.fd = self._temp, -1
+                self.within.commit(temp)  # closes and renames it; removes it when that fails
+                return
             self.close()
             os.replace(self.temp, self.final_path)
         except OSError as exc:
             self.abort()
             raise _output_error(exc, self.final_path) from exc
 
+    def _close_direct(self) -> None:
+        if self.direct_fd is not None and self.direct_fd >= 0:
+            os.close(self.direct_fd)
+        self.direct_fd = None
+
     def close(self) -> None:
-        for fd in (self.fd, self.direct_fd):
-            if fd is not None and fd >= 0:
-                os.close(fd)
-        self.fd, self.direct_fd = -1, None
+        self._close_direct()
+        if self.within is not None and self._temp is not None:
+            self._temp.fd = -1  # closed here, with the rest
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
 
     def abort(self) -> None:
         self.close()
+        if self.within is not None and self._temp is not None:
+            self.within.abort(self._temp)
+            return
         self.temp.unlink(missing_ok=True)
 
 
@@ -314,6 +360,7 @@ class ShardWriter:
         io: Executor | None = None,
         hasher: Executor | None = None,
         max_segments: int = MAX_SEGMENTS,  # fewer under --max-memory (stream.write_limits)
+        within: OutDir | None = None,  # the output directory, opened once (see ShardFile)
     ) -> None:
         self.final_path = final_path
         self.max_segments = max_segments
@@ -329,7 +376,7 @@ class ShardWriter:
         self.buffers_held = 0  # segment buffers not free: partial, kept ahead or in flight
         self._lock = threading.Lock()  # tensors may be written from more than one thread
         self.sha256 = ""  # hex digest, set by commit()
-        self.file = ShardFile(final_path, direct)
+        self.file = ShardFile(final_path, direct, within)
         self._write(memoryview(self.layout.header), 0)
 
     @property
@@ -504,18 +551,47 @@ def _atomically(path: Path, fill: Callable[[BinaryIO], object]) -> None:
         raise _output_error(exc, path) from exc
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
+def write_file_atomic(path: Path, data: bytes, within: OutDir | None = None) -> None:
+    """`within`: the output directory `path` is in, opened once: nothing on the way is followed."""
+    if within is not None:
+        within.write_file(path.relative_to(within.path), data)
+        return
     _atomically(path, lambda f: f.write(data))
 
 
-def copy_file_atomic(src: Path, dest: Path) -> None:
-    from .input_files import reopen  # a regular file only: a FIFO or device swapped in is not copied
+def open_input_file(src: Path) -> BinaryIO:
+    """An input file to copy, opened only when it is a regular file: a FIFO would hang the run and a
+    device would be copied until the disk is full (input_files.reopen refuses both)."""
+    from .input_files import reopen
 
-    def fill(f: BinaryIO) -> None:
-        with os.fdopen(reopen(src, None, where={"file": src.name}), "rb") as fin:
-            shutil.copyfileobj(fin, f, COPY_CHUNK_BYTES)
+    fd = reopen(src, None, where={"file": src.name})
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
-    _atomically(dest, fill)
+
+def copy_file_atomic(src: Path, dest: Path, within: OutDir | None = None) -> None:
+    if within is None:
+
+        def fill(f: BinaryIO) -> None:
+            with open_input_file(src) as fin:
+                shutil.copyfileobj(fin, f, COPY_CHUNK_BYTES)
+
+        _atomically(dest, fill)
+        return
+    temp = within.create_temp(dest.relative_to(within.path))
+    try:
+        with open_input_file(src) as fin:
+            while chunk := fin.read(COPY_CHUNK_BYTES):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(temp.fd, view) :]
+    except OSError as exc:
+        within.abort(temp)
+        raise _output_error(exc, dest) from exc
+    except BaseException:
+        within.abort(temp)
+        raise
+    within.commit(temp)
 
 
 def fsync_dir(path: Path) -> None:
