@@ -152,6 +152,8 @@ def _render_report(r: InspectReport) -> str:
             lines.append(f"          --pad-for-tp {tp} --pad-roles {roles}: --to block ~{_gib(size)}")
     if any(r.tp_indivisible.values()):
         lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
+    if r.deepgemm_ready is not None:
+        lines.append(f"DeepGEMM-ready: {r.deepgemm_ready}")
     read = "" if r.scales_read else " (from the headers; --scales reads the scale tensors too)"
     lines.append(f"problems:      {len(r.problems) or 'none'}{read}")
     lines += [f"  {p}" for p in r.problems]
