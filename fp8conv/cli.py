@@ -342,8 +342,11 @@ def convert_command(
     fp8_range = _fp8_range(fp8_max, hardware)
     if jobs > 1 and part_text is not None:
         raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
-    if as_json and not dry_run and (jobs > 1 or quiet):
-        raise click.UsageError("--json prints the plan of --dry-run, or one run's result: not with -j or -q")
+    if as_json and not dry_run and (jobs > 1 or quiet or not (target == "mxfp8" or scale_fmt)):
+        raise click.UsageError(
+            "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8 or "
+            "--scale-fmt ue8m0 run (not with -j or -q): add --dry-run, or drop --json"
+        )
     roles = tuple(r.strip() for r in pad_roles.split(",") if r.strip()) if pad_roles is not None else None
     with _usage_errors():  # the parameters become the two values, which check themselves
         options = ConvertOptions(
