@@ -398,7 +398,8 @@ def mxfp8_shape_problems(name: str, shape: tuple[int, ...], shard: str) -> list[
 
 def _ue8m0_block_problem(ckpt: Checkpoint, cls: Classification, block: tuple[int, int]) -> CheckpointError:
     """DeepGEMM's power-of-two scales come in 128x128 blocks only."""
-    name = next(iter(cls.weights), None) or next(iter(cls.plain), "")
+    blocks = [f.weight for f in cls.weights.values() if f.kind is Kind.BLOCK]
+    name = next(iter(blocks or cls.weights), None) or next(iter(cls.plain), "")
     shard = ckpt.index.shard_of(name).name if name else None
     return CheckpointError(
         f"would be written in {block[0]}x{block[1]} blocks; --scale-fmt ue8m0 (DeepGEMM) takes 128x128 blocks only",

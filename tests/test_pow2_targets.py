@@ -66,6 +66,29 @@ def plain_pow2(w: torch.Tensor, block: tuple[int, int], search: bool) -> tuple[t
     return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), (exps + 127).to(torch.uint8)
 
 
+def plain_expected(src: dict[str, torch.Tensor], name: str, dialect: str, block: tuple[int, int]):
+    """What the output of `name` must be: plain_pow2 of the input's float32 values, except that an output
+    block inside one input block whose scale is a power of two keeps the input's bytes and exponent."""
+    if dialect == "bf16":
+        return plain_pow2(src[name].float(), block, search=False)
+    q, exps = plain_pow2(dequant_reference(src, name), block, search=True)
+    n, k = src[name].shape
+    stored = src.get(name + "_scale_inv", src.get(name + "_scale"))
+    in_block = {"per-tensor": (n, k), "ct-channel": (1, k), "channel": (1, k)}.get(dialect, (128, 128))
+    grid = scale_values(stored).reshape(math.ceil(n / in_block[0]), math.ceil(k / in_block[1]))
+    q, exps = q.clone(), exps.clone()
+    for i in range(exps.shape[0]):
+        for j in range(exps.shape[1]):
+            r0, r1 = i * block[0], min(n, (i + 1) * block[0])
+            c0, c1 = j * block[1], min(k, (j + 1) * block[1])
+            inside = r0 // in_block[0] == (r1 - 1) // in_block[0] and c0 // in_block[1] == (c1 - 1) // in_block[1]
+            e = math.log2(float(grid[r0 // in_block[0], c0 // in_block[1]]))
+            if inside and e == int(e):
+                exps[i, j] = int(e) + 127
+                q[r0:r1, c0:c1] = src[name][r0:r1, c0:c1]
+    return q, exps
+
+
 def fp8_values(shape: tuple[int, int], block: tuple[int, int], seed: int) -> torch.Tensor:
     """Dequantized block FP8 (float32 scales over many binades), an outlier and an all-zero block."""
     gen = torch.Generator().manual_seed(seed)
@@ -110,19 +133,18 @@ def _converted(src, out, options):
     return result, load_dir(out), json.loads((out / "config.json").read_text())
 
 
-@pytest.mark.parametrize("dialect", ["block", "block-bf16-scales", "per-tensor", "channel", "ct-block", "bf16"])
+@pytest.mark.parametrize("dialect", ["block", "block-bf16-scales", "per-tensor", "ct-channel", "bf16"])
 def test_every_input_kind_to_both_targets(make_tiny, tmp_path, dialect):
     tiny = make_tiny(dialect=dialect)
     src = load_dir(tiny.path)
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # 576 x 320: ragged under 128x128 blocks
-    truth = src[name].float() if dialect == "bf16" else dequant_reference(src, name)
     for options, scale_name, scale_dtype, block in (
         (UE8M0, name + "_scale_inv", torch.float8_e8m0fnu, (128, 128)),
         (MXFP8, name + "_scale", torch.uint8, (1, 32)),
     ):
         out = tmp_path / f"{dialect}-{options.to}"
         result, tensors, config = _converted(tiny.path, out, options)
-        want_q, want_e = plain_pow2(truth, block, search=dialect != "bf16")
+        want_q, want_e = plain_expected(src, name, dialect, block)
         assert tensors[scale_name].dtype == scale_dtype
         assert same_bits(tensors[scale_name].view(torch.uint8), want_e) and same_bits(tensors[name], want_q)
         qc = config["quantization_config"]
@@ -252,3 +274,19 @@ def test_transformers_loads_the_ue8m0_output(make_tiny, tmp_path):
     ref_dir = _reference_model_dir(tmp_path, tiny.path, reference)
     config = transformers.FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0")
     assert same_bits(_logits(out, quantization_config=config), _logits(ref_dir))
+
+
+def test_mxfp4_experts_go_into_mxfp8_exactly(tmp_path):
+    """DeepSeek-V4: MXFP4 experts (e2m1 x E8M0 per 1x32) are MXFP8 values already: the search finds an
+    exponent that holds every one; its block FP8 Linears (E8M0 scales) keep their bytes."""
+    from .test_packed import build_v4
+
+    src = tmp_path / "v4"
+    build_v4(src)
+    result = fp8conv.convert(src, tmp_path / "out", MXFP8)
+    tensors = result.requantization["tensors"]
+    experts = [n for n in tensors if ".experts." in n]
+    assert experts and all(tensors[n]["relative_frobenius"] == 0 and not tensors[n]["saturated"] for n in experts)
+    assert all(tensors[n]["exact"] for n in tensors if n not in experts)
+    verified = fp8conv.verify(src, tmp_path / "out")
+    assert verified.ok, verified.failures
