@@ -64,7 +64,7 @@ class ConvertOptions:
                 fix="only the compressed-tensors config can tell vllm-gaudi the weights are pre-scaled",
             )
         if self.pad_for_tp is not None and (self.to not in ("block", "mxfp8") or self.pad_for_tp < 1):
-            raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block and --to mxfp8 only")
+            raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block only, or --to mxfp8")
         if self.scale_fmt is not None and (self.to != "block" or self.scale_fmt not in SCALE_FORMATS):
             raise OptionsError(
                 f"--scale-fmt {self.scale_fmt} applies to --to block only, and is one of {', '.join(SCALE_FORMATS)}",
