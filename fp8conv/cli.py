@@ -304,7 +304,13 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="Plan and check as a run would, print the plan (per output shard: tensors, bytes, how each job "
     "executes) and write nothing.",
 )
-@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as one JSON object.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="With --dry-run: print the plan as one JSON object; with --to mxfp8 or --scale-fmt ue8m0: the result "
+    "and every tensor's requantization error.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 # over 60 lines: its signature is click's 28 options, one a line; the body is ~37 lines
 def convert_command(
