@@ -312,7 +312,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     "and every tensor's requantization error.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
-# over 60 lines: its signature is click's 28 options, one a line; the body is ~37 lines
+# over 60 lines: its signature is click's 29 options, one a line; the body is ~37 lines
 def convert_command(
     checkpoint: str,
     target: str,
