@@ -251,31 +251,6 @@ def test_inspect_says_whether_deepgemm_can_take_the_scales(make_tiny, tmp_path):
     assert "DeepGEMM-ready: no" in not_ready.output and "o_proj" in not_ready.output, not_ready.output
 
 
-def test_transformers_loads_the_ue8m0_output(make_tiny, tmp_path):
-    """FineGrainedFP8 reads scale_fmt ue8m0 with float8_e8m0fnu weight_scale_inv; dequantized at load, the
-    model computes what one built from q x 2^e (by the tests' own arithmetic) computes."""
-    transformers = pytest.importorskip("transformers")
-    from .test_engines import _logits, _reference_model_dir
-
-    tiny = make_tiny()
-    out = tmp_path / "ue8m0"
-    fp8conv.convert(tiny.path, out, UE8M0)
-    got = load_dir(out)
-    reference = {}
-    for name, t in got.items():
-        if name.endswith("_scale_inv"):
-            continue
-        scale = got.get(name + "_scale_inv")
-        if scale is None:
-            reference[name] = t
-            continue
-        s = scale_values(scale).repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
-        reference[name] = (t.to(torch.float32) * s).to(torch.bfloat16)
-    ref_dir = _reference_model_dir(tmp_path, tiny.path, reference)
-    config = transformers.FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0")
-    assert same_bits(_logits(out, quantization_config=config), _logits(ref_dir))
-
-
 def test_mxfp4_experts_go_into_mxfp8_exactly(tmp_path):
     """DeepSeek-V4: MXFP4 experts (e2m1 x E8M0 per 1x32) are MXFP8 values already: the search finds an
     exponent that holds every one; its block FP8 Linears (E8M0 scales) keep their bytes."""
