@@ -389,11 +389,15 @@ def main() -> None:
         print(f"done {size:g} GiB", file=sys.stderr)
     if not args.no_baselines and not args.only and not args.v4_only:
         doc["runs"][f"all-aligned shapes, {sizes[-1]:g} GiB"] = run_aligned(sizes[-1], args.reps, work)
+    import ue8m0  # here: it computes with torch, which the timed runs' parent does not load before them
+
+    if not args.only and not args.v4_only:  # power-of-two scales against vLLM's load-time requantization
+        doc["ue8m0"] = ue8m0.measure()
     stem = "results-only" if args.only or args.v4_only else "results"  # a partial run never replaces the full table
     stem += f"-{args.device}" if args.device else ""
     (HERE / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (HERE / f"{stem}.md").write_text(markdown(doc) + "\n")
-    print(markdown(doc))
+    (HERE / f"{stem}.md").write_text(markdown(doc) + "\n" + ue8m0.markdown(doc.get("ue8m0")))
+    print(markdown(doc) + "\n" + ue8m0.markdown(doc.get("ue8m0")))
 
 
 if __name__ == "__main__":

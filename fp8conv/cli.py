@@ -10,7 +10,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -21,11 +21,21 @@ from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
 from .lock import LOCK_DIR, OutputLock
-from .options import DEFAULT_BLOCK, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_PREFETCH, TARGETS, ConvertOptions, RunOptions
+from .options import (
+    DEFAULT_BLOCK,
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DEFAULT_PREFETCH,
+    SCALE_FORMATS,
+    TARGETS,
+    ConvertOptions,
+    RunOptions,
+)
 from .out_dir import OutDir, check_output_path
 from .parts import finalize, parse_part
 from .prepare import check_locked_output, check_output_empty
 from .report import InspectReport, inspect
+from .requant_report import summary_line
 from .workers import WORKER_COMMAND, bind_to_parent, failure_line, start_worker
 
 if TYPE_CHECKING:
@@ -144,6 +154,8 @@ def _render_report(r: InspectReport) -> str:
             lines.append(f"          --pad-for-tp {tp} --pad-roles {roles}: --to block ~{_gib(size)}")
     if any(r.tp_indivisible.values()):
         lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
+    if r.deepgemm_ready is not None:
+        lines.append(f"DeepGEMM-ready: {r.deepgemm_ready}")
     read = "" if r.scales_read else " (from the headers; --scales reads the scale tensors too)"
     lines.append(f"problems:      {len(r.problems) or 'none'}{read}")
     lines += [f"  {p}" for p in r.problems]
@@ -194,6 +206,12 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     type=click.Choice(["gaudi2", "gaudi3", "generic"]),
     default=None,
     help="Hardware shorthand: gaudi2 means --fp8-max 240; gaudi3 and generic mean 448.",
+)
+@click.option(
+    "--scale-fmt",
+    type=click.Choice(SCALE_FORMATS),
+    default=None,
+    help="--to block: ue8m0 writes power-of-two scales as float8_e8m0fnu (DeepGEMM on Blackwell takes them as is).",
 )
 @click.option(
     "--pad-for-tp",
@@ -288,9 +306,15 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     help="Plan and check as a run would, print the plan (per output shard: tensors, bytes, how each job "
     "executes) and write nothing.",
 )
-@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as one JSON object.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="With --dry-run: print the plan as one JSON object; with --to mxfp8 or --scale-fmt ue8m0: the result "
+    "and every tensor's requantization error.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
-# over 60 lines: its signature is click's 28 options, one a line; the body is ~37 lines
+# over 60 lines: its signature is click's 29 options, one a line; the body is ~37 lines
 def convert_command(
     checkpoint: str,
     target: str,
@@ -299,6 +323,7 @@ def convert_command(
     block_size: tuple[int, int] | None,
     fp8_max: str | None,
     hardware: str | None,
+    scale_fmt: str | None,
     pad_for_tp: int | None,
     pad_roles: str | None,
     device: str,
@@ -325,8 +350,11 @@ def convert_command(
     fp8_range = _fp8_range(fp8_max, hardware)
     if jobs > 1 and part_text is not None:
         raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
-    if as_json and not dry_run:
-        raise click.UsageError("--json prints the plan of --dry-run: add --dry-run, or drop --json")
+    if as_json and not dry_run and (jobs > 1 or quiet or not (target == "mxfp8" or scale_fmt)):
+        raise click.UsageError(
+            "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8 or "
+            "--scale-fmt ue8m0 run (not with -j or -q): add --dry-run, or drop --json"
+        )
     roles = tuple(r.strip() for r in pad_roles.split(",") if r.strip()) if pad_roles is not None else None
     with _usage_errors():  # the parameters become the two values, which check themselves
         options = ConvertOptions(
@@ -337,6 +365,7 @@ def convert_command(
             pad_for_tp=pad_for_tp,
             pad_roles=roles,
             keep_model_card=keep_model_card,
+            scale_fmt=scale_fmt,
         )
         run = RunOptions(
             overwrite=overwrite,
@@ -359,7 +388,7 @@ def convert_command(
     elif workers:
         _convert_with_workers(checkpoint, output, options, workers, threads, quiet, verify_after)
     else:
-        _convert_here(checkpoint, output, options, run, threads, quiet)
+        _convert_here(checkpoint, output, options, run, threads, quiet, as_json)
 
 
 def _fp8_range(fp8_max: str | None, hardware: str | None) -> float:
@@ -397,7 +426,13 @@ def _convert_with_workers(
 
 
 def _convert_here(
-    checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int | None, quiet: bool
+    checkpoint: str,
+    output: str,
+    options: ConvertOptions,
+    run: RunOptions,
+    threads: int | None,
+    quiet: bool,
+    as_json: bool = False,
 ) -> None:
     warm_start.warm_torch()  # torch's import below then reads its files from the page cache
     if not (run.stream or run.part or run.resume or run.max_memory):  # the first input is read while torch loads
@@ -405,11 +440,14 @@ def _convert_here(
     from .pipeline import convert
 
     _set_threads(threads)
-    progress, close = _progress_bar(quiet)
+    progress, close = _progress_bar(quiet or as_json)
     try:
         result = convert(checkpoint, output, options, run=replace(run, progress=progress))
     finally:
         close()
+    if as_json:  # the result, the requantization error report included, as one object
+        click.echo(json.dumps(asdict(result), indent=2, default=str))
+        return
     _report_convert(result, quiet)
 
 
@@ -481,6 +519,9 @@ def _report_convert(result: ConvertResult, quiet: bool) -> None:
     _echo_warnings(result.warnings, result.files_skipped, "was not")
     if not quiet:
         click.echo(_summary(result))
+        requantized = summary_line(result.requantization)
+        if requantized:
+            click.echo(requantized)
     if result.streamed is not None and not quiet:
         click.echo(
             f"streamed: {len(result.streamed['fetched'])} shard(s) fetched, {len(result.streamed['evicted'])} "

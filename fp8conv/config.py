@@ -133,6 +133,18 @@ def rewrite_for_block(config: dict[str, Any], block: tuple[int, int], not_conver
     return out
 
 
+def rewrite_for_mxfp8(config: dict[str, Any], not_converted: list[str]) -> dict[str, Any]:
+    """ModelOpt MXFP8 as config.json spells it (vLLM's ModelOptMxFp8Config: quant_method modelopt, quant_algo
+    MXFP8, the unquantized modules under `ignore`): e4m3 weights, uint8 E8M0 `weight_scale` per 1x32 group."""
+    out = _without_quantization(config)
+    out["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "MXFP8",
+        "ignore": not_converted,
+    }
+    return out
+
+
 def rewrite_mistral_params(
     params: dict[str, Any], output_config: dict[str, Any] | None, to: str
 ) -> dict[str, Any] | None:

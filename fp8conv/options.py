@@ -20,8 +20,11 @@ from .families import ROLE_GROUPS
 if TYPE_CHECKING:
     from .shard_source import ShardSource
 
-TARGETS = ("bf16", "channel", "block")
+TARGETS = ("bf16", "channel", "block", "mxfp8")
+SCALE_FORMATS = ("ue8m0",)  # --to block --scale-fmt: power-of-two scales stored as float8_e8m0fnu
 DEFAULT_BLOCK = (128, 128)  # the output block when neither --block-size nor the input says
+UE8M0_BLOCK = (128, 128)  # the only block DeepGEMM takes power-of-two scales in
+MXFP8_GROUP = (1, 32)  # MXFP8: one E8M0 scale per 32 values along K
 DEFAULT_DTYPE = "bfloat16"
 DEFAULT_DEVICE = "auto"
 DEFAULT_PREFETCH = 1  # --stream: output shards whose inputs are fetched ahead of the one converting
@@ -41,6 +44,7 @@ class ConvertOptions:
     pad_for_tp: int | None = None  # --to block: pad MLP widths so each of N ranks holds whole blocks
     pad_roles: tuple[str, ...] | None = None  # with pad_for_tp: the MLP roles padded (None: all)
     keep_model_card: bool = False  # README.md copied unchanged (by default a "Converted with fp8conv" note is added)
+    scale_fmt: str | None = None  # --to block: "ue8m0" writes power-of-two scales (float8_e8m0fnu)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,8 +63,13 @@ class ConvertOptions:
                 "--fp8-max 240 / --target gaudi2 applies to --to channel only",
                 fix="only the compressed-tensors config can tell vllm-gaudi the weights are pre-scaled",
             )
-        if self.pad_for_tp is not None and (self.to != "block" or self.pad_for_tp < 1):
-            raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block only")
+        if self.pad_for_tp is not None and (self.to not in ("block", "mxfp8") or self.pad_for_tp < 1):
+            raise OptionsError("--pad-for-tp N (N >= 1) applies to --to block only, or --to mxfp8")
+        if self.scale_fmt is not None and (self.to != "block" or self.scale_fmt not in SCALE_FORMATS):
+            raise OptionsError(
+                f"--scale-fmt {self.scale_fmt} applies to --to block only, and is one of {', '.join(SCALE_FORMATS)}",
+                fix="--to mxfp8 writes E8M0 scales without it",
+            )
         if self.pad_roles is not None:
             if self.pad_for_tp is None:
                 raise OptionsError("--pad-roles applies with --pad-for-tp only")
@@ -79,6 +88,8 @@ class ConvertOptions:
             d["pad_roles"] = list(self.pad_roles)
         if not self.keep_model_card:
             d.pop("keep_model_card")
+        if self.scale_fmt is None:
+            d.pop("scale_fmt")
         return d
 
     @classmethod

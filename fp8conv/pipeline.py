@@ -24,6 +24,7 @@ from .parts import drop_other_splits, finalize, finish, with_scale_fmt
 from .plan import ConversionPlan
 from .preflight import check_scales
 from .prepare import PreparedRun, check_locked_output, prepare
+from .requant_report import requant_record
 from .scheduler import InputReaders, RunTotals, Scheduler
 from .shard_source import ShardSource
 from .source import Checkpoint
@@ -54,6 +55,8 @@ class ConvertResult:
     shards_kept: list[str] = field(default_factory=list)  # finished by an earlier run, checked, not redone
     finalized: bool = True  # False for a part while other parts are unfinished
     streamed: dict[str, Any] | None = None  # --stream: shards fetched and evicted, seconds waited for them
+    # --to mxfp8 / --scale-fmt ue8m0: {"summary": ..., "tensors": {weight: TensorError as a dict}}
+    requantization: dict[str, Any] | None = None
 
 
 def convert(
@@ -79,6 +82,9 @@ def convert(
             stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
         totals, streamed = _execute(prep, backend, how, stream_check, within)
         _exactness_warning(prep.plan, totals.exactness)
+        requantization = requant_record(totals.requant_errors)
+        if requantization is not None:  # in the manifest, which the files written last save
+            prep.manifest.extra["requantization"] = requantization
         finalized = _finish_output(prep, totals.all_scales_pow2, how.part, within)
         verified = _verified(prep, options, how, stream_check)
     plan, others = prep.plan, prep.others
@@ -100,6 +106,7 @@ def convert(
         shards_kept=sorted(prep.keep),
         finalized=finalized,
         streamed=streamed,
+        requantization=requantization,
     )
 
 

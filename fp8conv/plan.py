@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -18,6 +18,7 @@ from .config import (
     rewrite_for_block,
     rewrite_for_channel,
     rewrite_for_dequantized,
+    rewrite_for_mxfp8,
     rewrite_mistral_params,
 )
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
@@ -28,7 +29,7 @@ from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_he
 from .mimo_kv import fused_qkv_problems
 from .mistral_native import FAKE_QUANTIZER, fake_quantizer_warning, native_only, native_problems
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
-from .options import DEFAULT_BLOCK, ConvertOptions
+from .options import DEFAULT_BLOCK, MXFP8_GROUP, UE8M0_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
 from .quant_config import module_matches
 from .source import Checkpoint
@@ -47,6 +48,7 @@ class Action(str, Enum):
     DEQUANTIZE = "dequantize"  # FP8 -> bf16/f16/f32
     QUANTIZE = "quantize"  # FP8 (dequantized in float32) or float -> FP8 with new channel/block scales
     KEEP_BLOCKS = "keep-blocks"  # block FP8 kept as is: weight bytes, scales widened to float32
+    QUANTIZE_POW2 = "quantize-pow2"  # FP8 with E8M0 scales (ue8m0 blocks, MXFP8): fp8conv.rewrite.pow2
 
 
 class Strategy(str, Enum):
@@ -141,7 +143,8 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
         config=planner.output_config(),
         copy_files=list(ckpt.other_files),
         skipped_files=list(ckpt.skipped_files),
-        claims_ue8m0=options.to == "block" and cls.settings.scale_fmt == "ue8m0",
+        # --scale-fmt ue8m0 writes scale_fmt itself; otherwise kept where every written scale is a power of two
+        claims_ue8m0=options.to == "block" and options.scale_fmt is None and cls.settings.scale_fmt == "ue8m0",
         problems=list(cls.problems) + planner.problems + _fused_mismatches(shards, ckpt, planner.family),
         warnings=list(cls.warnings) + planner.warnings,
     )
@@ -196,6 +199,9 @@ class _Planner:
         self.warnings: list[str] = []
         self.unquantized_linears: list[str] = []
         self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
+        self.pow2 = options.to == "mxfp8" or options.scale_fmt == "ue8m0"  # scales written as E8M0
+        if options.to == "mxfp8":
+            self.out_block = MXFP8_GROUP
         # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
         self.quantize_floats = options.to != "bf16" and not any(
             w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
@@ -225,7 +231,9 @@ class _Planner:
             self.plain -= set(self.kv_scales)
             self.warnings.append(dropped_warning(self.kv_scales))
             self.kv_scales = []
-        self.problems += per_head_kv_scales(ckpt.index, self.kv_scales, options.to)
+        self.problems += per_head_kv_scales(ckpt.index, self.kv_scales, "block" if self.pow2 else options.to)
+        if options.scale_fmt == "ue8m0" and self.out_block != UE8M0_BLOCK:
+            self.problems.append(_ue8m0_block_problem(ckpt, cls, self.out_block))
 
     def jobs_for(self, shard_name: str) -> list[Job]:
         shard = next(s for s in self.ckpt.index.shards if s.name == shard_name)
@@ -261,6 +269,8 @@ class _Planner:
             self.warnings.append(f"{name} is an FP8 embedding; written as bf16 (engines load embeddings unquantized)")
             return Job(name, Action.DEQUANTIZE, (TensorSpec(name, "BF16", shape),), fmt)
         base = module_of(name)
+        if self.pow2:
+            return self._pow2_job(name, base, out_shape, fmt, pad.parts)
         if to == "channel":
             if not name.endswith(".weight"):
                 self.problems.append(
@@ -305,10 +315,24 @@ class _Planner:
                 )
             )
         base = module_of(fmt.out_name)  # never padded: --pad-for-tp refuses packed checkpoints
+        if self.pow2:
+            return replace(self._pow2_job(fmt.out_name, base, shape, fmt, 1), source=fmt.weight)
         if self.options.to == "channel":
             return Job(fmt.weight, Action.QUANTIZE, _channel_outputs(base, shape), fmt, None)
         outputs = _block_outputs(base, shape, self.out_block, fmt.out_name, _block_scale_name(fmt, base))
         return Job(fmt.weight, Action.QUANTIZE, outputs, fmt, self.out_block)
+
+    def _pow2_job(self, name: str, base: str, shape: tuple[int, ...], fmt: WeightFormat | None, parts: int) -> Job:
+        """E8M0 scales: MXFP8's uint8 [.., N, K/32] `weight_scale`, or ue8m0 blocks' float8_e8m0fnu grid."""
+        shard = self.ckpt.index.shard_of(fmt.weight if fmt is not None else name).name
+        if self.options.to == "mxfp8":
+            self.problems += mxfp8_shape_problems(name, shape, shard)
+            outputs = (TensorSpec(name, FP8_E4M3, shape), TensorSpec(name + "_scale", "U8", _grid(shape, MXFP8_GROUP)))
+        else:
+            scale_name = (_block_scale_name(fmt, base) if fmt is not None else None) or name + "_scale_inv"
+            scale = TensorSpec(scale_name, "F8_E8M0", _grid(shape, self.out_block))
+            outputs = (TensorSpec(name, FP8_E4M3, shape), scale)
+        return Job(name, Action.QUANTIZE_POW2, outputs, fmt, self.out_block, parts)
 
     def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
         out_shape = pad.shape
@@ -316,6 +340,8 @@ class _Planner:
         listed = module_matches(module_of(name), self.cls.settings.not_converted)
         if self.quantize_floats and is_linear and not listed:
             base = module_of(name)
+            if self.pow2:
+                return self._pow2_job(name, base, out_shape, None, pad.parts)
             if self.options.to == "channel":
                 return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None, pad.parts)
             block = self.out_block
@@ -356,14 +382,23 @@ class _Planner:
         if to == "channel":
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
             out = _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
+        elif to == "mxfp8":
+            out = _with_expert_dtype(rewrite_for_mxfp8(config, ignore), expert_dtype)
+            if self.padding is not None:
+                updated_widths_config(out, self.padding)
         else:
             out = _with_expert_dtype(rewrite_for_block(config, self.out_block, ignore), expert_dtype)
+            if self.options.scale_fmt == "ue8m0":
+                # DeepSeek-V3.1's spelling: DeepGEMM takes the scales as they are
+                out["quantization_config"]["scale_fmt"] = "ue8m0"
             if self.padding is not None:
                 updated_widths_config(out, self.padding)
             if self.cls.settings.activation_scheme == "static":
                 self.warnings.append("activation_scheme was static; block FP8 is written with dynamic activations")
         input_qconfig = find_quantization_config(config)[0]
-        self.warnings += declare_kv_cache(out["quantization_config"], input_qconfig, self.kv_scales, to)
+        # ModelOpt's config.json spelling reads compressed-tensors' kv_cache_scheme, as --to channel writes it
+        kv_target = "channel" if to == "mxfp8" else to
+        self.warnings += declare_kv_cache(out["quantization_config"], input_qconfig, self.kv_scales, kv_target)
         return out
 
 
@@ -377,6 +412,41 @@ def _embedding_table(name: str, shape: tuple[int, ...]) -> bool:
     if "embed" not in name:
         return False
     return len(shape) != 2 or bool(_EMBEDDING_TABLE.search(module_of(name)))
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def mxfp8_shape_problems(name: str, shape: tuple[int, ...], shard: str) -> list[CheckpointError]:
+    """MXFP8 holds a Linear's [N, K] weight (or fused experts' [E, N, K]) whose K is whole 1x32 groups."""
+    if not name.endswith(".weight"):
+        why = "is a fused expert parameter as transformers 5 saves it; no engine reads MXFP8 in that layout"
+        return [CheckpointError(why, tensor=name, shard=shard, fix="convert with --to bf16 or --to block")]
+    if len(shape) < 2 or shape[-1] % MXFP8_GROUP[1]:
+        return [
+            CheckpointError(
+                f"has K = {shape[-1] if shape else 0}, not a multiple of {MXFP8_GROUP[1]}: MXFP8 has one scale per "
+                f"1x{MXFP8_GROUP[1]} group along K",
+                tensor=name,
+                shard=shard,
+                fix="convert with --to block or --to channel",
+            )
+        ]
+    return []
+
+
+def _ue8m0_block_problem(ckpt: Checkpoint, cls: Classification, block: tuple[int, int]) -> CheckpointError:
+    """DeepGEMM's power-of-two scales come in 128x128 blocks only."""
+    blocks = [f.weight for f in cls.weights.values() if f.kind is Kind.BLOCK]
+    name = next(iter(blocks or cls.weights), None) or next(iter(cls.plain), "")
+    shard = ckpt.index.shard_of(name).name if name else None
+    return CheckpointError(
+        f"would be written in {block[0]}x{block[1]} blocks; --scale-fmt ue8m0 (DeepGEMM) takes 128x128 blocks only",
+        tensor=name or None,
+        shard=shard,
+        fix="add --block-size 128,128, or drop --scale-fmt ue8m0",
+    )
 
 
 def _channel_outputs(base: str, shape: tuple[int, ...], weight: str | None = None) -> tuple[TensorSpec, ...]:

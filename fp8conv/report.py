@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .deepgemm_ready import deepgemm_readiness
 from .errors import Fp8ConvError
 from .families import ROLE_GROUPS, Family, family_of, model_type_of, role_of, width_disagreements
 from .formats import Classification, classify, has_partial_blocks
@@ -52,6 +53,7 @@ class InspectReport:
     problems: list[str]
     warnings: list[str] = field(default_factory=list)
     scales_read: bool = False  # --scales: the scale tensors were read and their problems are listed too
+    deepgemm_ready: str | None = None  # block FP8: yes / no: why / unknown (fp8conv.deepgemm_ready)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,6 +110,7 @@ def inspect(
         problems=[p.one_line() for p in [*cls.problems, *widths, *scale_problems]],
         warnings=warnings,
         scales_read=scales and not cls.problems,
+        deepgemm_ready=deepgemm_readiness(ckpt, cls, scales and not cls.problems),
     )
 
 

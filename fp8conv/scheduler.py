@@ -51,6 +51,7 @@ class RunTotals:
     copied: int = 0
     all_scales_pow2: bool = True  # every output scale a power of two (ue8m0 can stay declared)
     exactness: list[int] = field(default_factory=lambda: [0, 0])  # packed 4-bit to FP8: exact blocks, all
+    requant_errors: dict[str, Any] = field(default_factory=dict)  # E8M0 targets: requant_report.TensorError by weight
 
     def count(self, job: Job, new_scale: torch.Tensor | None) -> None:
         """Every job once, whatever its strategy; new_scale: the scale it wrote, if any."""
@@ -233,7 +234,9 @@ class Scheduler:
         if job.strategy is Strategy.BANDED:
             return self._banded(job, inputs, writer)
         if job.strategy is Strategy.WHOLE:  # one call: the rewrite is rewrite.jobs' alone
-            tensors = run_job(job, inputs.__getitem__, self.backend, self.fp8_max, self.totals.exactness)
+            tensors = run_job(
+                job, inputs.__getitem__, self.backend, self.fp8_max, self.totals.exactness, self.totals.requant_errors
+            )
             self._write_behind(self._write_outputs, writer, job, tensors)
             return tensors[1] if len(tensors) > 1 else None
         raise RuntimeError(f"{job.source}: no execution strategy chosen (fp8conv.strategy.choose_strategies)")

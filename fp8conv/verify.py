@@ -4,7 +4,9 @@ Structure (always, every tensor): the shard files, tensor names, dtypes and shap
 the index (weight map and total_size) and config.json. Numbers (every tensor, or a deterministic
 `sample` fraction): copies byte-identical; bf16 bit-identical to one rounding of the float32 product;
 channel and block FP8 within the FP8 rounding bound |q*s - w| <= 2^-4 |w| + amax * 2^-9 of the
-dequantized input (amax per row, or per block), and bit-identical to the reference backend. The numbers
+dequantized input (amax per row, or per block), and bit-identical to the reference backend; E8M0 scales
+(ue8m0 blocks, MXFP8) within |q*s - w| <= 2^-4 |w| + s * 2^-9 + max(|w| - 448 s, 0), saturating
+only where requantizing FP8 chose to, and bit-identical to the reference backend. The numbers
 are read and checked in row bands of whole blocks (fp8conv.verify_bands): a few bands in memory at once.
 """
 
@@ -19,8 +21,10 @@ from typing import Any
 
 import torch
 
+from .backends.scales import scale_to_float32
 from .backends.torch_device import TorchDeviceBackend
 from .config import CONFIG_NAME, MISTRAL_PARAMS_NAME
+from .dtypes import FP8_MAX_STANDARD
 from .errors import OutputError
 from .families import width_disagreements
 from .formats import PACKED, classify
@@ -186,11 +190,11 @@ def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
         config = _read_output_json(out, CONFIG_NAME, fail)
         if config is None:
             return
-        quant = config.get("quantization_config")
-        if isinstance(quant, dict):
-            quant = {k: v for k, v in quant.items() if k != "scale_fmt"}  # decided from the written scales
-            config = {**config, "quantization_config": quant}
-        if config != plan.config:
+        if plan.options.scale_fmt is not None and (config.get("quantization_config") or {}).get("scale_fmt") != (
+            plan.options.scale_fmt
+        ):
+            fail(f"{CONFIG_NAME}: quantization_config does not say scale_fmt {plan.options.scale_fmt}")
+        if _without_scale_fmt(config) != _without_scale_fmt(plan.config):
             fail(f"{CONFIG_NAME}: differs from what the plan writes")
     for rel, doc in plan.json_files.items():  # params.json: its quantization entry must match the output
         written = _read_output_json(out, rel, fail)
@@ -199,6 +203,14 @@ def _check_documents(out: Path, plan: ConversionPlan, fail) -> None:
     for rel, _ in plan.skipped_files:
         if rel == MISTRAL_PARAMS_NAME and (out / rel).exists():
             fail(f"{rel}: present, but it cannot describe this output")
+
+
+def _without_scale_fmt(config: dict[str, Any]) -> dict[str, Any]:
+    """scale_fmt is decided from the written scales (or written by --scale-fmt, checked on its own)."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return config
+    return {**config, "quantization_config": {k: v for k, v in quant.items() if k != "scale_fmt"}}
 
 
 def _check_widths(out: Path, fail) -> None:
@@ -243,12 +255,29 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
         truth = dequantize(read_in(job.source), stored_scale(read_in, job.fmt), job.fmt, torch.float32, reference)
     else:
         truth = read_in(job.source).to(torch.float32)
-    q, scale = got[0].to(torch.float32), got[1]
+    q, scale = got[0].to(torch.float32), scale_to_float32(got[1])
     n, k = q.shape[-2], q.shape[-1]
     bn, bk = job.out_block or (1, k)
     full_scale = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     truth = pad_to(truth, tuple(q.shape), 0.0, job.pad_parts)
+    if job.action is Action.QUANTIZE_POW2:
+        return problems + _pow2_problems(job, q, full_scale, truth)
     amax = full_scale * fp8_max
     if not bool(((q * full_scale - truth).abs() <= truth.abs() * 2**-4 + amax * 2**-9).all()):
         problems.append(f"{name}: outside the FP8 rounding bound of the input")
     return problems
+
+
+def _pow2_problems(job: Job, q: torch.Tensor, scale: torch.Tensor, truth: torch.Tensor) -> list[str]:
+    """E8M0 scales: every one a finite power of two; each value within e4m3's rounding at its scale, or
+    clamped to 448 x it; clamped only when the input was FP8 (float inputs take the ceiling exponent)."""
+    name = job.spec.name
+    mantissa, _ = torch.frexp(scale)
+    if not bool((mantissa == 0.5).all()):
+        return [f"{name}: a scale is not a finite power of two (E8M0 byte 0xFF?)"]
+    excess = (truth.abs() - FP8_MAX_STANDARD * scale).clamp_(min=0)
+    if job.fmt is None and bool((excess > 0).any()):
+        return [f"{name}: values saturate, but a float input's scale is the ceiling power of two"]
+    if not bool(((q * scale - truth).abs() <= truth.abs() * 2**-4 + scale * 2**-9 + excess).all()):
+        return [f"{name}: outside the FP8 rounding bound of the input at its power-of-two scale"]
+    return []

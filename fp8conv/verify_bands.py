@@ -62,7 +62,7 @@ def _row_blocks(job: Job, shape: tuple[int, ...]) -> tuple[int, int]:
     """Rows per input scale and per output scale."""
     quantized = job.fmt is not None and job.fmt.kind not in PACKED
     bn_in = job.fmt.math_block(shape)[0] if quantized and job.fmt is not None else 1
-    if job.action is Action.QUANTIZE:
+    if job.action in (Action.QUANTIZE, Action.QUANTIZE_POW2):
         return bn_in, (job.out_block or (1, 1))[0]
     return bn_in, bn_in if job.action is Action.KEEP_BLOCKS else 1
 

@@ -60,6 +60,19 @@ class Backend(Protocol):
         """
         ...
 
+    def quantize_pow2_blocks(
+        self,
+        weight: torch.Tensor,
+        block: tuple[int, int],
+        search: bool,
+        q_out: torch.Tensor,
+        exponents_out: torch.Tensor,
+    ) -> None:
+        """Quantize float32 weight [M, N, K] to float8_e4m3fn blocks whose scales are powers of two
+        (fp8conv.backends.pow2 defines the exponent: the ceiling one, or with `search` the least squared
+        error of it and a few below). exponents_out: [M, ceil(N/bn), ceil(K/bk)] uint8 E8M0 bytes."""
+        ...
+
     def decode_4bit(
         self,
         codes: torch.Tensor,

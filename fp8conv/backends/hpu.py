@@ -6,8 +6,13 @@ The arithmetic is the reference's, on the HPU. Gaudi specifics live here: Gaudi2
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..dtypes import FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .torch_device import TorchDeviceBackend
+
+if TYPE_CHECKING:
+    import torch
 
 GAUDI2_FP8_MAX = FP8_MAX_GAUDI2
 GAUDI3_FP8_MAX = FP8_MAX_STANDARD
@@ -16,3 +21,14 @@ GAUDI3_FP8_MAX = FP8_MAX_STANDARD
 class HpuBackend(TorchDeviceBackend):
     def __init__(self) -> None:
         super().__init__("hpu", name="hpu")
+
+    def quantize_pow2_blocks(
+        self,
+        weight: torch.Tensor,
+        block: tuple[int, int],
+        search: bool,
+        q_out: torch.Tensor,
+        exponents_out: torch.Tensor,
+    ) -> None:
+        """On the host: the exponent search sums squared errors in float64, which the HPU does not have."""
+        TorchDeviceBackend("cpu").quantize_pow2_blocks(weight, block, search, q_out, exponents_out)

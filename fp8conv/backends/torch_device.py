@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .pow2 import quantize_pow2_chunk
 from .scales import apply_global_scale, scale_to_float32
 
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
@@ -81,6 +82,28 @@ class TorchDeviceBackend:
                 q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
                 q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k].cpu()
                 scale_out[m, g0:g1] = scale.cpu()
+
+    def quantize_pow2_blocks(
+        self,
+        weight: torch.Tensor,
+        block: tuple[int, int],
+        search: bool,
+        q_out: torch.Tensor,
+        exponents_out: torch.Tensor,
+    ) -> None:
+        bn, bk = block
+        m_count, n, k = weight.shape
+        gk = -(-k // bk)
+        step = self._chunks(n, bn).step
+        for m in range(m_count):
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                g0, g1 = r0 // bn, -(-r1 // bn)
+                padded = torch.zeros((g1 - g0) * bn, gk * bk, dtype=torch.float32, device=self.device)
+                padded[: r1 - r0, :k] = weight[m, r0:r1].to(self.device)
+                q, exponents = quantize_pow2_chunk(padded.view(g1 - g0, bn, gk, bk), search)
+                q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k].cpu()
+                exponents_out[m, g0:g1] = exponents.cpu()
 
     def decode_4bit(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,16 +13,31 @@ from ..formats import PACKED
 from ..plan import Action, Job
 from .dequant import dequantize, scale_grid, stored_scale
 from .pad import pad_to
+from .pow2 import run_pow2_job
 from .quant import quantize, requantize
 from .unpack import block_exactness, dequantized_output, unpack_to_float32
+
+if TYPE_CHECKING:
+    from ..requant_report import TensorError
 
 Reader = Callable[[str], torch.Tensor]
 
 
 def run_job(
-    job: Job, read: Reader, backend: Backend, fp8_max: float, exactness: list[int] | None = None
+    job: Job,
+    read: Reader,
+    backend: Backend,
+    fp8_max: float,
+    exactness: list[int] | None = None,
+    errors: dict[str, TensorError] | None = None,
 ) -> list[torch.Tensor]:
-    """exactness: [exact, total] output blocks, added to for packed 4-bit weights quantized to FP8."""
+    """exactness: [exact, total] output blocks, added to for packed 4-bit weights quantized to FP8;
+    errors: each requantization to power-of-two scales' report, by output weight name."""
+    if job.action is Action.QUANTIZE_POW2:
+        tensors, error = run_pow2_job(job, read, backend)
+        if errors is not None:
+            errors[job.spec.name] = error
+        return tensors
     if job.action is Action.COPY:
         return [pad_to(read(job.source), job.spec.shape, parts=job.pad_parts)]
     if job.fmt is not None and job.fmt.kind in PACKED:

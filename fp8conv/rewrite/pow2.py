@@ -1,0 +1,147 @@
+"""One weight to FP8 with power-of-two (E8M0) scales: block FP8 for DeepGEMM (--to block --scale-fmt
+ue8m0, 128x128 blocks) or MXFP8 (--to mxfp8, 1x32 groups along K), with its error report.
+
+From float weights: one rounding at the ceiling exponent. From FP8 (or packed 4-bit) weights: their
+float32 values requantized once, each block at its least-squared-error exponent; except that an output
+block lying inside one input block whose scale already is a power of two keeps the weight's bytes and
+takes that exponent (exact: nothing moves). Block by block, so a band of rows gives the bits the whole
+tensor does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..backends import Backend
+from ..backends.pow2 import E8M0_BIAS, FP8_MAX, powers_of_two
+from ..dtypes import torch_dtype
+from ..formats import CONVERTIBLE, PACKED, WeightFormat
+from ..plan import Job
+from ..requant_report import TensorError, exact
+from .dequant import dequantize, scale_grid
+from .pad import pad_to
+from .unpack import unpack_to_float32
+
+REPORT_ROWS = 1024  # rows measured at a time: the float64 temporaries stay small
+
+
+def run_pow2_job(
+    job: Job, read: Callable[[str], torch.Tensor], backend: Backend
+) -> tuple[list[torch.Tensor], TensorError]:
+    """[weight, E8M0 scale] as planned (the scale's dtype: F8_E8M0 or U8, the same bytes), and the report."""
+    assert job.out_block is not None
+    scale_dtype = torch_dtype(job.outputs[1].dtype)
+    if job.fmt is None:
+        w32, search = read(job.source).to(torch.float32), False
+    elif job.fmt.kind in PACKED:
+        w32, search = unpack_to_float32(read, job.fmt, backend), True
+    else:
+        assert job.fmt.scale is not None
+        weight, scale = read(job.source), read(job.fmt.scale)
+        unpadded = tuple(weight.shape) == job.spec.shape
+        kept = kept_exponents(scale, job.fmt, tuple(weight.shape), job.out_block) if unpadded else None
+        if kept is not None and bool(kept[1].all()):  # every block stays: no arithmetic at all
+            return [weight, kept[0].reshape(job.outputs[1].shape).view(scale_dtype)], exact(weight.numel())
+        w32, search = dequantize(weight, scale, job.fmt, torch.float32, backend), True
+        if kept is not None and bool(kept[1].any()):
+            q, exponents = quantize_pow2(w32, job.out_block, search, backend)
+            q, exponents = _with_kept_blocks(q, exponents, weight, kept, job.out_block)
+            return [q, exponents.view(scale_dtype)], tensor_error(w32, q, exponents, job.out_block)
+    w32 = pad_to(w32, job.spec.shape, parts=job.pad_parts)
+    q, exponents = quantize_pow2(w32, job.out_block, search, backend)
+    return [q, exponents.view(scale_dtype)], tensor_error(w32, q, exponents, job.out_block)
+
+
+def _with_kept_blocks(
+    q: torch.Tensor,
+    exponents: torch.Tensor,
+    weight: torch.Tensor,
+    kept: tuple[torch.Tensor, torch.Tensor],
+    block: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requantized blocks, with those whose input scale is a power of two replaced by the input's bytes
+    and exponent."""
+    kept_bytes, mask = kept
+    exponents = torch.where(mask.reshape(exponents.shape), kept_bytes.reshape(exponents.shape), exponents)
+    n, k = q.shape[-2], q.shape[-1]
+    rows = mask.reshape(-1, *mask.shape[-2:]).repeat_interleave(block[0], dim=1)[:, :n]
+    elements = rows.repeat_interleave(block[1], dim=2)[:, :, :k].reshape(q.shape)
+    q = torch.where(elements, weight.view(torch.uint8), q.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return q, exponents
+
+
+def quantize_pow2(
+    w32: torch.Tensor, block: tuple[int, int], search: bool, backend: Backend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn like w32, E8M0 bytes uint8 [..., ceil(N/bn), ceil(K/bk)])."""
+    shape = tuple(w32.shape)
+    n, k = shape[-2], shape[-1]
+    grid = (*shape[:-2], math.ceil(n / block[0]), math.ceil(k / block[1]))
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn)
+    exponents = torch.full(grid, E8M0_BIAS, dtype=torch.uint8)
+    if q.numel():
+        backend.quantize_pow2_blocks(
+            w32.reshape(-1, n, k), block, search, q.view(-1, n, k), exponents.view(-1, grid[-2], grid[-1])
+        )
+    return q, exponents
+
+
+def kept_exponents(
+    scale: torch.Tensor, fmt: WeightFormat, shape: tuple[int, ...], out_block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """When each output block lies inside one input block: per output block [M, gn, gk], the E8M0 byte of
+    its input scale and whether the block can keep its bytes (that scale a positive power of two E8M0
+    holds). None when output blocks straddle input blocks."""
+    if fmt.kind not in CONVERTIBLE:
+        return None
+    n, k = shape[-2], shape[-1]
+    in_block = fmt.math_block(shape)
+    rows, cols = _inner_index(n, out_block[0], in_block[0]), _inner_index(k, out_block[1], in_block[1])
+    if rows is None or cols is None:
+        return None
+    grid = scale_grid(scale, fmt, shape)
+    mantissa, exponent = torch.frexp(grid)
+    e = exponent.to(torch.int32) - 1  # 0.5 x 2^E = 2^(E - 1)
+    keep = (mantissa == 0.5) & (e >= -E8M0_BIAS) & (e <= E8M0_BIAS)
+    kept_bytes = (e.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
+    return kept_bytes[:, rows][:, :, cols].contiguous(), keep[:, rows][:, :, cols].contiguous()
+
+
+def _inner_index(size: int, out_block: int, in_block: int) -> torch.Tensor | None:
+    """For each output block along an axis, the input block holding all of it; None if one straddles two."""
+    starts = torch.arange(0, size, out_block)
+    ends = torch.clamp(starts + out_block, max=size) - 1
+    first, last = starts // in_block, ends // in_block
+    return first if bool((first == last).all()) else None
+
+
+def tensor_error(w32: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor, block: tuple[int, int]) -> TensorError:
+    """w32, q: [..., N, K]; exponents: the E8M0 bytes [..., ceil(N/bn), ceil(K/bk)]."""
+    n, k = w32.shape[-2], w32.shape[-1]
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    x3, q3 = w32.reshape(-1, n, k), q.reshape(-1, n, k)
+    e3 = exponents.reshape(-1, gn, gk).view(torch.uint8).to(torch.int32) - E8M0_BIAS
+    step = max(bn, REPORT_ROWS // bn * bn)
+    diff2 = norm2 = 0.0
+    saturated = flushed = 0
+    for m in range(x3.shape[0]):
+        for r0 in range(0, n, step):  # whole block rows, zero-padded: zeros add nothing to any count
+            r1 = min(n, r0 + step)
+            g = -(-(r1 - r0) // bn)
+            x = torch.zeros(g * bn, gk * bk)
+            x[: r1 - r0, :k] = x3[m, r0:r1]
+            back = torch.zeros(g * bn, gk * bk)
+            back[: r1 - r0, :k] = q3[m, r0:r1].to(torch.float32)
+            x, back = x.view(g, bn, gk, bk), back.view(g, bn, gk, bk)
+            scale = powers_of_two(e3[m, r0 // bn : r0 // bn + g])[:, None, :, None]
+            back.mul_(scale)
+            diff2 += float((back - x).to(torch.float64).square().sum())
+            norm2 += float(x.to(torch.float64).square().sum())
+            saturated += int((x.abs() > FP8_MAX * scale).sum())
+            flushed += int(((x != 0) & (back == 0)).sum())
+    relative = math.sqrt(diff2 / norm2) if norm2 > 0 else 0.0
+    return TensorError(relative, saturated, flushed, w32.numel())
