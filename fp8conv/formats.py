@@ -6,6 +6,7 @@ Never by element size, never by dividing a shape by a grid: the block size comes
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from .dtypes import FP8_E4M3, SCALE_DTYPES
 from .errors import CheckpointError
 from .index import CheckpointIndex
 from .packed_formats import classify_packed
-from .quant_config import QuantSettings, module_matches, read_quant_settings
+from .quant_config import QuantSettings, read_quant_settings
 from .safetensors_file import TensorEntry
 from .weight_format import CONVERTIBLE, PACKED, Kind, WeightFormat
 
@@ -76,9 +77,16 @@ class _Context:
     block_where: str | None
     problems: list[CheckpointError] = field(default_factory=list)
     settings: QuantSettings | None = None
+    _sorted_names: list[str] | None = None
 
     def shard(self, name: str) -> str:
         return self.index.shard_of(name).name
+
+    def sorted_names(self) -> list[str]:
+        """Every tensor name in order, sorted once: a name's companions are found by bisection."""
+        if self._sorted_names is None:
+            self._sorted_names = sorted(self.index.locations)
+        return self._sorted_names
 
 
 def classify(
@@ -104,7 +112,7 @@ def classify(
                     fix=fmt.fix,
                 )
             )
-        elif fmt.kind in CONVERTIBLE | PACKED and module_matches(module_of(fmt.weight), settings.not_converted):
+        elif fmt.kind in CONVERTIBLE | PACKED and settings.lists_as_not_converted(module_of(fmt.weight)):
             what = "FP8" if fmt.kind in CONVERTIBLE else str(fmt.kind)
             warnings.append(f"{fmt.weight} is {what} although {settings.where} lists its module as not converted")
     if settings.method is not None and not weights:
@@ -184,7 +192,7 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
     """A WeightFormat for a weight that is quantized (or looks it), None for everything else."""
     entry = ctx.index.entry(name)
     if name.endswith(PACKED_SUFFIXES):
-        return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, names))
+        return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, ctx.sorted_names()))
     if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
         return None
     if name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
@@ -270,13 +278,20 @@ def _fp8_weight(ctx: _Context, entry: TensorEntry, base: str, scales: list[str],
     return _classify_scaled(ctx, entry, ctx.index.entry(scales[0]), _companions(base, names))
 
 
-def _packed_companions(name: str, names: set[str]) -> tuple[str, ...]:
-    """compressed-tensors: X.weight_packed + X.weight_scale/...; gpt-oss: X_blocks + X_scales."""
+def _packed_companions(name: str, ordered: list[str]) -> tuple[str, ...]:
+    """compressed-tensors: X.weight_packed + X.weight_scale/...; gpt-oss: X_blocks + X_scales. `ordered`:
+    every tensor name, sorted: the names under each prefix are one run of it, found by bisection."""
     if name.endswith("_blocks"):
-        prefixes = (name[: -len("_blocks")] + "_scales",)
+        prefixes: tuple[str, ...] = (name[: -len("_blocks")] + "_scales",)
     else:
         prefixes = (name[: -len(".weight_packed")] + ".weight_", name[: -len(".weight_packed")] + ".input_")
-    return tuple(sorted(n for n in names if n != name and n.startswith(prefixes)))
+    found = []
+    for prefix in prefixes:
+        i = bisect.bisect_left(ordered, prefix)
+        while i < len(ordered) and ordered[i].startswith(prefix):
+            found.append(ordered[i])
+            i += 1
+    return tuple(sorted(n for n in found if n != name))
 
 
 def _companions(base: str, names: set[str]) -> tuple[str, ...]:
