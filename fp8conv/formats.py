@@ -37,6 +37,9 @@ class Classification:
     block_size: tuple[int, int] | None
     block_source: str | None  # "config.json", "config.json:text_config", "--block-size" or None
     settings: QuantSettings
+    # not_converted entries that name no tensor's module (GLM-5's `self_attn.indexers_proj`): reported,
+    # and never matched to another tensor by guess
+    unmatched_not_converted: list[str] = field(default_factory=list)
 
     @property
     def quant_method(self) -> str | None:
@@ -117,6 +120,7 @@ def classify(
             warnings.append(f"{fmt.weight} is {what} although {settings.where} lists its module as not converted")
     if settings.method is not None and not weights:
         warnings.append(f"{settings.where} declares quant_method {settings.method!r} but no tensor is FP8")
+    unmatched = _unmatched_not_converted(index, settings, warnings)
     return Classification(
         weights=weights,
         plain=plain,
@@ -125,7 +129,26 @@ def classify(
         block_size=block,
         block_source=block_source,
         settings=settings,
+        unmatched_not_converted=unmatched,
     )
+
+
+UNMATCHED_NAMED = 3  # entries a warning names; inspect --json lists them all
+
+
+def _unmatched_not_converted(index: CheckpointIndex, settings: QuantSettings, warnings: list[str]) -> list[str]:
+    """The ignore list's entries that match no tensor's module, warned about once with a count."""
+    if not settings.not_converted:
+        return []
+    unmatched = settings.ignore_list().unmatched(module_of(n) for n in index.locations)
+    if unmatched:
+        named = ", ".join(repr(e) for e in unmatched[:UNMATCHED_NAMED])
+        more = f" and {len(unmatched) - UNMATCHED_NAMED} more" if len(unmatched) > UNMATCHED_NAMED else ""
+        warnings.append(
+            f"{settings.where} lists {len(unmatched)} module(s) as not converted that match no tensor "
+            f"({named}{more}): they change nothing, and no other tensor is taken for them"
+        )
+    return unmatched
 
 
 def _block_size(

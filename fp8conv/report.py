@@ -51,6 +51,10 @@ class InspectReport:
     problems: list[str]
     warnings: list[str] = field(default_factory=list)
     scales_read: bool = False  # --scales: the scale tensors were read and their problems are listed too
+    # the quantization config's not-converted list (modules_to_not_convert / ignore / ...): its length and
+    # the entries that match no tensor
+    not_converted_entries: int = 0
+    not_converted_unmatched: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +109,8 @@ def inspect(
         problems=[p.one_line() for p in [*cls.problems, *widths, *scale_problems]],
         warnings=warnings,
         scales_read=scales and not cls.problems,
+        not_converted_entries=len(cls.settings.not_converted),
+        not_converted_unmatched=list(cls.unmatched_not_converted),
     )
 
 
