@@ -167,7 +167,8 @@ def test_unsafe_or_broken_regex_is_one_line_refusal(tmp_path: Path, entry: str, 
     shown = _fp8conv("inspect", "--json", str(root), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     problems = json.loads(shown.stdout)["problems"]
-    expected = f"in config.json: quantization_config.modules_to_not_convert entry {entry!r}: the regex after 're:' {why}"
+    listed = f"quantization_config.modules_to_not_convert entry {entry!r}"
+    expected = f"in config.json: {listed}: the regex after 're:' {why}"
     assert any(p.startswith(expected) for p in problems), problems
     refused = _fp8conv("convert", str(root), "--to", "block", "-o", str(tmp_path / "out"), cwd=tmp_path)
     assert refused.returncode == 1
