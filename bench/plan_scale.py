@@ -274,7 +274,8 @@ def kimi25_tensors() -> list[Tensor]:
 
 
 def kimi25_config(tensors: list[Tensor]) -> dict:
-    ignore = sorted({n.rsplit(".", 1)[0] for n, d, s in tensors if d == "BF16" and len(s) == 2 and "embed" not in n})
+    linears = [n for n, d, s in tensors if d == "BF16" and len(s) == 2 and n.endswith(".weight")]
+    ignore = sorted({n.rsplit(".", 1)[0] for n in linears if "embed" not in n})
     ignore = [m for m in ignore if not m.endswith("mlp.gate")] + ["re:.*vision_tower.*", "re:.*mm_projector.*"]
     group = {
         "targets": ["Linear"],
