@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import io_floor  # noqa: E402
+import plan_scale  # noqa: E402
 import synth  # noqa: E402
 
 import fp8conv  # noqa: E402
@@ -353,6 +354,9 @@ def main() -> None:
     parser.add_argument("--no-v4", action="store_true", help="skip the DeepSeek-V4-shaped (MXFP4 + FP8) case")
     parser.add_argument("--v4-only", action="store_true", help="run only the DeepSeek-V4-shaped case")
     parser.add_argument(
+        "--no-plan-scale", action="store_true", help="skip inspect/--dry-run at release scale (bench/plan_scale.py)"
+    )
+    parser.add_argument(
         "--stream-rate",
         type=float,
         default=None,
@@ -398,6 +402,8 @@ def main() -> None:
     (HERE / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     (HERE / f"{stem}.md").write_text(markdown(doc) + "\n" + ue8m0.markdown(doc.get("ue8m0")))
     print(markdown(doc) + "\n" + ue8m0.markdown(doc.get("ue8m0")))
+    if not args.no_plan_scale and not args.only and not args.v4_only:  # writes bench/plan-scale.json and .md
+        print(plan_scale.markdown(plan_scale.run(work / "plan-scale", plan_scale.LAYOUTS, args.reps)))
 
 
 if __name__ == "__main__":

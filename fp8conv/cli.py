@@ -156,6 +156,14 @@ def _render_report(r: InspectReport) -> str:
         lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
     if r.deepgemm_ready is not None:
         lines.append(f"DeepGEMM-ready: {r.deepgemm_ready}")
+    if r.not_converted_unmatched:
+        lines.append(
+            f"not converted: {r.not_converted_entries} entries listed, "
+            f"{len(r.not_converted_unmatched)} match no tensor:"
+        )
+        lines += [f"  {e}" for e in r.not_converted_unmatched[:PARTIAL_LINES]]
+        if len(r.not_converted_unmatched) > PARTIAL_LINES:
+            lines.append(f"  ... and {len(r.not_converted_unmatched) - PARTIAL_LINES} more (--json lists them all)")
     read = "" if r.scales_read else " (from the headers; --scales reads the scale tensors too)"
     lines.append(f"problems:      {len(r.problems) or 'none'}{read}")
     lines += [f"  {p}" for p in r.problems]

@@ -6,6 +6,7 @@ Never by element size, never by dividing a shape by a grid: the block size comes
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from .mimo_kv import mimo_row_scales
 from .mistral_native import FAKE_QUANTIZER, NATIVE_ACTIVATION_SUFFIX, NATIVE_SCALE_SUFFIX
 from .mxfp8 import classify_mxfp8
 from .packed_formats import classify_packed
-from .quant_config import QuantSettings, module_matches, read_quant_settings
+from .quant_config import QuantSettings, read_quant_settings
 from .safetensors_file import TensorEntry
 from .weight_format import CONVERTIBLE, PACKED, Kind, WeightFormat
 
@@ -40,6 +41,9 @@ class Classification:
     block_size: tuple[int, int] | None
     block_source: str | None  # "config.json", "config.json:text_config", "--block-size" or None
     settings: QuantSettings
+    # not_converted entries that name no tensor's module (GLM-5's `self_attn.indexers_proj`): reported,
+    # and never matched to another tensor by guess
+    unmatched_not_converted: list[str] = field(default_factory=list)
 
     @property
     def quant_method(self) -> str | None:
@@ -80,9 +84,16 @@ class _Context:
     block_where: str | None
     problems: list[CheckpointError] = field(default_factory=list)
     settings: QuantSettings | None = None
+    _sorted_names: list[str] | None = None
 
     def shard(self, name: str) -> str:
         return self.index.shard_of(name).name
+
+    def sorted_names(self) -> list[str]:
+        """Every tensor name in order, sorted once: a name's companions are found by bisection."""
+        if self._sorted_names is None:
+            self._sorted_names = sorted(self.index.locations)
+        return self._sorted_names
 
 
 def classify(
@@ -110,11 +121,12 @@ def classify(
                     fix=fmt.fix,
                 )
             )
-        elif fmt.kind in CONVERTIBLE | PACKED and module_matches(module_of(fmt.weight), settings.not_converted):
+        elif fmt.kind in CONVERTIBLE | PACKED and settings.lists_as_not_converted(module_of(fmt.weight)):
             what = "FP8" if fmt.kind in CONVERTIBLE else str(fmt.kind)
             warnings.append(f"{fmt.weight} is {what} although {settings.where} lists its module as not converted")
     if settings.method is not None and not weights:
         warnings.append(f"{settings.where} declares quant_method {settings.method!r} but no tensor is FP8")
+    unmatched = _unmatched_not_converted(index, settings, warnings)
     return Classification(
         weights=weights,
         plain=plain,
@@ -123,7 +135,26 @@ def classify(
         block_size=block,
         block_source=block_source,
         settings=settings,
+        unmatched_not_converted=unmatched,
     )
+
+
+UNMATCHED_NAMED = 3  # entries a warning names; inspect --json lists them all
+
+
+def _unmatched_not_converted(index: CheckpointIndex, settings: QuantSettings, warnings: list[str]) -> list[str]:
+    """The ignore list's entries that match no tensor's module, warned about once with a count."""
+    if not settings.not_converted:
+        return []
+    unmatched = settings.ignore_list().unmatched(module_of(n) for n in index.locations)
+    if unmatched:
+        named = ", ".join(repr(e) for e in unmatched[:UNMATCHED_NAMED])
+        more = f" and {len(unmatched) - UNMATCHED_NAMED} more" if len(unmatched) > UNMATCHED_NAMED else ""
+        warnings.append(
+            f"{settings.where} lists {len(unmatched)} module(s) as not converted that match no tensor "
+            f"({named}{more}): they change nothing, and no other tensor is taken for them"
+        )
+    return unmatched
 
 
 def _block_size(
@@ -190,7 +221,7 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
     """A WeightFormat for a weight that is quantized (or looks it), None for everything else."""
     entry = ctx.index.entry(name)
     if name.endswith(PACKED_SUFFIXES):
-        return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, names))
+        return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, ctx.sorted_names()))
     if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
         return None
     if name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
@@ -278,13 +309,20 @@ def _fp8_weight(ctx: _Context, entry: TensorEntry, base: str, scales: list[str],
     return _classify_scaled(ctx, entry, ctx.index.entry(scales[0]), _companions(base, names))
 
 
-def _packed_companions(name: str, names: set[str]) -> tuple[str, ...]:
-    """compressed-tensors: X.weight_packed + X.weight_scale/...; gpt-oss: X_blocks + X_scales."""
+def _packed_companions(name: str, ordered: list[str]) -> tuple[str, ...]:
+    """compressed-tensors: X.weight_packed + X.weight_scale/...; gpt-oss: X_blocks + X_scales. `ordered`:
+    every tensor name, sorted: the names under each prefix are one run of it, found by bisection."""
     if name.endswith("_blocks"):
-        prefixes = (name[: -len("_blocks")] + "_scales",)
+        prefixes: tuple[str, ...] = (name[: -len("_blocks")] + "_scales",)
     else:
         prefixes = (name[: -len(".weight_packed")] + ".weight_", name[: -len(".weight_packed")] + ".input_")
-    return tuple(sorted(n for n in names if n != name and n.startswith(prefixes)))
+    found = []
+    for prefix in prefixes:
+        i = bisect.bisect_left(ordered, prefix)
+        while i < len(ordered) and ordered[i].startswith(prefix):
+            found.append(ordered[i])
+            i += 1
+    return tuple(sorted(n for n in found if n != name))
 
 
 def _companions(base: str, names: set[str]) -> tuple[str, ...]:

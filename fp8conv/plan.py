@@ -31,7 +31,6 @@ from .mistral_native import FAKE_QUANTIZER, fake_quantizer_warning, native_only,
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .options import DEFAULT_BLOCK, MXFP8_GROUP, UE8M0_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
-from .quant_config import module_matches
 from .source import Checkpoint
 from .writer import TensorSpec
 
@@ -337,7 +336,7 @@ class _Planner:
     def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
         out_shape = pad.shape
         is_linear = is_quantizable_linear(name, dtype, len(shape), self.family)
-        listed = module_matches(module_of(name), self.cls.settings.not_converted)
+        listed = self.cls.settings.lists_as_not_converted(module_of(name))
         if self.quantize_floats and is_linear and not listed:
             base = module_of(name)
             if self.pow2:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any
 
 from .config import CONFIG_NAME, READ_FROM_KEY, find_quantization_config
 from .errors import CheckpointError
+from .ignore_list import REGEX_PREFIX, IgnoreList
 
 FLOAT_QUANTIZED_FORMATS = ("float-quantized", "naive-quantized")
 # How configs spell the one FP8 type fp8conv reads: DeepSeek "e4m3", MiniMax-M2 torch's "float8_e4m3fn",
@@ -46,6 +45,16 @@ class QuantSettings:
     # MXFP8 declared (quant_method mxfp8, ModelOpt MXFP8, compressed-tensors mxfp8-quantized): elements per
     # UE8M0 scale along K; an e4m3 weight with a uint8/e8m0 scale is then read as MXFP8 (see mxfp8.py)
     mxfp8_group: int | None = None
+    _ignore: IgnoreList | None = field(default=None, repr=False, compare=False)
+
+    def ignore_list(self) -> IgnoreList:
+        """not_converted compiled once (again only if a reader added entries since)."""
+        if self._ignore is None or len(self._ignore.entries) != len(self.not_converted):
+            self._ignore = IgnoreList(list(self.not_converted))
+        return self._ignore
+
+    def lists_as_not_converted(self, module: str) -> bool:
+        return self.ignore_list().matches(module)
 
     def refuse(self, message: str, fix: str) -> None:
         """Record a problem with the quantization config, naming the file and section it came from."""
@@ -102,7 +111,27 @@ def read_quant_settings(config: dict[str, Any] | None) -> QuantSettings:
             f"quantization_config.quant_method {raw!r} is not supported",
             fix="fp8conv reads quant_method 'fp8', 'compressed-tensors', 'mxfp4' (gpt-oss), 'mxfp8' and 'modelopt'",
         )
+    _refuse_unsafe_patterns(qconfig, settings)
     return settings
+
+
+# the lists an entry of not_converted can come from, for naming it in a refusal
+IGNORE_LIST_KEYS = ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules")
+
+
+def _refuse_unsafe_patterns(qconfig: dict[str, Any], s: QuantSettings) -> None:
+    """A `re:` entry that is no regex, or that could backtrack without bound, is refused by name, in one
+    line, before anything is matched against it (ignore_list.unsafe_regex)."""
+    for entry, reason in s.ignore_list().refused.items():
+        sections = [qconfig] + [qconfig[k] for k in ("quantization",) if isinstance(qconfig.get(k), dict)]
+        key = next(
+            (k for sec in sections for k in IGNORE_LIST_KEYS if isinstance(sec.get(k), list) and entry in sec[k]),
+            "ignore",
+        )
+        s.refuse(
+            f"quantization_config.{key} entry {entry!r}: the regex after {REGEX_PREFIX!r} {reason}",
+            fix="write the entry as plain module names, or as a regex without nested repeats or backreferences",
+        )
 
 
 def normalized_method(raw: Any) -> str | None:
@@ -363,16 +392,9 @@ def _packed_group(fmt: Any, w: dict[str, Any], gname: str, s: QuantSettings) -> 
 
 
 def module_matches(module: str, patterns: list[str]) -> bool:
-    """compressed-tensors / vLLM style: 're:<regex>', an exact module name, or a trailing name part; a
-    pattern with shell wildcards (ModelOpt's exclude_modules, e.g. 'model.layers.*.mlp*') is matched as
-    vLLM's ModelOpt reader matches it, fnmatch over the whole module name (or a parent module's)."""
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], module):
-                return True
-        elif any(c in pattern for c in "*?["):
-            if fnmatchcase(module, pattern) or fnmatchcase(module, pattern + ".*"):
-                return True
-        elif module == pattern or module.endswith("." + pattern) or module.startswith(pattern + "."):
-            return True
-    return False
+    """compressed-tensors / vLLM style: 're:<regex>', an exact module name, a parent module or a trailing
+    name part; a pattern with shell wildcards (ModelOpt's exclude_modules, e.g. 'model.layers.*.mlp*') is
+    matched as vLLM's ModelOpt reader matches it, fnmatch over the whole module name (or a parent module's).
+    Compiles `patterns` on every call: matching many modules, use QuantSettings.lists_as_not_converted
+    (ignore_list.IgnoreList), which compiles them once."""
+    return IgnoreList(list(patterns)).matches(module)

@@ -54,6 +54,10 @@ class InspectReport:
     warnings: list[str] = field(default_factory=list)
     scales_read: bool = False  # --scales: the scale tensors were read and their problems are listed too
     deepgemm_ready: str | None = None  # block FP8: yes / no: why / unknown (fp8conv.deepgemm_ready)
+    # the quantization config's not-converted list (modules_to_not_convert / ignore / ...): its length and
+    # the entries that match no tensor
+    not_converted_entries: int = 0
+    not_converted_unmatched: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +115,8 @@ def inspect(
         warnings=warnings,
         scales_read=scales and not cls.problems,
         deepgemm_ready=deepgemm_readiness(ckpt, cls, scales and not cls.problems),
+        not_converted_entries=len(cls.settings.not_converted),
+        not_converted_unmatched=list(cls.unmatched_not_converted),
     )
 
 
