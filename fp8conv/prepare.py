@@ -159,7 +159,9 @@ def _check_space(
     sizes = {s.name: s.header.file_size for s in ckpt.index.shards}
     present = {name for name in sizes if feed_source.present(name)}
     held, count = schedule.peak_input(sizes, how.prefetch, how.evict_input, present)
-    check_stream_space(out, mine_bytes, feed_source.root, held, count, how.prefetch, how.evict_input)
+    tensor_bytes = sum(s.nbytes for s in plan.shards if s.name not in others) + sum(copied)  # --stream: as before
+    kept = sum((out / name).stat().st_size for name in keep)
+    check_stream_space(out, tensor_bytes - kept, feed_source.root, held, count, how.prefetch, how.evict_input)
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
