@@ -16,6 +16,7 @@ from typing import Any
 
 from .dtypes import ELEMENT_BYTES
 from .errors import CheckpointError
+from .json_file import is_text as _is_text
 from .json_file import parse_json
 from .safetensors_file import MAX_HEADER_BYTES, ShardHeader, TensorEntry
 
@@ -148,11 +149,3 @@ def _check_covers_file(entries: list[TensorEntry], end: int, file_size: int, sha
             shard=shard,
             fix="the file is damaged or not what the header describes; re-download it",
         )
-
-
-def _is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

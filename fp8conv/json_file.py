@@ -186,20 +186,21 @@ def _check_tree(doc: Any, may_hold_surrogates: bool) -> str | None:
         elif isinstance(value, list):
             items = ((key, v) for v in value)
         else:
-            if may_hold_surrogates and isinstance(value, str) and not _is_text(value):
+            if may_hold_surrogates and isinstance(value, str) and not is_text(value):
                 return f"holds a string with a lone UTF-16 surrogate{_under(key)}, which is not text"
             continue
         if depth > MAX_JSON_DEPTH:
             return f"nests arrays or objects more than {MAX_JSON_DEPTH} deep{_under(key)}"
         for k, v in items:
-            if may_hold_surrogates and isinstance(k, str) and not _is_text(k):
+            if may_hold_surrogates and isinstance(k, str) and not is_text(k):
                 return f"holds a key with a lone UTF-16 surrogate ({k!r}), which is not text"
             if isinstance(v, (dict, list)) or may_hold_surrogates:
                 stack.append((v, depth + 1, k))
     return None
 
 
-def _is_text(s: str) -> bool:
+def is_text(s: str) -> bool:
+    """False for a str holding a lone UTF-16 surrogate (JSON's \\ud800 escapes), which is not text."""
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:

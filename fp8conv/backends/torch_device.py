@@ -6,6 +6,8 @@ and HPU (float32 product, one rounding; amax and division in float32; clamp, the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .pow2 import quantize_pow2_chunk
@@ -66,6 +68,17 @@ class TorchDeviceBackend:
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
     ) -> None:
+        for m, r0, r1, g0, g1, blocks in self._padded_block_chunks(weight, block):
+            amax = blocks.abs().amax(dim=(1, 3))
+            scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+            q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+            q_out[m, r0:r1] = q.reshape(-1, q.shape[2] * q.shape[3])[: r1 - r0, : weight.shape[2]].cpu()
+            scale_out[m, g0:g1] = scale.cpu()
+
+    def _padded_block_chunks(
+        self, weight: torch.Tensor, block: tuple[int, int]
+    ) -> Iterator[tuple[int, int, int, int, int, torch.Tensor]]:
+        """(m, rows r0:r1, grid rows g0:g1, the chunk zero-padded to whole blocks viewed [gn, bn, gk, bk])."""
         bn, bk = block
         m_count, n, k = weight.shape
         gk = -(-k // bk)
@@ -76,12 +89,7 @@ class TorchDeviceBackend:
                 g0, g1 = r0 // bn, -(-r1 // bn)
                 padded = torch.zeros((g1 - g0) * bn, gk * bk, dtype=torch.float32, device=self.device)
                 padded[: r1 - r0, :k] = weight[m, r0:r1].to(self.device)
-                blocks = padded.view(g1 - g0, bn, gk, bk)
-                amax = blocks.abs().amax(dim=(1, 3))
-                scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-                q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
-                q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k].cpu()
-                scale_out[m, g0:g1] = scale.cpu()
+                yield m, r0, r1, g0, g1, padded.view(g1 - g0, bn, gk, bk)
 
     def quantize_pow2_blocks(
         self,
@@ -91,19 +99,10 @@ class TorchDeviceBackend:
         q_out: torch.Tensor,
         exponents_out: torch.Tensor,
     ) -> None:
-        bn, bk = block
-        m_count, n, k = weight.shape
-        gk = -(-k // bk)
-        step = self._chunks(n, bn).step
-        for m in range(m_count):
-            for r0 in range(0, n, step):
-                r1 = min(n, r0 + step)
-                g0, g1 = r0 // bn, -(-r1 // bn)
-                padded = torch.zeros((g1 - g0) * bn, gk * bk, dtype=torch.float32, device=self.device)
-                padded[: r1 - r0, :k] = weight[m, r0:r1].to(self.device)
-                q, exponents = quantize_pow2_chunk(padded.view(g1 - g0, bn, gk, bk), search)
-                q_out[m, r0:r1] = q.view((g1 - g0) * bn, gk * bk)[: r1 - r0, :k].cpu()
-                exponents_out[m, g0:g1] = exponents.cpu()
+        for m, r0, r1, g0, g1, blocks in self._padded_block_chunks(weight, block):
+            q, exponents = quantize_pow2_chunk(blocks, search)
+            q_out[m, r0:r1] = q.reshape(-1, q.shape[2] * q.shape[3])[: r1 - r0, : weight.shape[2]].cpu()
+            exponents_out[m, g0:g1] = exponents.cpu()
 
     def decode_4bit(
         self,
