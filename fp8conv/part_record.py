@@ -102,8 +102,11 @@ def _stat_inside(root: Path, rel: str) -> os.stat_result | None:
 
 def _sha256(path: Path) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:  # not hashlib.file_digest, which needs Python 3.11
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return digest.hexdigest()
     except OSError:
         return None
 
