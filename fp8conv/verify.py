@@ -32,6 +32,7 @@ from .index import INDEX_NAME, CheckpointIndex
 from .json_file import read_json_object
 from .manifest import MANIFEST, Manifest, load_manifest
 from .options import ConvertOptions
+from .out_dir import OutDir
 from .plan import Action, ConversionPlan, Job, ShardPlan, plan_conversion
 from .rewrite.dequant import dequantize, stored_scale
 from .rewrite.jobs import run_job
@@ -65,6 +66,9 @@ def verify(
 ) -> VerifyResult:
     started = time.monotonic()
     out = Path(output)
+    if out.is_dir():  # a link in OUT would be read (and uploaded) as if it were the output's own file
+        with OutDir.open(out, create=False) as within:
+            within.refuse_links()
     manifest = load_manifest(out) if options is None or (out / MANIFEST).is_file() else None
     options = options or manifest.convert_options()
     ckpt = open_checkpoint(source)

@@ -129,6 +129,18 @@ def test_a_link_planted_in_the_output_is_refused_and_nothing_outside_written(mak
     assert (outside / "secret").read_text() == "secret"
 
 
+@pytest.mark.parametrize("planted", ["model-00001-of-00002.safetensors", "config.json", ".fp8conv/manifest.json"])
+def test_verify_refuses_an_output_holding_a_link_without_reading_its_target(make_tiny, tmp_path, planted):
+    ckpt = make_tiny(num_shards=2)
+    out = tmp_path / "out"
+    fp8conv.convert(ckpt.path, out, ConvertOptions(to="bf16"))
+    moved = tmp_path / "outside"
+    (out / planted).rename(moved)  # the same bytes, now reached through a link out of OUT
+    (out / planted).symlink_to(moved)
+    code, output = _cli("verify", str(ckpt.path), str(out))
+    _one_line_refusal(code, output, "link", planted)
+
+
 def test_a_link_planted_during_the_run_is_never_written_through_or_shipped(make_tiny, tmp_path, monkeypatch):
     """Planted after the checks: shards and manifest replace links rather than follow them, and the
     output is refused before its index and config.json make it look finished."""
