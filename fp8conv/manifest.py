@@ -15,13 +15,13 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import Fp8ConvError, OptionsError
-from .input_files import read_contained, reopen
+from .input_files import plain_relative, read_contained, reopen
 from .json_file import read_json_object
 from .options import ConvertOptions
-from .out_dir import OutDir, plain_relative
+from .out_dir import OutDir
 from .source import Checkpoint
 from .writer import write_file_atomic
 
@@ -33,10 +33,16 @@ def file_sha256(path: Path) -> str | None:
     fd = _open_regular(path)
     if fd is None:
         return None
+    with os.fdopen(fd, "rb") as f:
+        return stream_sha256(f)
+
+
+def stream_sha256(f: BinaryIO) -> str:
+    """sha256 of the rest of an open file, in 1 MiB reads (not hashlib.file_digest: that needs Python
+    3.11, and 3.10 is supported)."""
     digest = hashlib.sha256()
-    with os.fdopen(fd, "rb") as f:  # not hashlib.file_digest: that needs Python 3.11, and 3.10 is supported
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    while chunk := f.read(1 << 20):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -178,10 +184,8 @@ def check_record(doc: dict[str, Any], label: str, fix: str, error: type[Fp8ConvE
         raise bad("shards", "an object")
     for name, entry in shards.items():
         key = f"shards.{name}"
-        try:
-            plain_relative(name, what="shard", where=label)
-        except Fp8ConvError:
-            raise bad(key, "a shard name inside the output") from None
+        if not plain_relative(name):
+            raise bad(key, "a shard name inside the output")
         if not isinstance(entry, dict) or not _is_size(entry.get("size")):
             raise bad(key, "an object with a size")
         if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):

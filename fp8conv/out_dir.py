@@ -23,19 +23,6 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
 
 
-def plain_relative(name: object, *, what: str, where: str) -> PurePosixPath:
-    """`name` as a path inside a root: a non-empty string of plain parts (no "..", ".", absolute path
-    or NUL). `what`: what the name is, `where`: the file it came from, both for the message."""
-    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
-        raise OutputError(f"{what} {name!r} is not a file name", file=where, fix="convert again with --overwrite")
-    rel = PurePosixPath(name)
-    if rel.is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
-        raise OutputError(
-            f"{what} {name!r} is not a plain relative path inside the output", file=where, fix="convert again"
-        )
-    return rel
-
-
 @dataclass
 class TempFile:
     """A file being written under a temporary name in one of OUT's directories (dir_fd)."""

@@ -9,7 +9,6 @@ finalize copy /etc/passwd into OUT, write JSON outside OUT, or copy a file anywh
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from pathlib import Path
@@ -18,8 +17,8 @@ from typing import Any
 from .config import CONFIG_NAME
 from .errors import Fp8ConvError, OutputError
 from .index import INDEX_NAME
-from .manifest import MANIFEST, check_record
-from .out_dir import plain_relative
+from .input_files import plain_relative
+from .manifest import MANIFEST, check_record, stream_sha256
 from .provenance import hub_snapshot_of
 
 _RESERVED = {INDEX_NAME, CONFIG_NAME}
@@ -40,7 +39,7 @@ def check_part_record(doc: dict[str, Any], label: str, fix: str) -> None:
         return
     fin = doc["finalize"]
     shards = fin["planned_shards"]
-    if not isinstance(shards, list) or not all(_is_name(s) and s.endswith(".safetensors") for s in shards):
+    if not isinstance(shards, list) or not all(plain_relative(s) and s.endswith(".safetensors") for s in shards):
         raise bad("finalize.planned_shards", "a list of shard names inside the output")
     if not isinstance(fin["copy_from"], str) or not os.path.isabs(fin["copy_from"]):
         raise bad("finalize.copy_from", "an absolute path")
@@ -85,7 +84,7 @@ def check_copy_source(copy_from: Path, input_record: dict[str, Any], copy_files:
 def _stat_inside(root: Path, rel: str) -> os.stat_result | None:
     """`root / rel` when it is a plain relative name resolving to a regular file inside root (or, for a
     Hub cache snapshot, inside the repo's blobs)."""
-    if not _is_name(rel):
+    if not plain_relative(rel):
         return None
     real = Path(os.path.realpath(root / rel))
     bounds = [Path(os.path.realpath(root))]
@@ -102,23 +101,12 @@ def _stat_inside(root: Path, rel: str) -> os.stat_result | None:
 
 def _sha256(path: Path) -> str | None:
     try:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:  # not hashlib.file_digest, which needs Python 3.11
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-        return digest.hexdigest()
+        with open(path, "rb") as f:  # a Hub snapshot's config.json is a link to its blob: followed here
+            return stream_sha256(f)
     except OSError:
         return None
 
 
-def _is_name(name: object) -> bool:
-    try:
-        plain_relative(name, what="name", where="")
-    except Fp8ConvError:
-        return False
-    return True
-
-
 def _is_own_name(name: object, taken: set[str]) -> bool:
     """A file finalize may write: inside OUT, outside .fp8conv, not a shard, the index or config.json."""
-    return _is_name(name) and name not in taken and not str(name).startswith(f"{MANIFEST.parent}/")
+    return plain_relative(name) and name not in taken and not str(name).startswith(f"{MANIFEST.parent}/")
