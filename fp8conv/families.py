@@ -324,10 +324,11 @@ def fused_group(name: str, family: Family | None = None) -> str | None:
 
 
 def widths_by_role(
-    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None
+    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
 ) -> dict[str, int]:
-    """Each MLP width the (text) config states, by its label ('intermediate_size', ...)."""
-    family = family_of(config, shapes)
+    """Each MLP width the (text) config states, by its label ('intermediate_size', ...). `family`: the
+    one already found for these shapes."""
+    family = family or family_of(config, shapes)
     if family is None:
         return {}
     c = text_config(config or {})
@@ -335,14 +336,18 @@ def widths_by_role(
 
 
 def width_disagreements(
-    config: dict[str, Any] | None, tensors: Iterable[tuple[str, tuple[int, ...], str]], fix: str
+    config: dict[str, Any] | None,
+    tensors: Iterable[tuple[str, tuple[int, ...], str]],
+    fix: str,
+    family: Family | None = None,
 ) -> list[CheckpointError]:
     """Every (name, shape, shard) whose MLP width differs from the one the (text) config states for
     its role: transformers and vLLM build the layer from config.json and stop on the size mismatch.
     A family found by rule has each role's key matched to its tensors: this then checks the output
-    (the padded widths written where the roles' keys are)."""
+    (the padded widths written where the roles' keys are). `family`: the input's, for its output (the roles
+    found on the input's names, checked against the widths written); else found here."""
     tensors = list(tensors)
-    family = family_of(config, {name: shape for name, shape, _ in tensors})
+    family = family or family_of(config, {name: shape for name, shape, _ in tensors})
     if family is None:
         return []
     c = text_config(config or {})

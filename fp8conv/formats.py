@@ -44,6 +44,8 @@ class Classification:
     # not_converted entries that name no tensor's module (GLM-5's `self_attn.indexers_proj`): reported,
     # and never matched to another tensor by guess
     unmatched_not_converted: list[str] = field(default_factory=list)
+    # what planning derives from the input alone, once per checkpoint: inspect plans it eight times
+    memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def quant_method(self) -> str | None:
@@ -69,11 +71,15 @@ class Classification:
     def input_shapes(self, index: CheckpointIndex) -> list[tuple[str, tuple[int, ...], str]]:
         """(name, shape, shard) of every input tensor, a packed 4-bit weight by the shape it unpacks to
         (a ModelOpt uint8 `.weight` [N, K/2] is [N, K]): the shape config.json's widths describe."""
+        memo = self.memo.get("input_shapes")
+        if memo is not None and memo[0] is index:
+            return memo[1]
         shapes = []
         for name, (shard, entry) in index.locations.items():
             fmt = self.weights.get(name)
             unpacked = fmt.shape if fmt is not None and fmt.kind in PACKED else None
             shapes.append((name, unpacked or entry.shape, shard.name))
+        self.memo["input_shapes"] = (index, shapes)
         return shapes
 
 

@@ -38,10 +38,13 @@ def is_quantizable_linear(name: str, dtype: str, ndim: int, family: Family | Non
     return name.endswith(".weight") and dtype in FLOAT_DTYPES and ndim in (2, 3) and not unquantized.search(name)
 
 
-def mlp_widths(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
+def mlp_widths(
+    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
+) -> dict[str, int]:
     """Each intermediate width the MLP tensors use, by its config label."""
-    if family_of(config, shapes) is not None:
-        return widths_by_role(config, shapes)
+    family = family or family_of(config, shapes)
+    if family is not None:
+        return widths_by_role(config, shapes, family)
     c = text_config(config or {})
     return {k: v for k in _GENERIC_WIDTH_KEYS for v in [c.get(k)] if isinstance(v, int) and v > 0}
 
@@ -182,13 +185,14 @@ def tp_report(
     tps: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
     names: Iterable[str] | None = None,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    family: Family | None = None,
 ) -> dict[str, list[str]]:
     """For each TP size, the MLP widths whose per-rank slice is not whole blocks, as vLLM's
     validate_fp8_block_shape checks them: gate/up rows (merged, column-parallel) by block_n at any TP,
     down columns (row-parallel) by block_k once split across ranks. With `names`, a known family's widths
     that no tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has)."""
-    widths = mlp_widths(config, shapes)
-    family = family_of(config, shapes)
+    family = family or family_of(config, shapes)
+    widths = mlp_widths(config, shapes, family)
     if family is not None and names is not None:
         used = {found[0].width.label for name in names for found in [role_of(family, name)] if found}
         widths = {label: w for label, w in widths.items() if label in used}

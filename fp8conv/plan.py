@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -23,7 +24,7 @@ from .config import (
 )
 from .dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import CheckpointError, OptionsError
-from .families import FUSED_EXPERTS, Family, family_of, fused_group, model_type_of, width_disagreements
+from .families import FUSED_EXPERTS, Family, family_of, fused_group, model_type_of, role_of, width_disagreements
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from .mimo_kv import fused_qkv_problems
@@ -131,10 +132,13 @@ class ConversionPlan:
         return {"metadata": {"total_size": self.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptions) -> ConversionPlan:
-    """Every output tensor and file. Refused inputs are planned as copies; the caller checks problems."""
+def plan_conversion(
+    ckpt: Checkpoint, cls: Classification, options: ConvertOptions, only: Collection[str] | None = None
+) -> ConversionPlan:
+    """Every output tensor and file. Refused inputs are planned as copies; the caller checks problems.
+    `only`: plan these tensors and no others (expert_fold's, for an estimate: not a plan to run)."""
     planner = _Planner(ckpt, cls, options)
-    shards = _without_empty([ShardPlan(shard.name, planner.jobs_for(shard.name)) for shard in ckpt.index.shards])
+    shards = _without_empty([ShardPlan(s.name, planner.jobs_for(s.name, only)) for s in ckpt.index.shards])
     plan = ConversionPlan(
         options=options,
         shards=shards,
@@ -147,7 +151,7 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
         problems=list(cls.problems) + planner.problems + _fused_mismatches(shards, ckpt, planner.family),
         warnings=list(cls.warnings) + planner.warnings,
     )
-    plan.problems += _width_problems(ckpt, plan, cls)
+    plan.problems += _width_problems(ckpt, plan, cls, planner.family)
     plan.problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
@@ -206,7 +210,7 @@ class _Planner:
             w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
         )
         # a model_type the table does not name has its roles found by rule from the tensors (roles.py)
-        self.family = family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index)})
+        self.family = input_family(ckpt, cls)
         self.padding: MlpPadding | None = None
         # transformers-5 FineGrainedFP8Config saves write quantization_config.expert_dtype "fp8" too
         self.deepseek_v4 = cls.settings.expert_dtype is not None and model_type_of(ckpt.config) == "deepseek_v4"
@@ -219,7 +223,12 @@ class _Planner:
                     fix="convert without --pad-for-tp",
                 )
             self.padding = plan_mlp_padding(
-                ckpt.config, options.pad_for_tp, self.out_block, ckpt.index.locations, options.pad_roles, self.family
+                ckpt.config,
+                options.pad_for_tp,
+                self.out_block,
+                role_examples(ckpt, cls),
+                options.pad_roles,
+                self.family,
             )
             self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
@@ -234,13 +243,15 @@ class _Planner:
         if options.scale_fmt == "ue8m0" and self.out_block != UE8M0_BLOCK:
             self.problems.append(_ue8m0_block_problem(ckpt, cls, self.out_block))
 
-    def jobs_for(self, shard_name: str) -> list[Job]:
+    def jobs_for(self, shard_name: str, only: Collection[str] | None = None) -> list[Job]:
         shard = next(s for s in self.ckpt.index.shards if s.name == shard_name)
         jobs = []
         for name, entry in shard.header.tensors.items():
             fmt = self.cls.weights.get(name)
             if fmt is None and name not in self.plain:
                 continue  # a scale or companion, written with its weight
+            if only is not None and name not in only:
+                continue
             try:
                 pad = self._padded(name, entry.shape, shard_name)
             except CheckpointError as exc:
@@ -525,18 +536,51 @@ def _without_empty(shards: list[ShardPlan]) -> list[ShardPlan]:
     ]
 
 
-def _width_problems(ckpt: Checkpoint, plan: ConversionPlan, cls: Classification) -> list[CheckpointError]:
-    """config.json and the tensors must agree on every MLP width, in the input and in the output."""
-    problems = width_disagreements(
-        ckpt.config,
-        cls.input_shapes(ckpt.index),
-        "config.json and the tensors disagree: correct config.json (or the tensors)",
-    )
+INPUT_WIDTHS_FIX = "config.json and the tensors disagree: correct config.json (or the tensors)"
+
+
+def input_family(ckpt: Checkpoint, cls: Classification) -> Family | None:
+    """The input's family (for a model_type the table does not name, found by rule from its tensors)."""
+    if "family" not in cls.memo:
+        cls.memo["family"] = family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index)})
+    return cls.memo["family"]
+
+
+def role_examples(ckpt: Checkpoint, cls: Classification) -> list[str]:
+    """The first tensor (in file order) of each MLP role the input has: all that padding, its role choices
+    and the TP table read of the names, found in one pass instead of one per plan."""
+    if "role_examples" not in cls.memo:
+        family, first = input_family(ckpt, cls), {}
+        for name in ckpt.index.locations if family is not None else ():
+            found = role_of(family, name)
+            if found is not None:
+                first.setdefault(id(found[0]), name)
+        cls.memo["role_examples"] = list(first.values())
+    return cls.memo["role_examples"]
+
+
+def input_width_problems(ckpt: Checkpoint, cls: Classification, fix: str = INPUT_WIDTHS_FIX) -> list[CheckpointError]:
+    """config.json against the input's tensors, checked once whatever the number of plans."""
+    key = "widths:" + fix
+    if key not in cls.memo:
+        cls.memo[key] = width_disagreements(ckpt.config, cls.input_shapes(ckpt.index), fix, input_family(ckpt, cls))
+    return list(cls.memo[key])
+
+
+def _width_problems(
+    ckpt: Checkpoint, plan: ConversionPlan, cls: Classification, family: Family | None
+) -> list[CheckpointError]:
+    """config.json and the tensors must agree on every MLP width, in the input and in the output (whose
+    roles are the input's: the same names, padded where --pad-for-tp pads them)."""
+    problems = input_width_problems(ckpt, cls)
     if problems or plan.config is None:
         return problems
     outputs = ((o.name, o.shape, s.name) for s in plan.shards for j in s.jobs for o in j.outputs)
     return width_disagreements(
-        plan.config, outputs, "the output's config.json would disagree with its tensors (a bug: please report it)"
+        plan.config,
+        outputs,
+        "the output's config.json would disagree with its tensors (a bug: please report it)",
+        family,
     )
 
 

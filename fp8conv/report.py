@@ -11,11 +11,12 @@ from typing import Any
 
 from .deepgemm_ready import deepgemm_readiness
 from .errors import Fp8ConvError
-from .families import ROLE_GROUPS, Family, family_of, model_type_of, role_of, width_disagreements
+from .expert_fold import expert_fold
+from .families import ROLE_GROUPS, Family, model_type_of, role_of
 from .formats import Classification, classify, has_partial_blocks
 from .model_layout import tp_report
 from .options import DEFAULT_BLOCK, TARGETS, ConvertOptions
-from .plan import plan_conversion
+from .plan import input_family, input_width_problems, plan_conversion, role_examples
 from .source import Checkpoint, open_checkpoint
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -84,11 +85,11 @@ def inspect(
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
     block = cls.block_size or DEFAULT_BLOCK
     shapes = _shapes(ckpt, cls)
-    tp_bad = tp_report(ckpt.config, block, names=ckpt.index.locations, shapes=shapes)
-    family = family_of(ckpt.config, shapes)
-    widths = width_disagreements(
-        ckpt.config, cls.input_shapes(ckpt.index), "config.json and the tensors disagree: correct config.json"
+    tp_bad = tp_report(
+        ckpt.config, block, names=role_examples(ckpt, cls), shapes=shapes, family=input_family(ckpt, cls)
     )
+    family = input_family(ckpt, cls)
+    widths = input_width_problems(ckpt, cls, "config.json and the tensors disagree: correct config.json")
     warnings = _warnings(ckpt, cls, scales, family)
     return InspectReport(
         source=str(source),
@@ -151,13 +152,12 @@ def inspect_invocation(block_size: tuple[int, int] | None, revision: str | None,
     return " ".join(words + ([f"--revision {revision}"] if revision else []))
 
 
-def pad_role_choices(ckpt: Checkpoint) -> list[tuple[str, ...]]:
+def pad_role_choices(names: list[str], family: Family | None) -> list[tuple[str, ...]]:
     """Every MLP role the checkpoint has; and, when it has routed experts, the roles left once they are not
     padded (expert-parallel experts are not split across ranks), minus any role sharing their width key."""
-    family = family_of(ckpt.config, {n: e.shape for n, (_, e) in ckpt.index.locations.items()})
     if family is None:
         return []
-    roles = {found[0] for name in ckpt.index.locations for found in [role_of(family, name)] if found}
+    roles = {found[0] for name in names for found in [role_of(family, name)] if found}
     everything = tuple(g for g in ROLE_GROUPS if any(r.group == g for r in roles))
     routed_keys = {r.width.key for r in roles if r.group == "routed"}
     rest = tuple(
@@ -170,20 +170,27 @@ def padded_output_bytes(ckpt: Checkpoint, cls: Classification, tps: list[int]) -
     """--to block --pad-for-tp N bytes for each TP size and role choice, from the plans convert would run."""
     sizes: dict[str, dict[str, int]] = {}
     for tp in tps:
-        for roles in pad_role_choices(ckpt):
+        for roles in pad_role_choices(role_examples(ckpt, cls), input_family(ckpt, cls)):
             try:  # the options check themselves when made (an empty role list is refused there)
-                plan = plan_conversion(ckpt, cls, ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles))
+                nbytes, problems = _planned_bytes(ckpt, cls, ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles))
             except Fp8ConvError:
                 continue
-            if not plan.problems:
-                sizes.setdefault(str(tp), {})[",".join(roles)] = plan.output_bytes
+            if not problems:
+                sizes.setdefault(str(tp), {})[",".join(roles)] = nbytes
     return sizes
 
 
 def estimate_output_bytes(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
     """Bytes of tensor data each target would write, from the same plan convert would run
     (weights that would be refused are counted as they are)."""
-    return {to: plan_conversion(ckpt, cls, ConvertOptions(to=to)).output_bytes for to in TARGETS}
+    return {to: _planned_bytes(ckpt, cls, ConvertOptions(to=to))[0] for to in TARGETS}
+
+
+def _planned_bytes(ckpt: Checkpoint, cls: Classification, options: ConvertOptions) -> tuple[int, bool]:
+    """The plan's output bytes and whether it has problems, planned with experts folded (expert_fold)."""
+    fold = expert_fold(ckpt, cls)
+    plan = plan_conversion(ckpt, cls, options, only=fold)
+    return sum(job.nbytes * fold[job.source] for shard in plan.shards for job in shard.jobs), bool(plan.problems)
 
 
 def _num_hidden_layers(config: dict[str, Any] | None) -> int | None:
