@@ -24,7 +24,7 @@ MAX_JSON_BYTES = 128 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 # An int64 has 19 digits; a longer integer is a damaged or hostile file (Python refuses > 4300 digits).
 MAX_INT_DIGITS = 24
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]", re.ASCII)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]", re.ASCII)
 _LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
 _TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"\s*(:)?|[\[{]|[\]}]', re.DOTALL)
 
@@ -132,7 +132,7 @@ def parse_json(
         if isinstance(exc, json.JSONDecodeError):
             raise error(f"is not valid JSON ({exc}){_why(raw, exc)}", **where, fix=fix) from exc
         raise error(f"is not valid JSON ({exc})", **where, fix=fix) from exc
-    problem = _check_tree(doc, _SURROGATE_ESCAPE.search(raw) is not None) if check_tree else None
+    problem = _check_tree(doc, SURROGATE_ESCAPE.search(raw) is not None) if check_tree else None
     if problem:
         raise error(problem, **where, fix=fix)
     return doc
