@@ -20,6 +20,7 @@ from .out_dir import OutDir
 from .part_record import check_copy_source, check_part_record
 from .plan import ShardPlan
 from .provenance import MODEL_CARD, write_model_card
+from .requant_report import TensorError, errors_of_record, requant_record
 from .version import __version__
 from .writer import TEMP_SUFFIX, copy_file_atomic, fsync_dir, temp_owner_alive, write_file_atomic
 
@@ -207,6 +208,9 @@ def _finalize(out: Path, require_all: bool, within: OutDir, alone: bool) -> Fina
     final.within = within
     if "source" in first:  # provenance, as a single run records it
         final.extra = {"source": first["source"]}
+    requantization = _merged_requantization(docs)
+    if requantization is not None:  # every part's tensors, summarised as a single run summarises them
+        final.extra["requantization"] = requantization
     finish(
         out,
         final,
@@ -219,6 +223,15 @@ def _finalize(out: Path, require_all: bool, within: OutDir, alone: bool) -> Fina
         within,
     )
     return FinalizeResult(out, n, len(shards))
+
+
+def _merged_requantization(docs: dict[tuple[int, int], dict[str, Any]]) -> dict[str, Any] | None:
+    """The parts' requantization records as one (check_part_record has checked each): each tensor is one
+    part's, since a tensor lies in one shard and a shard in one part."""
+    errors: dict[str, TensorError] = {}
+    for doc in docs.values():
+        errors.update(errors_of_record(doc.get("requantization")) or {})
+    return requant_record(errors)
 
 
 def with_scale_fmt(config: dict[str, Any] | None, claims_ue8m0: bool, all_pow2: bool) -> bool:

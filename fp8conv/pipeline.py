@@ -173,7 +173,10 @@ def _finish_output(prep: PreparedRun, all_scales_pow2: bool, part: tuple[int, in
         within.unlink(HEADERS_FILE)  # --stream: only a resume needed them
         return True
     # a part records what finalize needs; the last part to finish finalizes
+    requantization = manifest.extra.get("requantization")  # this part's tensors: finalize merges every part's
     manifest.extra = _finalize_record(ckpt, plan, all_scales_pow2, index, prep.card_note, prep.record)
+    if requantization is not None:
+        manifest.extra["requantization"] = requantization
     manifest.save(out)
     return finalize(out, require_all=False, within=within) is not None
 

@@ -1,13 +1,14 @@
 """The error report of a requantization to power-of-two scales: per tensor, how far the written values
 are from the input's own (float32, dequantized) values, and how many saturated or flushed to zero.
 
-Torch-free (the CLI prints it); fp8conv.rewrite.pow2 measures it: a report, not output bytes, so its
-float64 sums run in torch's order (the last digits may differ by vector unit).
+Torch-free (the CLI prints it); fp8conv.rewrite.pow2 measures it, with float64 sums in a fixed order: the
+same digits on every host, thread count and split of the run into parts.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 
@@ -25,24 +26,29 @@ class TensorError:
         return asdict(self)
 
 
+_FIELDS = {f.name for f in fields(TensorError)}
+
+
 def exact(elements: int) -> TensorError:
     return TensorError(0.0, 0, 0, elements, exact=True)
 
 
 def summary(errors: dict[str, TensorError]) -> dict[str, Any]:
-    """The run's aggregate: the worst tensor, the element-weighted mean, and the counts."""
+    """The run's aggregate: the worst tensor, the element-weighted mean, and the counts. Summed in name
+    order: the same digits whatever order the jobs finished in, or however parts split the run."""
     if not errors:
         return {}
-    worst = max(errors, key=lambda name: errors[name].relative_frobenius)
-    elements = sum(e.elements for e in errors.values())
+    ordered = [errors[name] for name in sorted(errors)]
+    worst = max(sorted(errors), key=lambda name: errors[name].relative_frobenius)
+    elements = sum(e.elements for e in ordered)
     return {
         "tensors": len(errors),
-        "exact": sum(e.exact for e in errors.values()),
+        "exact": sum(e.exact for e in ordered),
         "worst_tensor": worst,
         "worst_relative_frobenius": errors[worst].relative_frobenius,
-        "mean_relative_frobenius": sum(e.relative_frobenius * e.elements for e in errors.values()) / max(elements, 1),
-        "saturated": sum(e.saturated for e in errors.values()),
-        "flushed": sum(e.flushed for e in errors.values()),
+        "mean_relative_frobenius": sum(e.relative_frobenius * e.elements for e in ordered) / max(elements, 1),
+        "saturated": sum(e.saturated for e in ordered),
+        "flushed": sum(e.flushed for e in ordered),
     }
 
 
@@ -51,6 +57,26 @@ def requant_record(errors: dict[str, TensorError]) -> dict[str, Any] | None:
     if not errors:
         return None
     return {"summary": summary(errors), "tensors": {name: errors[name].to_dict() for name in sorted(errors)}}
+
+
+def errors_of_record(record: object) -> dict[str, TensorError] | None:
+    """requant_record's record read back (a part's, for finalize to merge): every tensor's report, or
+    None when the record is not one (finalize refuses it: anyone who can write OUT can write a record)."""
+    tensors = record.get("tensors") if isinstance(record, dict) else None
+    if not isinstance(tensors, dict) or not tensors:
+        return None
+    out = {}
+    for name, doc in tensors.items():
+        if not isinstance(doc, dict) or set(doc) != _FIELDS:
+            return None
+        counts = [doc[key] for key in ("saturated", "flushed", "elements")]
+        rel = doc["relative_frobenius"]
+        if not all(type(c) is int and c >= 0 for c in counts) or not isinstance(doc["exact"], bool):
+            return None
+        if type(rel) not in (int, float) or not math.isfinite(rel) or rel < 0:
+            return None
+        out[name] = TensorError(float(rel), *counts, exact=doc["exact"])
+    return out
 
 
 def summary_line(record: dict[str, Any] | None) -> str | None:

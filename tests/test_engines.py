@@ -14,6 +14,7 @@ from fp8conv import ConvertOptions
 from .helpers import load_dir
 from .reductions import assert_same_function
 from .reference import dequant_reference, same_bits
+from .synthetic import TinyModelShape
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,3 +147,56 @@ def test_padding_refuses_when_config_and_tensors_disagree(tiny, tmp_path):
     with pytest.raises(fp8conv.CheckpointError, match="moe_intermediate_size") as info:
         fp8conv.convert(tiny.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=4))
     assert "mlp.experts." in str(info.value) and not (tmp_path / "out").exists()
+
+
+def _decoded_ue8m0(out) -> dict[str, torch.Tensor]:
+    """The ue8m0 output decoded by the tests' own arithmetic: each float8_e8m0fnu byte b is the float32
+    2^(b - 127) (from the bits), times its 128x128 block of e4m3 values, rounded once to bf16."""
+    written = load_dir(out)
+    decoded = {}
+    for name, t in written.items():
+        scale = written.get(name + "_scale_inv")
+        if name.endswith("_scale_inv"):
+            continue
+        if scale is None:
+            decoded[name] = t
+            continue
+        assert scale.dtype == torch.float8_e8m0fnu, (name, scale.dtype)
+        powers = (scale.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+        grid = powers.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
+        decoded[name] = (t.to(torch.float32) * grid).to(torch.bfloat16)
+    return decoded
+
+
+# Every Linear whole 128x128 blocks: transformers' FineGrainedFP8 dequantizer refuses a weight its scale
+# grid does not divide ("Weight shape (192, 320) not divisible by scale grid (2, 3)"), as the default tiny is
+ALIGNED = TinyModelShape(
+    hidden_size=256,
+    intermediate_size=384,
+    moe_intermediate_size=128,
+    num_attention_heads=4,
+    kv_lora_rank=384,
+    q_lora_rank=128,
+    qk_rope_head_dim=128,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+)
+
+
+def test_transformers_loads_ue8m0_output_as_its_decoded_weights(make_tiny, tmp_path):
+    """--to block --scale-fmt ue8m0 in transformers (FineGrainedFP8, scale_fmt ue8m0): without a GPU it
+    dequantizes to bf16 on load; every weight and the logits are those of the tests' own decode."""
+    tiny = make_tiny(shape=ALIGNED)
+    out = tmp_path / "ue8m0"
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="block", scale_fmt="ue8m0"))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
+    decoded = _decoded_ue8m0(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    unfused = [n for n in tiny.fp8_weights if n in params]  # transformers 5 fuses the experts: logits check them
+    assert len(unfused) >= 8, unfused
+    for name in unfused:
+        assert same_bits(params[name], decoded[name]), name
+    ref_dir = _reference_model_dir(tmp_path, out, decoded)
+    got, expected = _logits(out), _logits(ref_dir)
+    assert got.abs().max() > 0 and same_bits(got, expected)

@@ -25,10 +25,14 @@ from fp8conv.writer import TEMP_SUFFIX
 from .helpers import dir_snapshot
 
 
-@pytest.mark.parametrize(("to", "count"), [("bf16", 2), ("channel", 3), ("block", 4)])
-def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count):
-    ckpt = make_tiny(num_shards=4, dialect="ue8m0-u8" if to == "block" else "block")
-    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to=to))
+@pytest.mark.parametrize(
+    ("to", "count", "scale_fmt"), [("bf16", 2, None), ("channel", 3, None), ("block", 4, None), ("block", 3, "ue8m0")]
+)
+def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count, scale_fmt):
+    """scale_fmt ue8m0 from float32 block scales: the manifest's requantization record holds every part's
+    tensors (each part records its own; finalize merges them), the same bytes as a single run's."""
+    ckpt = make_tiny(num_shards=4, dialect="ue8m0-u8" if to == "block" and not scale_fmt else "block")
+    fp8conv.convert(ckpt.path, tmp_path / "single", ConvertOptions(to=to, scale_fmt=scale_fmt))
     out = tmp_path / "fanout"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     procs = [
@@ -46,6 +50,7 @@ def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count):
                 "--part",
                 f"{i}/{count}",
                 "-q",
+                *(["--scale-fmt", scale_fmt] if scale_fmt else []),
             ],
             env=env,
             stderr=subprocess.PIPE,
@@ -59,6 +64,9 @@ def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count):
     single, fanned = dir_snapshot(tmp_path / "single"), dir_snapshot(out)
     fanned = {k: v for k, v in fanned.items() if not k.startswith(".fp8conv/part-")}
     assert fanned == single  # shards, index, config (scale_fmt too), copied files and manifest
+    if scale_fmt:
+        record = json.loads((out / ".fp8conv" / "manifest.json").read_text())["requantization"]
+        assert len(record["tensors"]) == len(ckpt.fp8_weights) == record["summary"]["tensors"]
 
 
 def test_finalize_waits_for_every_part_and_checks_hashes(tiny, tmp_path):
@@ -337,13 +345,19 @@ def test_finalize_names_a_damaged_part_manifest_and_its_fix_works(tiny, tmp_path
         (b"[]", "holds a JSON array, not an object", ""),
         (json.dumps(no_shards).encode(), "lacks shards", ""),
         (json.dumps(no_planned).encode(), "lacks finalize.planned_shards", ""),
+        # a requantization record finalize would merge into the manifest: every report checked first
+        (
+            json.dumps({**doc, "requantization": {"tensors": {"w": {"relative_frobenius": -1}}}}).encode(),
+            "under requantization: is damaged: requantization is not a requantization record",
+            "",
+        ),
     ]
     (out / "config.json").unlink()
     for raw, problem, why in damaged:
         part2.write_bytes(raw)
         code, err = _finalize_cli(out)
         line = err.splitlines()[0]  # the file, what is wrong with it and the fix, on one line
-        assert code == 1 and f"part manifest {part2}: {problem}" in line and why in line, err
+        assert code == 1 and f"part manifest {part2}" in line and problem in line and why in line, err
         assert "run part 2/2 again with --overwrite" in line and "Traceback" not in err
         assert not (out / "config.json").exists()
     fp8conv.convert(

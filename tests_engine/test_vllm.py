@@ -7,7 +7,9 @@ tensor-parallel 1 and 2, without computing, with vLLM's CPU FP8 kernels declared
 _declare_cpu_fp8_kernels), so the same checks run on every host. vLLM computes block FP8 Linear layers and
 FP8 MoE only with AMX and the fp8_scaled_mm_cpu op (its AVX-512-with-bf16 build): where the CPU has both,
 the padded block outputs are computed too; elsewhere those tests skip, naming what is missing.
-FP8CONV_VLLM_CPU=avx2 (`make test-avx2`) makes vLLM see an AVX2-only CPU on any host.
+FP8CONV_VLLM_CPU=avx2 (`make test-avx2`) makes vLLM see an AVX2-only CPU on any host. LOAD-ONLY too: the
+power-of-two outputs (--to block --scale-fmt ue8m0, --to mxfp8), MXFP8 with vLLM's emulation kernels
+declared available on the CPU (vllm_worker._declare_cpu_mxfp8_kernels).
 """
 
 from __future__ import annotations
@@ -177,10 +179,25 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _e8m0_values(t: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu bytes b as the float32 2^(b - 127) they mean, from the bits (not torch's cast)."""
+    assert t.dtype == torch.float8_e8m0fnu and not bool((t.view(torch.uint8) == 0xFF).any()), "an E8M0 NaN"
+    return (t.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+
+
+def _as_vllm_holds(t: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32 creates block FP8 scales as float32 parameters whatever the checkpoint stores
+    (Fp8LinearMethod: Fp8Config has no is_scale_e8m0, so scale_dtype stays None; Fp8MoEMethod: float32
+    outright); its weight loaders copy_ a float8_e8m0fnu scale into them, which is 2^(b - 127) exactly.
+    So an E8M0 checkpoint scale arrives unchanged as that float32 value. MXFP8's uint8 scales are kept
+    as uint8 (ModelOptMxFp8: MXFP8_SCALE_DTYPE): bytes, compared as they are."""
+    return _e8m0_values(t) if t.dtype == torch.float8_e8m0fnu else t
+
+
 def _check_rank(name: str, got: torch.Tensor, parts: list[torch.Tensor], axis: int, rank: int, tp: int) -> str:
     """A rank's parameter is the whole tensor (replicated) or, along one axis, the rank-th 1/tp of every
     fused part, concatenated: the bytes of the checkpoint, nothing else."""
-    whole = torch.cat(parts, dim=axis)
+    whole = torch.cat([_as_vllm_holds(p) for p in parts], dim=axis)
     if got.shape == whole.shape:
         assert _same_bits(got, whole), f"{name}: rank {rank} holds other bytes than the checkpoint"
         return "replicated"
@@ -188,7 +205,7 @@ def _check_rank(name: str, got: torch.Tensor, parts: list[torch.Tensor], axis: i
     assert len(split) == 1, (name, tuple(got.shape), tuple(whole.shape))
     d = split[0]
     pieces = []
-    for part in parts:
+    for part in map(_as_vllm_holds, parts):
         assert part.shape[d] % tp == 0, (name, tuple(part.shape), d, tp)
         size = part.shape[d] // tp
         pieces.append(part.narrow(d, rank * size, size))
@@ -253,13 +270,34 @@ def kv_channel(converted, tmp_path_factory) -> tuple[Path, dict[str, torch.Tenso
     return root / "channel", scales
 
 
+# Power-of-two (E8M0) scales from the float32 block scales of models.py: each output a requantization
+# (every block's exponent searched), so its scales are fp8conv's own. MXFP8 unpadded on the dense model
+# (K = 384 / 2 is whole 1x32 groups per rank); the others with --pad-for-tp 2 (ue8m0: 192 is not).
+UE8M0_ARGS = ("--to", "block", "--scale-fmt", "ue8m0")
+POW2 = {
+    "qwen3-ue8m0-tp2": ("qwen3", (*UE8M0_ARGS, "--pad-for-tp", "2")),
+    "qwen3_moe-ue8m0-tp2": ("qwen3_moe", (*UE8M0_ARGS, "--pad-for-tp", "2")),
+    "qwen3-mxfp8": ("qwen3", ("--to", "mxfp8")),
+    "qwen3_moe-mxfp8-tp2": ("qwen3_moe", ("--to", "mxfp8", "--pad-for-tp", "2")),
+}
+
+
 @pytest.fixture(scope="module")
-def loaded(converted, kv_channel, tmp_path_factory):
+def pow2(converted, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pow2")
+    for name, (kind, args) in POW2.items():
+        fp8conv_cli("convert", str(converted[kind].fp8), *args, "-o", str(root / name))
+    return {name: root / name for name in POW2}
+
+
+@pytest.fixture(scope="module")
+def loaded(converted, kv_channel, pow2, tmp_path_factory):
     """One worker process for every load-only check (vLLM imported once; each model's ranks forked)."""
     out = tmp_path_factory.mktemp("loaded")
     models = [f"{k}-{t}={getattr(converted[k], t)}" for k, t in LOAD_ONLY]
     models.append(f"{UNPADDED}={converted['deepseek_v3'].block}")
     models.append(f"{KV_MODEL}={kv_channel[0]}")
+    models += [f"{name}={path}" for name, path in pow2.items()]
     run_worker(f"LOAD-ONLY at TP 1 and 2, {len(models)} checkpoints", "load", str(out), *models, "--tp", "1,2")
     return out
 
@@ -270,7 +308,35 @@ def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind
     accept every weight (DefaultModelLoader refuses a parameter the checkpoint left uninitialized), and each
     rank's parameters are the checkpoint's bytes, split the way tensor parallelism splits them."""
     path = getattr(converted[kind], target)
-    folder = loaded / f"{kind}-{target}"
+    used, quantized = _check_loaded(path, loaded / f"{kind}-{target}")
+    VERDICTS.append(f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} FP8 scales")
+
+
+@pytest.mark.parametrize("name", POW2)
+def test_load_only_vllm_loads_power_of_two_scales_unchanged_at_tp_1_and_2(pow2, loaded, name):
+    """LOAD-ONLY, as above, for --to block --scale-fmt ue8m0 (float8_e8m0fnu weight_scale_inv, scale_fmt
+    ue8m0) and --to mxfp8 (ModelOpt MXFP8, uint8 weight_scale per 1x32 group): vLLM builds the model
+    (MXFP8's emulation kernels declared available on the CPU, vllm_worker._declare_cpu_mxfp8_kernels),
+    loads every weight, and each rank's scales are the written E8M0 exponents: the bytes for MXFP8, the
+    exact float32 2^(b - 127) for ue8m0 (vLLM's block FP8 scale parameters are float32; _as_vllm_holds)."""
+    path = pow2[name]
+    quant = json.loads((path / "config.json").read_text())["quantization_config"]
+    ue8m0 = "ue8m0" in name
+    assert quant.get("scale_fmt") == "ue8m0" if ue8m0 else quant.get("quant_algo") == "MXFP8", quant
+    used, quantized = _check_loaded(path, loaded / name)
+    stored = {t.dtype for n, t in _checkpoint(path).items() if n.endswith(("_scale_inv", "_scale"))}
+    assert stored == {torch.float8_e8m0fnu if ue8m0 else torch.uint8}, stored
+    held = {t.dtype for n, t in torch.load(loaded / name / "tp1" / "rank0.pt").items() if n in quantized}
+    assert held == {torch.float32 if ue8m0 else torch.uint8}, held  # what vLLM 0.32 makes of them
+    VERDICTS.append(
+        f"LOAD-ONLY {name}: {len(used)} parameters at TP 1 and 2, {len(quantized)} E8M0 scales "
+        f"arrived unchanged (held as {held.pop()})"
+    )
+
+
+def _check_loaded(path: Path, folder: Path) -> tuple[set[str], list[str]]:
+    """Every rank of TP 1 and 2 loaded `path` with the checkpoint's bytes in each parameter, split as
+    tensor parallelism splits them; the parameters vLLM built, and its FP8 scales."""
     errors = "\n".join(p.read_text()[:3000] for p in sorted(folder.glob("tp*/rank*.err")))
     assert not errors, errors
     ckpt = _checkpoint(path)
@@ -291,7 +357,7 @@ def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind
     assert any(v.startswith("split") for v in layouts.values()), layouts  # TP 2 really split something
     quantized = [n for n in used if n.endswith(("weight_scale_inv", "weight_scale"))]
     assert quantized, f"no FP8 parameter in vLLM's model of {path.name}"
-    VERDICTS.append(f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} FP8 scales")
+    return used, quantized
 
 
 def test_load_only_unpadded_block_output_refused_by_vllm(loaded):

@@ -67,6 +67,21 @@ def _declare_cpu_fp8_kernels() -> None:
     cpu_moe.CPUExpertsFp8._supports_current_device = staticmethod(lambda: True)
 
 
+def _declare_cpu_mxfp8_kernels() -> None:
+    """LOAD-ONLY, as above, for MXFP8 (ModelOpt quant_algo MXFP8): vLLM 0.32 lists no MXFP8 Linear kernel
+    for the CPU platform (init_mxfp8_linear_kernel: "Failed to find a kernel that can implement the MXFP8
+    linear layer", no reasons) and its MXFP8 MoE experts run on CUDA / XPU only (select_mxfp8_moe_backend:
+    "No MXFP8 MoE backends available"). Its BF16-emulation kernels, which need no CPU op to build, are
+    declared available for the CPU: the same parameters and weight loaders as on a GPU."""
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
+    from vllm.model_executor.layers.fused_moe.experts.mxfp8_emulation_moe import Mxfp8EmulationTritonExperts
+    from vllm.platforms import PlatformEnum
+
+    linear._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CPU] = [EmulationMxfp8LinearKernel]
+    Mxfp8EmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
+
+
 def _report_cpu_fp8_kernels() -> None:
     """One line on stderr saying which of vLLM's CPU FP8 needs are missing: a test that skips names them."""
     import torch
@@ -165,6 +180,7 @@ def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
     import vllm  # noqa: F401
 
     _declare_cpu_fp8_kernels()
+    _declare_cpu_mxfp8_kernels()
     failed = 0
     for name, model in models.items():
         timing = {}

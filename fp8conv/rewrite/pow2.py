@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..backends import Backend
-from ..backends.pow2 import E8M0_BIAS, FP8_MAX, powers_of_two
+from ..backends.pow2 import E8M0_BIAS, FP8_MAX, pairwise_sum, powers_of_two
 from ..dtypes import torch_dtype
 from ..formats import CONVERTIBLE, PACKED, WeightFormat
 from ..plan import Job
@@ -139,8 +139,10 @@ def tensor_error(w32: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor, bl
             x, back = x.view(g, bn, gk, bk), back.view(g, bn, gk, bk)
             scale = powers_of_two(e3[m, r0 // bn : r0 // bn + g])[:, None, :, None]
             back.mul_(scale)
-            diff2 += float((back - x).to(torch.float64).square().sum())
-            norm2 += float(x.to(torch.float64).square().sum())
+            # fixed-order sums: the same digits for any thread count or vector unit, so the manifest is the
+            # same bytes however a run is split into parts
+            diff2 += float(pairwise_sum((back - x).to(torch.float64).square().flatten(), 0))
+            norm2 += float(pairwise_sum(x.to(torch.float64).square().flatten(), 0))
             saturated += int((x.abs() > FP8_MAX * scale).sum())
             flushed += int(((x != 0) & (back == 0)).sum())
     relative = math.sqrt(diff2 / norm2) if norm2 > 0 else 0.0
