@@ -110,6 +110,8 @@ def classify(
     problems: list[CheckpointError] = list(settings.problems)  # every step below adds to this one list
     block, block_source = _block_size(settings, block_size, problems)
     ctx = _Context(index, block, block_source, problems, settings)
+    if settings.not_converted:  # every module's listing found at once: classify, plans and folds ask it
+        settings.ignore_list().prime({module_of(n) for n in index.locations})
     weights, consumed = _classify_weights(ctx)
     weights = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
     consumed.update(n for fmt in weights.values() for n in fmt.consumed)
@@ -152,7 +154,7 @@ def _unmatched_not_converted(index: CheckpointIndex, settings: QuantSettings, wa
     """The ignore list's entries that match no tensor's module, warned about once with a count."""
     if not settings.not_converted:
         return []
-    unmatched = settings.ignore_list().unmatched(module_of(n) for n in index.locations)
+    unmatched = settings.ignore_list().unmatched({module_of(n) for n in index.locations})
     if unmatched:
         named = ", ".join(repr(e) for e in unmatched[:UNMATCHED_NAMED])
         more = f" and {len(unmatched) - UNMATCHED_NAMED} more" if len(unmatched) > UNMATCHED_NAMED else ""

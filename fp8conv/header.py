@@ -35,7 +35,13 @@ def parse_header(raw: bytes, file_size: int | None, shard: str, *, path: Path | 
     if raw.count(b'"data_offsets"') > MAX_TENSORS:  # one per tensor: a bound, counted before parsing
         raise _too_many(raw.count(b'"data_offsets"'), shard)
     doc = parse_json(
-        raw, label=shard, fix="re-download this shard", field="shard", allow_constants=False, check_tree=False
+        raw,
+        label=shard,
+        fix="re-download this shard",
+        field="shard",
+        allow_constants=False,
+        check_tree=False,
+        bound_integers=False,  # every number is checked to be a size below 2^64
     )
     if not isinstance(doc, dict):
         raise CheckpointError("header is not a JSON object", shard=shard, fix="re-download this shard")
@@ -89,22 +95,21 @@ def _plain_entry(name: str, spec: Any, data_start: int, names_are_text: bool) ->
     release has 200k); None for anything else, which _entry then refuses with its one-line reason."""
     if type(spec) is not dict or not names_are_text:
         return None
-    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if type(dtype) is not str or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+    try:
+        size, shape, (start, end) = ELEMENT_BYTES.get(spec["dtype"]), spec["shape"], spec["data_offsets"]
+    except (KeyError, TypeError, ValueError):  # a key missing, an unhashable dtype, not two offsets
         return None
-    size = ELEMENT_BYTES.get(dtype)
-    if size is None or len(shape) > MAX_DIMS:
+    if size is None or type(shape) is not list or len(shape) > MAX_DIMS or type(spec["data_offsets"]) is not list:
         return None
     for d in shape:
         if type(d) is not int or not 0 <= d <= MAX_SIZE:
             return None
         size *= d
-    start, end = offsets
     if type(start) is not int or type(end) is not int or not 0 <= start <= end <= MAX_SIZE or size > MAX_SIZE:
         return None
     if end - start != size:
         return None
-    return TensorEntry(name, dtype, tuple(shape), data_start + start, size)
+    return TensorEntry(name, spec["dtype"], tuple(shape), data_start + start, size)
 
 
 def _entry(name: str, spec: Any, shard: str, data_start: int) -> TensorEntry:

@@ -125,6 +125,8 @@ class IgnoreList:
     _root: list[re.Pattern[str]] = field(default_factory=list)  # regexes and wildcards under no parent
     _by_parent: dict[str, list[re.Pattern[str]]] = field(default_factory=dict)
     _memo: dict[str, bool] = field(default_factory=dict)
+    _primed: _Modules | None = None  # the checkpoint's modules, answered all at once (prime)
+    _hits: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         names, root, by_parent = set(), [], {}
@@ -144,7 +146,24 @@ class IgnoreList:
         self._root = _alternation(root)
         self._by_parent = {parent: _alternation(group) for parent, group in by_parent.items()}
 
+    def prime(self, modules: Iterable[str]) -> None:
+        """Answer `matches` for every one of `modules` (a checkpoint's: 200k) in one pass from the entries'
+        side, by the rules matches() applies: each plain name's exact module, its subtree and the modules
+        it ends found by bisection in sorted lists, each wildcard group tried on its parent's subtree only,
+        the regexes on every module. unmatched() then reuses the sorted lists."""
+        found = _Modules(modules)
+        hits: set[str] = set()
+        for name in self._names:
+            hits.update(found.named(name))
+        for parent, group in self._by_parent.items():
+            hits.update(m for m in found.under(parent) if any(p.match(m) for p in group))
+        if self._root:
+            hits.update(m for m in found.forward if any(p.match(m) for p in self._root))
+        self._primed, self._hits = found, frozenset(hits)
+
     def matches(self, module: str) -> bool:
+        if self._primed is not None and module in self._primed.exact:
+            return module in self._hits
         found = self._memo.get(module)
         if found is None:
             found = self._memo[module] = self._plain(module) or self._patterned(module)
@@ -179,7 +198,8 @@ class IgnoreList:
 
     def unmatched(self, modules: Iterable[str]) -> list[str]:
         """The entries (refused ones aside) that match none of `modules`, in list order."""
-        found = _Modules(modules)
+        modules = modules if isinstance(modules, (set, frozenset)) else set(modules)
+        found = self._primed if self._primed is not None and self._primed.exact == modules else _Modules(modules)
         return [e for e in dict.fromkeys(self.entries) if e not in self.refused and not found.has_match(e)]
 
 
@@ -205,6 +225,15 @@ class _Modules:
             or _has_prefix(self.forward, entry + ".")
             or _has_prefix(self.backward, ("." + entry)[::-1])
         )
+
+    def named(self, entry: str) -> list[str]:
+        """The modules a plain entry names: itself, every module under it, every module ending in .entry."""
+        exact = [entry] if entry in self.exact else []
+        below = self.under(entry) if entry else [m for m in self.forward if m.startswith(".")]
+        tail = ("." + entry)[::-1]
+        start = bisect.bisect_left(self.backward, tail)
+        end = bisect.bisect_left(self.backward, tail[:-1] + "/")  # "/" sorts right after "."
+        return exact + below + [m[::-1] for m in self.backward[start:end]]
 
     def under(self, parent: str) -> list[str]:
         """Every module below `parent` (all of them when it is "")."""

@@ -77,6 +77,23 @@ def test_a_long_mixed_list_answers_as_one_pass_over_it_did() -> None:
     assert 10 < sum(answers) < len(modules)  # the list decides both ways
 
 
+def test_a_primed_list_answers_every_module_as_one_pass_over_it_did() -> None:
+    """prime() answers a checkpoint's modules all at once from the entries' side (bisection in sorted
+    lists); each answer must be the per-module one, edge entries included."""
+    modules = [f"model.layers.{i}.{m}" for i in range(12) for m in ("mlp.gate", "mlp.experts.3.up_proj", "self_attn.o")]
+    modules += ["lm_head", "model.lm_head", "lm_head.x", "model.layers.1", "model.layers.10.mlp", ".odd", "odd."]
+    modules += ["model.visual.blocks.2.attn.qkv", "mtp.fc", "model.embed_tokens", "a.b/c.d"]
+    entries = [f"model.layers.{i}.mlp.gate" for i in range(0, 12, 3)] + ["lm_head", "visual", "o", "", "zzz"]
+    entries += ["model.layers.1", "up_proj", "experts.3.up_proj", "b/c.d", "model.layers.1?.self_attn*"]
+    entries += ["*.experts.3.*", "re:mtp\\.", "re:(?i)MODEL\\.EMBED", "model.layers.*.mlp"]
+    compiled = IgnoreList(entries)
+    compiled.prime(modules)
+    answers = [compiled.matches(m) for m in modules]
+    assert answers == [reference_matches(m, entries) for m in modules]
+    assert 10 < sum(answers) < len(modules)
+    assert compiled.matches("model.layers.99.mlp.gate") is reference_matches("model.layers.99.mlp.gate", entries)
+
+
 def test_entries_naming_no_tensor_are_listed_in_order() -> None:
     modules = ["model.layers.0.mlp.gate", "model.layers.0.self_attn.indexer.weights_proj", "lm_head"]
     entries = ["lm_head", "model.layers.0.self_attn.indexers_proj", "gate", "re:.*weights_proj$", "re:.*nothing"]
