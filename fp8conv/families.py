@@ -294,13 +294,36 @@ def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
 @functools.lru_cache(maxsize=1 << 19)  # every plan, inspect and verify asks again about the same names
 def _role_index(family_name: str, name: str) -> int | None:
     rest = _in_layer(name)
-    if rest is None:
+    if rest is None or VISION.search(name):
         return None
+    return _role_index_in_layer(family_name, one_expert(rest))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a few dozen distinct names per layer once experts are one
+def _role_index_in_layer(family_name: str, rest: str) -> int | None:
     pattern, _ = _matcher(_BY_NAME[family_name])
     m = pattern.match(rest)
-    if m is None or m.lastgroup is None or VISION.search(name):
+    if m is None or m.lastgroup is None:
         return None
     return int(m.lastgroup[1:])
+
+
+_EXPERT_AT = "experts."
+
+
+def one_expert(rest: str) -> str:
+    """The name with its expert index made 0 (`mlp.experts.17.up_proj` -> `mlp.experts.0.up_proj`): every
+    role pattern takes any index (`experts\\.\\d+\\.`, a test holds them to it), so 512 experts of a layer
+    are matched once."""
+    i = rest.find(_EXPERT_AT)
+    if i < 0:
+        return rest
+    start = end = i + len(_EXPERT_AT)
+    while end < len(rest) and rest[end].isdigit():
+        end += 1
+    if end == start or end == len(rest) or rest[end] != ".":
+        return rest
+    return rest[:start] + "0" + rest[end:]
 
 
 def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: int | None) -> int | None:

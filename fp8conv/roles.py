@@ -28,6 +28,7 @@ from .families import (
     _gate_up_down,
     _in_layer,
     model_type_of,
+    one_expert,
     register,
     text_config,
     width_axis,
@@ -166,6 +167,11 @@ def _role_of_name(name: str) -> tuple[str, int] | None:
     rest = _in_layer(name)
     if rest is None or _VISION.search(name):
         return None
+    return _role_in_layer(one_expert(rest))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _role_in_layer(rest: str) -> tuple[str, int] | None:
     m = _ROLE_MATCH.match(rest)
     if m is None or m.lastgroup is None:
         return None

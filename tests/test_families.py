@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from fp8conv import families as table
 from fp8conv.cli import main
+from fp8conv.roles import ROLE_TENSORS
 
 from .families import FAMILIES, FamilyFixture, build_family
 from .helpers import load_dir
@@ -277,3 +280,17 @@ def test_verify_checks_mistral_params(families, tmp_path, to):
     shutil.copy(fx.path / "params.json", out / "params.json")
     result = _cli("verify", fx.path, out)
     assert result.exit_code == 1 and "params.json" in result.output, result.output
+
+
+def test_every_role_pattern_takes_any_expert_index() -> None:
+    """Roles are matched once per layer with the expert index made 0 (families.one_expert): a pattern
+    naming one expert (`experts\\.3\\.`) would then be matched wrongly for every other one."""
+    patterns = [t.pattern.pattern for f in table.FAMILIES for r in f.roles for t in r.tensors]
+    patterns += [t.pattern.pattern for tensors in ROLE_TENSORS.values() for t in tensors]
+    assert len(patterns) > 50
+    pins = re.compile(r"experts\\\\?\.(?:\(\?:)?[0-9]")
+    assert pins.search(r"mlp\.experts\.3\.up_proj") and pins.search(r"experts\.(?:0|1)\.")  # what it looks for
+    assert [p for p in patterns if pins.search(p)] == []
+    assert table.one_expert("mlp.experts.17.up_proj.weight") == "mlp.experts.0.up_proj.weight"
+    for name in ("mlp.shared_experts.up_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.3", "experts.x.y"):
+        assert table.one_expert(name) == name
