@@ -30,6 +30,7 @@ ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale", NATIVE_ACTIVAT
 BARE_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a fused 3-D expert parameter without `.weight`
 PACKED_SUFFIXES = (".weight_packed", "_blocks")  # compressed-tensors packed FP4/INT4, gpt-oss MXFP4
 V4_SCALE_SUFFIX = ".scale"  # DeepSeek-V4 names a weight's scale `<module>.scale`
+_SCALE_NAMES = SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES
 
 
 @dataclass
@@ -113,11 +114,12 @@ def classify(
     if settings.not_converted:  # every module's listing found at once: classify, plans and folds ask it
         settings.ignore_list().prime({module_of(n) for n in index.locations})
     weights, consumed = _classify_weights(ctx)
-    weights = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
-    consumed.update(n for fmt in weights.values() for n in fmt.consumed)
+    reread = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
+    consumed.update(n for name, fmt in reread.items() if fmt is not weights.get(name) for n in fmt.consumed)
+    weights = reread
     problems += _orphan_scales(ctx, weights, consumed)
     plain = [n for n in index.locations if n not in weights and n not in consumed]
-    plain = [n for n in plain if not n.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES)]
+    plain = [n for n in plain if not n.endswith(_SCALE_NAMES)]
     warnings: list[str] = []
     for fmt in weights.values():
         if fmt.kind in (Kind.UNVERIFIED, Kind.UNSUPPORTED):
@@ -202,7 +204,7 @@ def _orphan_scales(ctx: _Context, weights: dict[str, WeightFormat], consumed: se
     for name in ctx.index.locations:
         if name in weights or name in consumed or FAKE_QUANTIZER.search(name):  # Mistral's have no weight
             continue
-        if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
+        if name.endswith(_SCALE_NAMES):
             problems.append(
                 CheckpointError(
                     f"is a scale but there is no FP8 weight {_weight_of(name)!r} for it",
@@ -219,7 +221,7 @@ def module_of(weight_name: str) -> str:
 
 
 def _weight_of(companion: str) -> str:
-    for suffix in SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES:
+    for suffix in _SCALE_NAMES:
         if companion.endswith(suffix):
             return companion[: -len(suffix)] + ".weight"
     return companion
@@ -230,7 +232,7 @@ def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | N
     entry = ctx.index.entry(name)
     if name.endswith(PACKED_SUFFIXES):
         return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, ctx.sorted_names()))
-    if name.endswith(SCALE_SUFFIXES + ACTIVATION_SCALE_SUFFIXES):
+    if name.endswith(_SCALE_NAMES):
         return None
     if name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
         return None  # DeepSeek-V4's companion; consumed by its weight (or left plain if that is float)
