@@ -59,11 +59,7 @@ def _reads(ckpt: Checkpoint, cls: Classification, name: str, entry: Any, planned
 
 def _format(fmt: WeightFormat, name: str) -> tuple[Any, ...]:
     """A weight's format with its own module's names made relative (scales, companions, outputs)."""
-    module = name[: name.rfind(".") + 1] if "." in name else ""
-
-    def rel(other: str | None) -> str | None:
-        return other[len(module) :] if other is not None and other.startswith(module) else other
-
+    module = name[: name.rfind(".") + 1]
     return (
         fmt.kind,
         fmt.block,
@@ -72,9 +68,14 @@ def _format(fmt: WeightFormat, name: str) -> tuple[Any, ...]:
         fmt.row_scales,
         fmt.reason,
         fmt.fix,
-        rel(fmt.scale),
-        tuple(rel(c) for c in fmt.companions),
-        rel(fmt.global_scale),
-        rel(fmt.shape_tensor),
-        rel(fmt.out_name),
+        _relative(fmt.scale, module),
+        tuple(_relative(c, module) for c in fmt.companions) if fmt.companions else (),
+        _relative(fmt.global_scale, module),
+        _relative(fmt.shape_tensor, module),
+        _relative(fmt.out_name, module),
     )
+
+
+def _relative(other: str | None, module: str) -> str | None:
+    """A name under `module` by the rest of it; any other kept whole (it then differs between experts)."""
+    return other[len(module) :] if other is not None and module and other.startswith(module) else other

@@ -293,10 +293,10 @@ def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
 
 @functools.lru_cache(maxsize=1 << 19)  # every plan, inspect and verify asks again about the same names
 def _role_index(family_name: str, name: str) -> int | None:
-    rest = _in_layer(name)
+    rest = layer_key(name)
     if rest is None or VISION.search(name):
         return None
-    return _role_index_in_layer(family_name, one_expert(rest))
+    return _role_index_in_layer(family_name, rest)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a few dozen distinct names per layer once experts are one
@@ -308,22 +308,22 @@ def _role_index_in_layer(family_name: str, rest: str) -> int | None:
     return int(m.lastgroup[1:])
 
 
-_EXPERT_AT = "experts."
+_EXPERT_INDEX = re.compile(r"experts\.\d+\.")
 
 
 def one_expert(rest: str) -> str:
-    """The name with its expert index made 0 (`mlp.experts.17.up_proj` -> `mlp.experts.0.up_proj`): every
-    role pattern takes any index (`experts\\.\\d+\\.`, a test holds them to it), so 512 experts of a layer
-    are matched once."""
-    i = rest.find(_EXPERT_AT)
-    if i < 0:
-        return rest
-    start = end = i + len(_EXPERT_AT)
-    while end < len(rest) and rest[end].isdigit():
-        end += 1
-    if end == start or end == len(rest) or rest[end] != ".":
-        return rest
-    return rest[:start] + "0" + rest[end:]
+    """The name with its (first) expert index made 0 (`mlp.experts.17.up_proj` -> `mlp.experts.0.up_proj`):
+    every role pattern takes any index (`experts\\.\\d+\\.`, a test holds them to it), so the 512 experts of a
+    layer are matched once."""
+    return _EXPERT_INDEX.sub("experts.0.", rest, count=1)
+
+
+@functools.lru_cache(maxsize=1 << 19)
+def layer_key(name: str) -> str | None:
+    """What role matching reads of a name: the part after its decoder layer's 'layers.N.', with the expert
+    index made 0; None outside decoder layers."""
+    rest = _in_layer(name)
+    return None if rest is None else one_expert(rest)
 
 
 def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: int | None) -> int | None:

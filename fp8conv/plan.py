@@ -43,6 +43,11 @@ _EMBEDDING = re.compile(
 )
 
 
+def _maybe_embedding(name: str) -> bool:
+    """What every name _EMBEDDING matches contains: a test far cheaper than the regex, for 100k weights."""
+    return "emb" in name or "wte" in name
+
+
 class Action(str, Enum):
     COPY = "copy"  # the bytes, unchanged (zero-padded along the MLP width with --pad-for-tp)
     DEQUANTIZE = "dequantize"  # FP8 -> bf16/f16/f32
@@ -275,7 +280,7 @@ class _Planner:
         if to == "bf16":
             out_dtype = DEQUANT_TARGETS[self.options.dtype][0]
             return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt)
-        if _EMBEDDING.search(name):  # no engine builds an FP8 embedding: it is written dequantized
+        if _maybe_embedding(name) and _EMBEDDING.search(name):  # no engine builds an FP8 embedding: dequantized
             self.warnings.append(f"{name} is an FP8 embedding; written as bf16 (engines load embeddings unquantized)")
             return Job(name, Action.DEQUANTIZE, (TensorSpec(name, "BF16", shape),), fmt)
         base = module_of(name)

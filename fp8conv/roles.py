@@ -26,9 +26,8 @@ from .families import (
     MlpTensor,
     Width,
     _gate_up_down,
-    _in_layer,
+    layer_key,
     model_type_of,
-    one_expert,
     register,
     text_config,
     width_axis,
@@ -164,10 +163,10 @@ _Kinds = dict[str, dict[tuple[int, tuple[int, ...]], str]]
 @functools.lru_cache(maxsize=1 << 19)  # planning asks again about the same names
 def _role_of_name(name: str) -> tuple[str, int] | None:
     """(group, index in ROLE_TENSORS[group]) of a decoder-layer tensor (language model and MTP)."""
-    rest = _in_layer(name)
+    rest = layer_key(name)
     if rest is None or _VISION.search(name):
         return None
-    return _role_in_layer(one_expert(rest))
+    return _role_in_layer(rest)
 
 
 @functools.lru_cache(maxsize=1 << 16)
