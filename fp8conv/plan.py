@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import (
     MISTRAL_PARAMS_NAME,
+    compressed_tensors_block,
     find_quantization_config,
     load_config,
     rewrite_for_block,
@@ -27,7 +28,14 @@ from .families import FUSED_EXPERTS, Family, family_of, fused_group, model_type_
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from .mimo_kv import fused_qkv_problems
-from .mistral_native import FAKE_QUANTIZER, fake_quantizer_warning, native_only, native_problems
+from .mistral_native import (
+    FAKE_QUANTIZER,
+    fake_quantizer_warning,
+    native_only,
+    native_params,
+    native_problems,
+    native_scale_name,
+)
 from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
 from .options import DEFAULT_BLOCK, MXFP8_GROUP, UE8M0_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
@@ -151,22 +159,47 @@ def plan_conversion(ckpt: Checkpoint, cls: Classification, options: ConvertOptio
     plan.problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
-    _plan_mistral_params(ckpt, plan)
-    _plan_mistral_native(ckpt, cls, plan)
+    if not _plan_mistral_native(ckpt, cls, plan, planner):
+        _plan_mistral_params(ckpt, plan)
     return plan
 
 
-def _plan_mistral_native(ckpt: Checkpoint, cls: Classification, plan: ConversionPlan) -> None:
-    """A release of Mistral-native files only: converted in their own names (bf16), FP8 targets refused."""
+def _plan_mistral_native(ckpt: Checkpoint, cls: Classification, plan: ConversionPlan, planner: _Planner) -> bool:
+    """A release of Mistral-native files only: converted in their own names, scales named as vLLM's Mistral
+    loader reads them, params.json's quantization rewritten (fp8conv.mistral_native). False: not one."""
     shard_names = [s.name for s in ckpt.index.shards]
     if not native_only(shard_names, ckpt.config is not None, ckpt.other_files):
-        return
+        return False
+    plan.copy_files.remove(MISTRAL_PARAMS_NAME)
+    try:
+        params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
+    except CheckpointError as exc:
+        plan.problems.append(exc)
+        return True
     first = next(iter(cls.weights), None)
     shard = ckpt.index.shard_of(first).name if first else shard_names[0]
-    plan.problems += native_problems(shard, first, plan.target)
+    plan.problems += native_problems(shard, first, plan.target, params, planner.pow2, planner.out_block[0])
     fakes = [n for n in ckpt.index.locations if FAKE_QUANTIZER.search(n)]
     if fakes:
         plan.warnings.append(fake_quantizer_warning(fakes))
+    to, ignore = plan.target, sorted(set(planner.unquantized_linears))
+    if to == "bf16":
+        plan.json_files[MISTRAL_PARAMS_NAME] = rewrite_mistral_params(params, None, to) or params
+        return True
+    if to == "channel":
+        flavor = "float8_e4m3fnuz" if plan.options.fp8_max == FP8_MAX_GAUDI2 else None
+        quant = rewrite_for_channel({}, ignore, flavor)["quantization_config"]
+    else:
+        quant = compressed_tensors_block(planner.out_block, ignore)
+    plan.json_files[MISTRAL_PARAMS_NAME] = native_params(params, quant, ignore)
+    for shard_plan in plan.shards:
+        shard_plan.jobs[:] = [
+            replace(j, outputs=(j.outputs[0], *(replace(o, name=native_scale_name(o.name, to)) for o in j.outputs[1:])))
+            if j.action in (Action.QUANTIZE, Action.KEEP_BLOCKS)
+            else j
+            for j in shard_plan.jobs
+        ]
+    return True
 
 
 def _plan_mistral_params(ckpt: Checkpoint, plan: ConversionPlan) -> None:
