@@ -27,6 +27,7 @@ from .families import (
     Width,
     _gate_up_down,
     _in_layer,
+    layer_factor,
     model_type_of,
     register,
     text_config,
@@ -195,7 +196,9 @@ def _match_width(
     fits = []
     for width in WIDTH_CANDIDATES[group]:
         value = width.of(c)
-        if value is not None and all(width_axis(t, shape, value, hidden) is not None for _, shape, t in kinds):
+        if value is not None and all(
+            width_axis(t, s, value * layer_factor(c, group, n), hidden) is not None for n, s, t in kinds
+        ):
             fits.append(width)
     keys = list(dict.fromkeys(w.key for w in fits))
     if len(keys) == 1:

@@ -38,6 +38,7 @@ PADDED_KEYS = {
     "ling-fp8": {"intermediate_size", "moe_intermediate_size"},
     "minimax-m3-bf16": {"intermediate_size"},
     "gemma-4-fp8": {"intermediate_size"},
+    "gemma-4-e4b-fp8": {"intermediate_size"},  # the double-wide layer follows it (2 x intermediate_size)
 }
 MTP = {
     "qwen3.6-35b-a3b-fp8": ([], ["mtp.layers.0"]),
@@ -179,6 +180,39 @@ def test_step_shared_expert_padded_for_tp4(built, tmp_path):
     out = load_dir(tmp_path / "out")
     assert out["model.layers.1.moe.gate_proj.weight"].shape == (E, 512, 96)
     assert out["model.layers.1.moe.down_proj.weight_scale_inv"].shape == (E, 1, 4)
+
+
+def test_gemma4_double_wide_mlp_padded_for_tp8(built, tmp_path):
+    """Gemma-4 E-models: the KV-sharing layer's MLP is 2 x intermediate_size wide (660 here). Padded for
+    TP 8, intermediate_size becomes 1024 and that layer 2048; each MLP's tensors are the shapes
+    transformers' own Gemma4TextMLP builds from the output config, the padding zeros."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
+
+    release = built("gemma-4-e4b-fp8")
+    fp8conv.convert(release.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    text = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
+    assert text["intermediate_size"] == 1024 and text["use_double_wide_mlp"] is True
+    out, src = load_dir(tmp_path / "out"), load_dir(release.path)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_kv_shared_layers", "layer_types")
+    config = Gemma4TextConfig(**{k: text[k] for k in keys}, use_double_wide_mlp=True, vocab_size=300)
+    for layer, width in enumerate((1024, 1024, 2048)):
+        mlp = Gemma4TextMLP(config, layer)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"model.language_model.layers.{layer}.mlp.{proj}.weight"
+            assert out[name].shape == getattr(mlp, proj).weight.shape, name
+            assert max(out[name].shape) == width, name  # the width axis, not only transformers' view of it
+            got, ref = decode(out, name), decode(src, name)
+            assert same_bits(got[tuple(slice(0, n) for n in ref.shape)], ref), name
+            assert got.count_nonzero() == ref.count_nonzero(), name  # the padding is zeros
+
+
+def test_gemma4_double_wide_mlp_against_config_is_checked(built, tmp_path):
+    """The double-wide layer is checked against 2 x intermediate_size: without use_double_wide_mlp the
+    config no longer explains its 660-wide MLP, and --pad-for-tp names the tensor instead of guessing."""
+    folder = _edited(built("gemma-4-e4b-fp8"), tmp_path / "in", lambda c: c.update(use_double_wide_mlp=False))
+    with pytest.raises(Fp8ConvError, match=r"layers\.2\.mlp\.\w+_proj\.weight has shape \[\d+, \d+\].*330"):
+        fp8conv.convert(folder, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
 
 
 # ---------------------------------------------------------------------------------------------------
