@@ -88,6 +88,10 @@ class Family:
     # False: transformers builds this family's experts one Linear per expert under compressed-tensors
     # (SequentialLlama4TextExperts), so fused 3-D experts cannot stay fused beside a channel FP8 config
     fused_experts_beside_channel: bool = True
+    # True: a bf16 -> block FP8 run quantizes fused 3-D experts (experts.gate_up_proj [E, 2I, H]) in place,
+    # scales [E, 2I/bn, H/bk] as transformers' FP8Experts saves them, because the engine's loader reads
+    # that layout (vLLM qwen3_5.py: gate_up_proj_scale_inv split in halves like the weight)
+    block_fused_experts: bool = False
     # A family the table does not name, its roles found by rule (roles.py): why --pad-for-tp cannot pad it
     # (widths no config key matches, or two keys match), and the `mixer.` modules that are MLPs
     refusals: tuple[str, ...] = ()

@@ -36,7 +36,14 @@ from .mistral_native import (
     native_problems,
     native_scale_name,
 )
-from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
+from .model_layout import (
+    MlpPadding,
+    Pad,
+    is_quantizable_linear,
+    plan_mlp_padding,
+    text_config,
+    updated_widths_config,
+)
 from .options import DEFAULT_BLOCK, MXFP8_GROUP, UE8M0_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
 from .source import Checkpoint
@@ -230,6 +237,7 @@ class _Planner:
         self.problems: list[CheckpointError] = []
         self.warnings: list[str] = []
         self.unquantized_linears: list[str] = []
+        self.kept_fused_experts: list[str] = []  # bf16 fused experts a block run could not quantize
         self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
         self.pow2 = options.to == "mxfp8" or options.scale_fmt == "ue8m0"  # scales written as E8M0
         if options.to == "mxfp8":
@@ -381,6 +389,9 @@ class _Planner:
         if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and not _embedding_table(name, shape):
             self.unquantized_linears.append(module_of(name))
         elif (m := FUSED_EXPERTS.match(name)) and len(shape) == 3 and dtype != FP8_E4M3:
+            if self._block_fused_experts(name, out_shape, listed):
+                block = self.out_block
+                return Job(name, Action.QUANTIZE, _block_outputs(name, out_shape, block, name), None, block, pad.parts)
             # transformers swaps every `*.experts` module not listed for FP8 experts (and vLLM quantizes
             # a FusedMoE not ignored): bf16 fused experts left as they are must be listed, or they load as garbage
             self.unquantized_linears.append(m.group(1))
@@ -400,6 +411,33 @@ class _Planner:
                     )
                 )
         return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),), pad_parts=pad.parts)
+
+    def _block_fused_experts(self, name: str, shape: tuple[int, ...], listed: bool) -> bool:
+        """A bf16 fused 3-D expert parameter quantized in place as 3-D block FP8 (--to block): where the
+        family's engine loads that layout (Family.block_fused_experts) and each gate / up half is whole
+        row blocks (vLLM splits gate_up_proj_scale_inv in two along its rows); else kept and listed."""
+        if not (self.quantize_floats and self.options.to == "block" and not self.pow2 and not listed):
+            return False
+        if self.family is None or not self.family.block_fused_experts:
+            return False
+        bn, gate_up = self.out_block[0], name.endswith("gate_up_proj")
+        if not (gate_up or name.endswith("down_proj")):
+            return False  # a fused up_proj alone (non-gated): no loader mapping for it was confirmed
+        hidden = text_config(self.ckpt.config or {}).get("hidden_size")
+        # [E, 2I, H] / [E, H, I], as transformers 5 saves them (not the transposed [E, H, 2I])
+        if shape[-1 if gate_up else -2] != hidden:
+            return False
+        width = shape[-2] // 2 if gate_up else shape[-1]
+        if width % bn == 0 and (not gate_up or shape[-2] % 2 == 0):
+            return True
+        if not self.kept_fused_experts:  # one line for every such tensor (a release has thousands)
+            self.warnings.append(
+                f"fused expert parameters ({name}, ...) kept bf16 and listed as not converted: their expert width "
+                f"{width} is not whole {bn}-row blocks, and vLLM splits the fused gate/up scale grid in halves; "
+                "--pad-for-tp pads them to whole blocks"
+            )
+        self.kept_fused_experts.append(name)
+        return False
 
     def output_config(self) -> dict[str, Any] | None:
         config = self.ckpt.config

@@ -104,6 +104,7 @@ class Exceptions:
 
     fused: tuple[str, ...] = ()
     unquantized: tuple[str, ...] = ()
+    block_fused_experts: bool = False  # Family.block_fused_experts
 
 
 _QWEN3_5 = Exceptions(
@@ -114,6 +115,8 @@ _QWEN3_5 = Exceptions(
     ),
     # the releases keep in_proj_b / in_proj_a (64 rows at most per rank) and mtp.fc in bf16
     unquantized=(r"\.linear_attn\.in_proj_[ba]\.", r"(?:^|\.)mtp\.fc\."),
+    # vLLM's qwen3_5.py maps experts.gate_up_proj* -> w13_weight*, scale included, chunking it in gate/up halves
+    block_fused_experts=True,
 )
 EXCEPTIONS: dict[str, Exceptions] = {
     **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _QWEN3_5),
@@ -148,6 +151,7 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
         refusals=tuple(refusals),
         mlp_mixers=mixers,
         by_rule=True,
+        block_fused_experts=extra.block_fused_experts,
     )
     register(family)
     return family

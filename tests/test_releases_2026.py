@@ -215,6 +215,50 @@ def test_gemma4_double_wide_mlp_against_config_is_checked(built, tmp_path):
         fp8conv.convert(folder, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
 
 
+def test_qwen3_5_bf16_fused_experts_to_block(built, tmp_path):
+    """The Qwen3.5 bf16 master's fused 3-D experts (experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]),
+    --to block: quantized in place as 3-D block FP8 with [E, N/128, K/128] `*_scale_inv` grids, the layout
+    transformers' FP8Experts allocates and vLLM's qwen3_5.py / qwen3_5_mtp.py load (gate_up_proj* mapped to
+    w13_weight*, weight and scale chunked in gate / up halves), when each half is whole 128-row blocks
+    (padded for TP 8 here: 136 -> 1024). At 136 the halves share a scale block: kept bf16, listed."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    from .reference import quantize_reference
+
+    release = built("qwen3.6-35b-a3b-bf16")
+    fused = [n for n in load_dir(release.path) if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 6  # two decoder layers and the MTP layer
+    plain = fp8conv.convert(release.path, tmp_path / "plain", ConvertOptions(to="block"))
+    kept, config = load_dir(tmp_path / "plain"), json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert all(kept[n].dtype == torch.bfloat16 for n in fused)
+    assert {n.rsplit(".", 1)[0] for n in fused} <= set(_ignored(config))
+    assert [w for w in plain.warnings if "fused expert parameters" in w and "136 is not whole 128-row" in w]
+
+    fp8conv.convert(release.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    src, out = load_dir(release.path), load_dir(tmp_path / "out")
+    text = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
+    assert text["moe_intermediate_size"] == 1024
+    assert not {n.rsplit(".", 1)[0] for n in fused} & set(_ignored({"text_config": text}))
+    keys = ("hidden_size", "moe_intermediate_size", "num_experts")
+    experts = FP8Experts(Qwen3_5MoeTextConfig(**{k: text[k] for k in keys}), block_size=(128, 128))
+    for name in fused:
+        proj = name.rsplit(".", 1)[1]
+        assert out[name].dtype == FP8, name
+        assert out[name].shape == getattr(experts, proj).shape, name
+        assert out[name + "_scale_inv"].shape == getattr(experts, proj + "_scale_inv").shape, name
+        w = src[name].to(torch.float32)  # padded as each half is: zeros after gate's and after up's rows
+        if proj == "gate_up_proj":
+            gate, up = w.chunk(2, dim=1)
+            w = torch.cat([torch.nn.functional.pad(h, (0, 0, 0, 1024 - h.shape[1])) for h in (gate, up)], dim=1)
+        else:
+            w = torch.nn.functional.pad(w, (0, 1024 - w.shape[2]))
+        for e in range(E):
+            q, scale = quantize_reference(w[e], (128, 128))
+            assert same_bits(out[name][e], q) and same_bits(out[name + "_scale_inv"][e], scale), (name, e)
+    assert fp8conv.verify(release.path, tmp_path / "out").ok
+
+
 # ---------------------------------------------------------------------------------------------------
 # Refusals of roles by rule
 
