@@ -555,7 +555,10 @@ def _gemma4_e(folder: Path, layout: str) -> Release:
 
 
 def _dspark(folder: Path, layout: str) -> Release:
-    """DeepSeek-V4-Flash-0731's draft at mtp.{i}.*, beside a decoder in bf16 (the V4 layouts are elsewhere)."""
+    """DeepSeek-V4-Flash-0731's draft at mtp.{i}.*, beside a decoder in bf16 (the V4 layouts are elsewhere).
+    main_proj is one of the Linears a bf16 -> FP8 run quantizes: vLLM's DSpark draft for DeepSeek-V4 builds
+    it as ReplicatedLinear(quant_config=vllm_config.quant_config), SGLang's DSpark layer likewise, and the
+    release ships it FP8 with a `.scale` (loaders read mtp.0.main_proj.weight + .scale)."""
     b = _Builder(layout)
     b.plain("embed.weight", (300, H))
     _attention(b, "layers.0.attn.")
