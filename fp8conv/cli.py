@@ -127,6 +127,10 @@ def _gib(n: int) -> str:
 
 def _render_report(r: InspectReport) -> str:
     block = f"{r.block_size[0]}x{r.block_size[1]} (from {r.block_size_from})" if r.block_size else "none"
+    if r.mxfp8_groups:  # MXFP8 has scale groups, not blocks: "none" alone would read as unquantized
+        groups = ", ".join(f"{g[0]}x{g[1]}" for g in r.mxfp8_groups)
+        mx = f"{groups} groups (MXFP8: one E8M0 scale per {r.mxfp8_groups[0][1]} values of a row)"
+        block = f"{block}; MXFP8 weights in {mx}" if r.block_size else mx
     lines = [
         f"checkpoint:    {r.source}",
         f"format:        {r.format}",

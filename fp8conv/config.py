@@ -117,6 +117,38 @@ def rewrite_for_channel(config: dict[str, Any], ignore: list[str], fp8_dtype_fla
     return out
 
 
+def compressed_tensors_block(block: tuple[int, int], ignore: list[str]) -> dict[str, Any]:
+    """compressed-tensors FP8_BLOCK (llm-compressor's preset): block FP8 weights with `weight_scale`
+    grids, dynamic per-group activations; what a Mistral-native params.json can say for block FP8."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "block",
+                    "symmetric": True,
+                    "dynamic": False,
+                    "block_structure": list(block),
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "group",
+                    "group_size": block[1],
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": ignore,
+    }
+
+
 def rewrite_for_block(config: dict[str, Any], block: tuple[int, int], not_converted: list[str]) -> dict[str, Any]:
     """Block FP8 as DeepSeek ships it, with an explicit block size and the unquantized modules listed."""
     out = _without_quantization(config)

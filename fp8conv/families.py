@@ -88,6 +88,10 @@ class Family:
     # False: transformers builds this family's experts one Linear per expert under compressed-tensors
     # (SequentialLlama4TextExperts), so fused 3-D experts cannot stay fused beside a channel FP8 config
     fused_experts_beside_channel: bool = True
+    # True: a bf16 -> block FP8 run quantizes fused 3-D experts (experts.gate_up_proj [E, 2I, H]) in place,
+    # scales [E, 2I/bn, H/bk] as transformers' FP8Experts saves them, because the engine's loader reads
+    # that layout (vLLM qwen3_5.py: gate_up_proj_scale_inv split in halves like the weight)
+    block_fused_experts: bool = False
     # A family the table does not name, its roles found by rule (roles.py): why --pad-for-tp cannot pad it
     # (widths no config key matches, or two keys match), and the `mixer.` modules that are MLPs
     refusals: tuple[str, ...] = ()
@@ -286,6 +290,20 @@ def _in_layer(name: str) -> str | None:
     return None if m is None else name[m.end() :]
 
 
+def layer_factor(c: dict[str, Any], group: str, name: str) -> int:
+    """How many times its config width a dense MLP is in this layer: Gemma-4's E-models
+    (use_double_wide_mlp) build the MLPs of their KV-sharing layers, the last num_kv_shared_layers,
+    intermediate_size * 2 wide (transformers gemma4 Gemma4TextMLP / kv_sharing_modes); else 1."""
+    if group != "dense" or c.get("use_double_wide_mlp") is not True:
+        return 1
+    shared, layers = c.get("num_kv_shared_layers"), c.get("num_hidden_layers")
+    m = _LAYER_PREFIX.search(name)
+    if not (isinstance(shared, int) and isinstance(layers, int) and shared > 0 and m):
+        return 1
+    index = re.search(r"(\d+)\.$", m.group(0))
+    return 2 if index is not None and int(index.group(1)) >= layers - shared else 1
+
+
 def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
     index = _role_index(family.name, name)
     return None if index is None else _MATCHERS[family.name][1][index]
@@ -382,6 +400,7 @@ def width_disagreements(
             continue
         role, tensor = found
         width = role.width.of(c)
+        width = None if width is None else width * layer_factor(c, role.group, name)
         if width is None or width_axis(tensor, shape, width, hidden) is not None:
             continue
         what = f"{tensor.parts} x {width}" if tensor.parts > 1 else str(width)

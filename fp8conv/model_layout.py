@@ -18,6 +18,7 @@ from .families import (
     family_of,
     fused_group,
     is_language_mlp,
+    layer_factor,
     model_type_of,
     role_of,
     text_config,
@@ -83,7 +84,9 @@ class MlpPadding:
         role, tensor = found
         if role.group not in self.groups:
             return None
+        layer = layer_factor(self.config, role.group, name)  # Gemma-4's double-wide MLPs: 2 x the key
         width = role.width.of(self.config)
+        width = None if width is None else width * layer
         hidden = self.config.get("hidden_size") if isinstance(self.config.get("hidden_size"), int) else None
         axis = None if width is None else width_axis(tensor, shape, width, hidden)
         if width is None or axis is None:
@@ -95,7 +98,7 @@ class MlpPadding:
                 fix="config.json and the tensors disagree; --pad-for-tp needs them to agree",
             )
         factor = self.config[role.width.times] if role.width.times else 1  # DeepSeek's n_shared_experts
-        new_width = self.padded[role.width.key] * factor
+        new_width = self.padded[role.width.key] * factor * layer
         if new_width == width:
             return None
         new = list(shape)

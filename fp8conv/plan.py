@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import (
     MISTRAL_PARAMS_NAME,
+    compressed_tensors_block,
     find_quantization_config,
     load_config,
     rewrite_for_block,
@@ -28,8 +29,22 @@ from .families import FUSED_EXPERTS, Family, family_of, fused_group, model_type_
 from .formats import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from .kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from .mimo_kv import fused_qkv_problems
-from .mistral_native import FAKE_QUANTIZER, fake_quantizer_warning, native_only, native_problems
-from .model_layout import MlpPadding, Pad, is_quantizable_linear, plan_mlp_padding, updated_widths_config
+from .mistral_native import (
+    FAKE_QUANTIZER,
+    fake_quantizer_warning,
+    native_only,
+    native_params,
+    native_problems,
+    native_scale_name,
+)
+from .model_layout import (
+    MlpPadding,
+    Pad,
+    is_quantizable_linear,
+    plan_mlp_padding,
+    text_config,
+    updated_widths_config,
+)
 from .options import DEFAULT_BLOCK, MXFP8_GROUP, UE8M0_BLOCK, ConvertOptions
 from .packed_formats import packed_output_shape
 from .source import Checkpoint
@@ -160,22 +175,47 @@ def plan_conversion(
     plan.problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
     if plan.config is None:
         plan.warnings.append("the input has no config.json, so the output has none either")
-    _plan_mistral_params(ckpt, plan)
-    _plan_mistral_native(ckpt, cls, plan)
+    if not _plan_mistral_native(ckpt, cls, plan, planner):
+        _plan_mistral_params(ckpt, plan)
     return plan
 
 
-def _plan_mistral_native(ckpt: Checkpoint, cls: Classification, plan: ConversionPlan) -> None:
-    """A release of Mistral-native files only: converted in their own names (bf16), FP8 targets refused."""
+def _plan_mistral_native(ckpt: Checkpoint, cls: Classification, plan: ConversionPlan, planner: _Planner) -> bool:
+    """A release of Mistral-native files only: converted in their own names, scales named as vLLM's Mistral
+    loader reads them, params.json's quantization rewritten (fp8conv.mistral_native). False: not one."""
     shard_names = [s.name for s in ckpt.index.shards]
     if not native_only(shard_names, ckpt.config is not None, ckpt.other_files):
-        return
+        return False
+    plan.copy_files.remove(MISTRAL_PARAMS_NAME)
+    try:
+        params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
+    except CheckpointError as exc:
+        plan.problems.append(exc)
+        return True
     first = next(iter(cls.weights), None)
     shard = ckpt.index.shard_of(first).name if first else shard_names[0]
-    plan.problems += native_problems(shard, first, plan.target)
+    plan.problems += native_problems(shard, first, plan.target, params, planner.pow2, planner.out_block[0])
     fakes = [n for n in ckpt.index.locations if FAKE_QUANTIZER.search(n)]
     if fakes:
         plan.warnings.append(fake_quantizer_warning(fakes))
+    to, ignore = plan.target, sorted(set(planner.unquantized_linears))
+    if to == "bf16":
+        plan.json_files[MISTRAL_PARAMS_NAME] = rewrite_mistral_params(params, None, to) or params
+        return True
+    if to == "channel":
+        flavor = "float8_e4m3fnuz" if plan.options.fp8_max == FP8_MAX_GAUDI2 else None
+        quant = rewrite_for_channel({}, ignore, flavor)["quantization_config"]
+    else:
+        quant = compressed_tensors_block(planner.out_block, ignore)
+    plan.json_files[MISTRAL_PARAMS_NAME] = native_params(params, quant, ignore)
+    for shard_plan in plan.shards:
+        shard_plan.jobs[:] = [
+            replace(j, outputs=(j.outputs[0], *(replace(o, name=native_scale_name(o.name, to)) for o in j.outputs[1:])))
+            if j.action in (Action.QUANTIZE, Action.KEEP_BLOCKS)
+            else j
+            for j in shard_plan.jobs
+        ]
+    return True
 
 
 def _plan_mistral_params(ckpt: Checkpoint, plan: ConversionPlan) -> None:
@@ -206,6 +246,7 @@ class _Planner:
         self.problems: list[CheckpointError] = []
         self.warnings: list[str] = []
         self.unquantized_linears: list[str] = []
+        self.kept_fused_experts: list[str] = []  # bf16 fused experts a block run could not quantize
         self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
         self.pow2 = options.to == "mxfp8" or options.scale_fmt == "ue8m0"  # scales written as E8M0
         if options.to == "mxfp8":
@@ -364,6 +405,9 @@ class _Planner:
         if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and not _embedding_table(name, shape):
             self.unquantized_linears.append(module_of(name))
         elif (m := FUSED_EXPERTS.match(name)) and len(shape) == 3 and dtype != FP8_E4M3:
+            if self._block_fused_experts(name, out_shape, listed):
+                block = self.out_block
+                return Job(name, Action.QUANTIZE, _block_outputs(name, out_shape, block, name), None, block, pad.parts)
             # transformers swaps every `*.experts` module not listed for FP8 experts (and vLLM quantizes
             # a FusedMoE not ignored): bf16 fused experts left as they are must be listed, or they load as garbage
             self.unquantized_linears.append(m.group(1))
@@ -383,6 +427,33 @@ class _Planner:
                     )
                 )
         return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),), pad_parts=pad.parts)
+
+    def _block_fused_experts(self, name: str, shape: tuple[int, ...], listed: bool) -> bool:
+        """A bf16 fused 3-D expert parameter quantized in place as 3-D block FP8 (--to block): where the
+        family's engine loads that layout (Family.block_fused_experts) and each gate / up half is whole
+        row blocks (vLLM splits gate_up_proj_scale_inv in two along its rows); else kept and listed."""
+        if not (self.quantize_floats and self.options.to == "block" and not self.pow2 and not listed):
+            return False
+        if self.family is None or not self.family.block_fused_experts:
+            return False
+        bn, gate_up = self.out_block[0], name.endswith("gate_up_proj")
+        if not (gate_up or name.endswith("down_proj")):
+            return False  # a fused up_proj alone (non-gated): no loader mapping for it was confirmed
+        hidden = text_config(self.ckpt.config or {}).get("hidden_size")
+        # [E, 2I, H] / [E, H, I], as transformers 5 saves them (not the transposed [E, H, 2I])
+        if shape[-1 if gate_up else -2] != hidden:
+            return False
+        width = shape[-2] // 2 if gate_up else shape[-1]
+        if width % bn == 0 and (not gate_up or shape[-2] % 2 == 0):
+            return True
+        if not self.kept_fused_experts:  # one line for every such tensor (a release has thousands)
+            self.warnings.append(
+                f"fused expert parameters ({name}, ...) kept bf16 and listed as not converted: their expert width "
+                f"{width} is not whole {bn}-row blocks, and vLLM splits the fused gate/up scale grid in halves; "
+                "--pad-for-tp pads them to whole blocks"
+            )
+        self.kept_fused_experts.append(name)
+        return False
 
     def output_config(self) -> dict[str, Any] | None:
         config = self.ckpt.config

@@ -13,7 +13,7 @@ from .deepgemm_ready import deepgemm_readiness
 from .errors import Fp8ConvError
 from .expert_fold import expert_fold
 from .families import ROLE_GROUPS, Family, model_type_of, role_of
-from .formats import Classification, classify, has_partial_blocks
+from .formats import Classification, Kind, classify, has_partial_blocks
 from .model_layout import tp_report
 from .options import DEFAULT_BLOCK, TARGETS, ConvertOptions
 from .plan import input_family, input_width_problems, plan_conversion, role_examples
@@ -59,6 +59,8 @@ class InspectReport:
     # the entries that match no tensor
     not_converted_entries: int = 0
     not_converted_unmatched: list[str] = field(default_factory=list)
+    # MXFP8 weights' scale groups ([1, 32]: one E8M0 scale per 32 values of a row); they have no block size
+    mxfp8_groups: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,6 +120,9 @@ def inspect(
         deepgemm_ready=deepgemm_readiness(ckpt, cls, scales and not cls.problems),
         not_converted_entries=len(cls.settings.not_converted),
         not_converted_unmatched=list(cls.unmatched_not_converted),
+        mxfp8_groups=[
+            list(g) for g in sorted({f.block for f in cls.weights.values() if f.kind is Kind.MXFP8 and f.block})
+        ],
     )
 
 

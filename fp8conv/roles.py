@@ -26,6 +26,7 @@ from .families import (
     MlpTensor,
     Width,
     _gate_up_down,
+    layer_factor,
     layer_key,
     model_type_of,
     register,
@@ -103,6 +104,7 @@ class Exceptions:
 
     fused: tuple[str, ...] = ()
     unquantized: tuple[str, ...] = ()
+    block_fused_experts: bool = False  # Family.block_fused_experts
 
 
 _QWEN3_5 = Exceptions(
@@ -113,6 +115,8 @@ _QWEN3_5 = Exceptions(
     ),
     # the releases keep in_proj_b / in_proj_a (64 rows at most per rank) and mtp.fc in bf16
     unquantized=(r"\.linear_attn\.in_proj_[ba]\.", r"(?:^|\.)mtp\.fc\."),
+    # vLLM's qwen3_5.py maps experts.gate_up_proj* -> w13_weight*, scale included, chunking it in gate/up halves
+    block_fused_experts=True,
 )
 EXCEPTIONS: dict[str, Exceptions] = {
     **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _QWEN3_5),
@@ -147,6 +151,7 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
         refusals=tuple(refusals),
         mlp_mixers=mixers,
         by_rule=True,
+        block_fused_experts=extra.block_fused_experts,
     )
     register(family)
     return family
@@ -200,7 +205,9 @@ def _match_width(
     fits = []
     for width in WIDTH_CANDIDATES[group]:
         value = width.of(c)
-        if value is not None and all(width_axis(t, shape, value, hidden) is not None for _, shape, t in kinds):
+        if value is not None and all(
+            width_axis(t, s, value * layer_factor(c, group, n), hidden) is not None for n, s, t in kinds
+        ):
             fits.append(width)
     keys = list(dict.fromkeys(w.key for w in fits))
     if len(keys) == 1:

@@ -268,7 +268,14 @@ def mistral_large3_params() -> dict:
         "vocab_size": 40,
         "norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "moe": {"num_experts": 2, "num_experts_per_tok": 1, "expert_hidden_dim": 48, "first_k_dense_replace": 1},
+        "moe": {
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "expert_hidden_dim": 48,
+            "first_k_dense_replace": 1,
+            "num_shared_experts": 1,  # what makes vLLM build MistralLarge3ForCausalLM (deepseek_v3)
+        },
+        "llama_4_scaling": {"original_max_position_embeddings": 8192, "beta": 0.1},
         "quantization": {"qformat_weight": "fp8_e4m3", "qscheme_act": "TENSOR"},
     }
 

@@ -534,8 +534,31 @@ def _gemma4(folder: Path, layout: str) -> Release:
     return Release("gemma4", folder, config, b.fp8, b.bf16_linears, layout)
 
 
+def _gemma4_e(folder: Path, layout: str) -> Release:
+    """Gemma-4 E2B / E4B: the last num_kv_shared_layers layers reuse an earlier layer's KV and, with
+    use_double_wide_mlp, have MLPs twice intermediate_size wide (transformers 5.24 modeling_gemma4.py
+    Gemma4TextMLP: intermediate_size * 2 where kv_sharing_modes[layer] == "reuse"); no per-layer key."""
+    b = _Builder(layout)
+    lm = "model.language_model."
+    b.plain(lm + "embed_tokens.weight", (300, H))
+    for layer, width in enumerate((330, 330, 660)):
+        p = f"{lm}layers.{layer}."
+        _attention(b, p + "self_attn.")
+        _gated_mlp(b, p + "mlp.", width)
+        b.plain(p + "input_layernorm.weight", (H,))
+    text = {"model_type": "gemma4_text", "hidden_size": H, "intermediate_size": 330, "num_hidden_layers": 3}
+    text |= {"num_kv_shared_layers": 1, "use_double_wide_mlp": True, "layer_types": ["full_attention"] * 3}
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text}
+    config = _with_quant(config, layout)
+    b.write(folder, config)
+    return Release("gemma4", folder, config, b.fp8, b.bf16_linears, layout)
+
+
 def _dspark(folder: Path, layout: str) -> Release:
-    """DeepSeek-V4-Flash-0731's draft at mtp.{i}.*, beside a decoder in bf16 (the V4 layouts are elsewhere)."""
+    """DeepSeek-V4-Flash-0731's draft at mtp.{i}.*, beside a decoder in bf16 (the V4 layouts are elsewhere).
+    main_proj is one of the Linears a bf16 -> FP8 run quantizes: vLLM's DSpark draft for DeepSeek-V4 builds
+    it as ReplicatedLinear(quant_config=vllm_config.quant_config), SGLang's DSpark layer likewise, and the
+    release ships it FP8 with a `.scale` (loaders read mtp.0.main_proj.weight + .scale)."""
     b = _Builder(layout)
     b.plain("embed.weight", (300, H))
     _attention(b, "layers.0.attn.")
@@ -562,6 +585,7 @@ _BUILDERS: dict[str, Callable[[Path], Release]] = {
     "ling-fp8": lambda f: _bailing(f, "block"),
     "minimax-m3-bf16": lambda f: _minimax_m3(f, "bf16"),
     "gemma-4-fp8": lambda f: _gemma4(f, "block"),
+    "gemma-4-e4b-fp8": lambda f: _gemma4_e(f, "block"),
     "dspark-bf16": lambda f: _dspark(f, "bf16"),
 }
 RELEASES = tuple(_BUILDERS)

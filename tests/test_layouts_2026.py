@@ -201,13 +201,81 @@ def test_mistral_native_only_to_bf16(tmp_path):
     assert any("fake-quantizer" in w for w in result.warnings)
 
 
+# The names vLLM's MistralLarge3ForCausalLM accepts (mistral_large_3.py: any other raises "Cannot remap"),
+# each module with the parameter suffixes a compressed-tensors FP8 layer reads (qscale_weight -> weight_scale)
+_LARGE3_MODULES = re.compile(
+    r"layers\.\d+\.(?:attention\.(?:wq_a|wq_b|wkv_a_with_mqa|wkv_b|wo)|feed_forward\.w[123]|gate|"
+    r"shared_experts\.w[123]|experts\.\d+\.w[123])|output"
+)
+_LARGE3_NORMS = re.compile(
+    r"(?:layers\.\d+\.(?:attention_norm|ffn_norm|attention\.(?:q_a|kv_a)_norm)\.|norm\.|tok_embeddings\.)weight"
+)
+
+
+def _vllm_mistral_quant(params: dict) -> dict:
+    """vLLM's reading of params.json's quantization (configs/mistral.py _remap_mistral_quantization_args):
+    fp8_e4m3 per-tensor, or compressed-tensors passed through; anything else is a ValueError there."""
+    quant = params["quantization"]
+    assert str(quant.get("quant_method", "")).lower().replace("_", "-") == "compressed-tensors", quant
+    from compressed_tensors.quantization import QuantizationConfig
+
+    QuantizationConfig.model_validate(quant)  # compressed-tensors' own parser refuses a malformed entry
+    return quant
+
+
 @pytest.mark.parametrize("to", ["channel", "block"])
-def test_mistral_native_only_fp8_targets_refused(tmp_path, to):
-    build_mistral_native(tmp_path / "in")
-    message = _refusals(tmp_path / "in", tmp_path / "out", to)
-    assert re.search(r"consolidated-0000[12]-of-00002\.safetensors.*Mistral-native release.*--to bf16", message), (
-        message
+def test_mistral_native_only_fp8_targets(tmp_path, to):
+    """Consolidated files only, to channel / block FP8: written in the names vLLM's Mistral loader remaps,
+    scales in its spelling (channel `qscale_weight` [N, 1], block compressed-tensors `weight_scale` grids),
+    each weight our own reference quantization of the exact decode; params.json's quantization a
+    compressed-tensors entry whose ignore uses vLLM's module names."""
+    truth = build_mistral_native(tmp_path / "in")
+    result = fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to=to))
+    out = load_dir(tmp_path / "out")
+    scale_suffix = ".qscale_weight" if to == "channel" else ".weight_scale"
+    for name, value in truth.items():
+        module = name[: -len(".weight")]
+        q, scale = quantize_reference(value, None if to == "channel" else (128, 128))
+        assert same_bits(out[name], q), name
+        assert same_bits(out[module + scale_suffix], scale.reshape(-1, 1) if to == "channel" else scale), name
+    for name in out:
+        module, _, suffix = name.rpartition(".")
+        accepted = _LARGE3_MODULES.fullmatch(module) and suffix in ("weight", scale_suffix[1:])
+        assert accepted or _LARGE3_NORMS.fullmatch(name), f"{name}: a name vLLM's MistralLarge3 loader refuses"
+    assert not [n for n in out if n.endswith((".qscale_act", "_scale_inv"))]
+    assert out["layers.1.gate.weight"].dtype == torch.bfloat16 and out["output.weight"].dtype == torch.bfloat16
+    params = json.loads((tmp_path / "out" / "params.json").read_text())
+    quant = _vllm_mistral_quant(params)
+    weights = quant["config_groups"]["group_0"]["weights"]
+    assert weights["strategy"] == to and (to == "channel" or weights["block_structure"] == [128, 128])
+    assert quant["ignore"] == ["lm_head", "model.layers.1.mlp.gate"]
+    assert params["moe"] == mistral_large3_params()["moe"] and not (tmp_path / "out" / "config.json").exists()
+    assert any("fake-quantizer" in w for w in result.warnings)
+    assert fp8conv.verify(tmp_path / "in", tmp_path / "out").ok
+
+
+def test_mistral_native_dense_names_and_refusals(tmp_path):
+    """A dense Mistral-native params.json (vLLM's MistralForCausalLM, llama.py mistral_mapping): ignore in
+    its module names; block FP8 refused when wq/wk's rotary permutation would cross scale blocks (head_dim
+    96 with 128-row blocks), and MXFP8 refused (no Mistral-format spelling), each naming the file."""
+    from fp8conv.mistral_native import engine_module
+
+    assert engine_module("layers.3.attention.wk", "dense", False) == "model.layers.3.self_attn.k_proj"
+    assert engine_module("layers.3.feed_forward.w3", "dense", True) == "language_model.model.layers.3.mlp.up_proj"
+    assert engine_module("layers.2.experts.5.w2", "mla", False) == "model.layers.2.mlp.experts.5.down_proj"
+    assert engine_module("vision_encoder.transformer.layers.0.attention.wq", "dense", True) == (
+        "vision_encoder.transformer.layers.0.attention.wq"
     )
+    build_mistral_native(tmp_path / "in")
+    dense = {k: v for k, v in mistral_large3_params().items() if k not in ("moe", "q_lora_rank", "qk_nope_head_dim")}
+    (tmp_path / "in" / "params.json").write_text(json.dumps(dense | {"head_dim": 96}))
+    message = _refusals(tmp_path / "in", tmp_path / "out", "block")
+    assert re.search(r"consolidated-0000[12].*Mistral-native.*head of 96.*128-row scale blocks.*--to block", message)
+    message = _refusals(tmp_path / "in", tmp_path / "out2", "mxfp8")
+    assert re.search(r"consolidated-0000[12].*Mistral-native.*MXFP8.*--to mxfp8", message), message
+    fp8conv.convert(tmp_path / "in", tmp_path / "out3", fp8conv.ConvertOptions(to="channel"))
+    quant = _vllm_mistral_quant(json.loads((tmp_path / "out3" / "params.json").read_text()))
+    assert quant["ignore"] == ["layers.1.gate", "lm_head"]  # a dense layout has no router: kept as named
 
 
 def test_hf_file_beside_consolidated_without_index(tmp_path):

@@ -95,6 +95,28 @@ def test_inspect_names_each_new_format(tmp_path):
         assert {k: v for k, v in report.formats.items() if k != "unquantized"} == kinds, layout
 
 
+@pytest.mark.parametrize(
+    ("layout", "line"),
+    [
+        ("minimax-m3 mxfp8", "block size:    1x32 groups (MXFP8: one E8M0 scale per 32 values of a row)"),
+        ("compressed-tensors mxfp8-quantized", "block size:    1x32 groups (MXFP8"),
+        ("ling fp8 + mxfp4 experts", "block size:    128x128 (from config.json)\n"),
+    ],
+)
+def test_inspect_states_mxfp8_group_layout(tmp_path, layout, line):
+    """inspect's block-size line for MXFP8 inputs names the 1x32 scale groups (not "none", which reads as
+    unquantized); a block-FP8 input's line is unchanged."""
+    from click.testing import CliRunner
+
+    from fp8conv.cli import main
+
+    write_release(tmp_path / "c", LAYOUTS[layout]())
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert line in result.stdout, result.stdout
+    assert fp8conv.inspect(tmp_path / "c").mxfp8_groups == ([[1, 32]] if "mxfp8" in layout else [])
+
+
 @pytest.mark.parametrize("build", [lambda: modelopt_fp8_llama("config.json flat"), modelopt_mxfp8_llama, ct_mxfp8])
 def test_llama_layouts_pad_for_tp(tmp_path, build):
     """--to block --pad-for-tp 8: the MLP grows to 1024 (8 ranks x 128), the real rows and columns are the

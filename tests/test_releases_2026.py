@@ -38,6 +38,7 @@ PADDED_KEYS = {
     "ling-fp8": {"intermediate_size", "moe_intermediate_size"},
     "minimax-m3-bf16": {"intermediate_size"},
     "gemma-4-fp8": {"intermediate_size"},
+    "gemma-4-e4b-fp8": {"intermediate_size"},  # the double-wide layer follows it (2 x intermediate_size)
 }
 MTP = {
     "qwen3.6-35b-a3b-fp8": ([], ["mtp.layers.0"]),
@@ -179,6 +180,83 @@ def test_step_shared_expert_padded_for_tp4(built, tmp_path):
     out = load_dir(tmp_path / "out")
     assert out["model.layers.1.moe.gate_proj.weight"].shape == (E, 512, 96)
     assert out["model.layers.1.moe.down_proj.weight_scale_inv"].shape == (E, 1, 4)
+
+
+def test_gemma4_double_wide_mlp_padded_for_tp8(built, tmp_path):
+    """Gemma-4 E-models: the KV-sharing layer's MLP is 2 x intermediate_size wide (660 here). Padded for
+    TP 8, intermediate_size becomes 1024 and that layer 2048; each MLP's tensors are the shapes
+    transformers' own Gemma4TextMLP builds from the output config, the padding zeros."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
+
+    release = built("gemma-4-e4b-fp8")
+    fp8conv.convert(release.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    text = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
+    assert text["intermediate_size"] == 1024 and text["use_double_wide_mlp"] is True
+    out, src = load_dir(tmp_path / "out"), load_dir(release.path)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_kv_shared_layers", "layer_types")
+    config = Gemma4TextConfig(**{k: text[k] for k in keys}, use_double_wide_mlp=True, vocab_size=300)
+    for layer, width in enumerate((1024, 1024, 2048)):
+        mlp = Gemma4TextMLP(config, layer)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"model.language_model.layers.{layer}.mlp.{proj}.weight"
+            assert out[name].shape == getattr(mlp, proj).weight.shape, name
+            assert max(out[name].shape) == width, name  # the width axis, not only transformers' view of it
+            got, ref = decode(out, name), decode(src, name)
+            assert same_bits(got[tuple(slice(0, n) for n in ref.shape)], ref), name
+            assert got.count_nonzero() == ref.count_nonzero(), name  # the padding is zeros
+
+
+def test_gemma4_double_wide_mlp_against_config_is_checked(built, tmp_path):
+    """The double-wide layer is checked against 2 x intermediate_size: without use_double_wide_mlp the
+    config no longer explains its 660-wide MLP, and --pad-for-tp names the tensor instead of guessing."""
+    folder = _edited(built("gemma-4-e4b-fp8"), tmp_path / "in", lambda c: c.update(use_double_wide_mlp=False))
+    with pytest.raises(Fp8ConvError, match=r"layers\.2\.mlp\.\w+_proj\.weight has shape \[\d+, \d+\].*330"):
+        fp8conv.convert(folder, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+
+
+def test_qwen3_5_bf16_fused_experts_to_block(built, tmp_path):
+    """The Qwen3.5 bf16 master's fused 3-D experts (experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]),
+    --to block: quantized in place as 3-D block FP8 with [E, N/128, K/128] `*_scale_inv` grids, the layout
+    transformers' FP8Experts allocates and vLLM's qwen3_5.py / qwen3_5_mtp.py load (gate_up_proj* mapped to
+    w13_weight*, weight and scale chunked in gate / up halves), when each half is whole 128-row blocks
+    (padded for TP 8 here: 136 -> 1024). At 136 the halves share a scale block: kept bf16, listed."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    from .reference import quantize_reference
+
+    release = built("qwen3.6-35b-a3b-bf16")
+    fused = [n for n in load_dir(release.path) if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 6  # two decoder layers and the MTP layer
+    plain = fp8conv.convert(release.path, tmp_path / "plain", ConvertOptions(to="block"))
+    kept, config = load_dir(tmp_path / "plain"), json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert all(kept[n].dtype == torch.bfloat16 for n in fused)
+    assert {n.rsplit(".", 1)[0] for n in fused} <= set(_ignored(config))
+    assert [w for w in plain.warnings if "fused expert parameters" in w and "136 is not whole 128-row" in w]
+
+    fp8conv.convert(release.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    src, out = load_dir(release.path), load_dir(tmp_path / "out")
+    text = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
+    assert text["moe_intermediate_size"] == 1024
+    assert not {n.rsplit(".", 1)[0] for n in fused} & set(_ignored({"text_config": text}))
+    keys = ("hidden_size", "moe_intermediate_size", "num_experts")
+    experts = FP8Experts(Qwen3_5MoeTextConfig(**{k: text[k] for k in keys}), block_size=(128, 128))
+    for name in fused:
+        proj = name.rsplit(".", 1)[1]
+        assert out[name].dtype == FP8, name
+        assert out[name].shape == getattr(experts, proj).shape, name
+        assert out[name + "_scale_inv"].shape == getattr(experts, proj + "_scale_inv").shape, name
+        w = src[name].to(torch.float32)  # padded as each half is: zeros after gate's and after up's rows
+        if proj == "gate_up_proj":
+            gate, up = w.chunk(2, dim=1)
+            w = torch.cat([torch.nn.functional.pad(h, (0, 0, 0, 1024 - h.shape[1])) for h in (gate, up)], dim=1)
+        else:
+            w = torch.nn.functional.pad(w, (0, 1024 - w.shape[2]))
+        for e in range(E):
+            q, scale = quantize_reference(w[e], (128, 128))
+            assert same_bits(out[name][e], q) and same_bits(out[name + "_scale_inv"][e], scale), (name, e)
+    assert fp8conv.verify(release.path, tmp_path / "out").ok
 
 
 # ---------------------------------------------------------------------------------------------------
