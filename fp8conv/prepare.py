@@ -20,14 +20,14 @@ from .out_dir import OutDir, check_output_path
 from .output_size import output_bytes
 from .parts import assign_parts, check_part, part_path
 from .plan import ConversionPlan, Strategy, plan_conversion
-from .preflight import check_free_space, check_scales
+from .preflight import HeldInput, check_free_space, check_scales
 from .provenance import model_card_note, source_record
 from .report import inspect_invocation
 from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
 from .strategy import RunPlan, choose_strategies
 from .stream import band_buffer_bytes, band_elements_for, bands_held, fixed_bytes, held_bytes, lowest_max_memory
-from .streaming import Schedule, check_stream_space, make_schedule, open_stream, stream_identity
+from .streaming import Schedule, make_schedule, open_stream, stream_identity
 from .version import __version__
 
 
@@ -167,7 +167,7 @@ def _check_space(
     held, count = schedule.peak_input(sizes, how.prefetch, how.evict_input, present)
     tensor_bytes = sum(s.nbytes for s in plan.shards if s.name not in others) + sum(copied)  # --stream: as before
     kept = sum((out / name).stat().st_size for name in keep)
-    check_stream_space(out, tensor_bytes - kept, feed_source.root, held, count, how.prefetch, how.evict_input)
+    check_free_space(out, tensor_bytes - kept, HeldInput(feed_source.root, held, count, how.prefetch, how.evict_input))
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
