@@ -17,7 +17,9 @@ from .safetensors_file import TensorEntry
 from .shard_reader import read_capacity
 from .writer import COPY_CHUNK_BYTES, MAX_SEGMENTS, SEGMENT_BYTES
 
-BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
+# a converted weight's band (verify reads its own, verify_bands.VERIFY_BAND_ELEMENTS): ~4M elements,
+# 4 MB of FP8 in, 8 MB of bf16 out; --max-memory makes it smaller, never larger
+CONVERT_BAND_ELEMENTS = 1 << 22
 OUT_SLOTS = 3  # bands that may wait for the writer
 READ_AHEAD = 3  # band reads in flight ahead of the arithmetic, across tensors
 BAND_WORKERS = 2  # bands computed at once, one torch thread each (a pool the pipeline sizes to the cores)
@@ -72,8 +74,8 @@ def lowest_max_memory() -> int:
 def band_elements_for(max_memory: int | None) -> int:
     """Elements per band under a memory cap (the default when there is none)."""
     if max_memory is None:
-        return BAND_ELEMENTS
-    return max(1, min(BAND_ELEMENTS, (max_memory - fixed_bytes(max_memory)) // BYTES_PER_BAND_ELEMENT))
+        return CONVERT_BAND_ELEMENTS
+    return max(1, min(CONVERT_BAND_ELEMENTS, (max_memory - fixed_bytes(max_memory)) // BYTES_PER_BAND_ELEMENT))
 
 
 def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
@@ -95,7 +97,7 @@ def held_bytes(job: RunJob, entry: TensorEntry) -> tuple[str, int] | None:
 def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
     """A 2-D FP8 or packed 4-bit weight, rewritten without padding, or gpt-oss's fused [E, N, K/32, 16]
     experts dequantized, over one band: band by band."""
-    band_elements = BAND_ELEMENTS if band_elements is None else band_elements
+    band_elements = CONVERT_BAND_ELEMENTS if band_elements is None else band_elements
     if expert_banded(job):
         return len(entry.shape) == 4 and math.prod(job.spec.shape) > band_elements
     if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights

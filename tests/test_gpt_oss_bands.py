@@ -73,7 +73,7 @@ def test_gpt_oss_experts_stream_in_bands_with_identical_output(tmp_path, monkeyp
         "__init__",
         lambda self, job, b: streamed.append((job.spec.name, job.band_rows)) or real_init(self, job, b),
     )
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 700)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
     real_rows = stream.expert_band_rows
     for layout, rows_of in LAYOUTS.items():
         forced = real_rows if rows_of is None else (lambda job, _, f=rows_of: f(job.spec.shape[1]))
@@ -96,7 +96,7 @@ def test_gpt_oss_experts_to_bf16_in_bands_are_transformers_values(tmp_path, monk
     import fp8conv.stream as stream
 
     build_gpt_oss(tmp_path / "c", SHAPES)
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 700)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
     monkeypatch.setattr(stream, "expert_band_rows", lambda job, _: 32)
     fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     src, got = load_dir(tmp_path / "c"), load_dir(tmp_path / "out")
@@ -167,7 +167,7 @@ def test_gpt_oss_bands_tile_the_output_and_read_each_expert_once(e, n, k, dtype)
     fmt = WeightFormat("x_blocks", Kind.MXFP4_GPT_OSS, scale="x_scales", group=32, shape=(e, n, k))
     entry = TensorEntry("x_blocks", "U8", (e, n, k // 32, 16), 1000, e * n * k // 2)
     for band_elements in (
-        stream.BAND_ELEMENTS,
+        stream.CONVERT_BAND_ELEMENTS,
         stream.band_elements_for(stream.lowest_max_memory()),
         700,
         5000,  # (3, 37, 96) in bf16: two experts a band, then one

@@ -67,7 +67,7 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
     from fp8conv.rewrite.banded import BandedJob
     from fp8conv.writer import ShardWriter
 
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
     fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))
     chosen = prepare.choose_strategies
 
