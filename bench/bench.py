@@ -37,7 +37,7 @@ from fp8conv import direct_io, stream, writer  # noqa: E402
 
 # the floor does not import fp8conv (torch's import alone costs ~1.4 s of CPU), so it states the sizes
 assert (io_floor.ALIGN, io_floor.SEGMENT_BYTES) == (direct_io.ALIGN, writer.SEGMENT_BYTES)
-assert io_floor.READ_BYTES == stream.BAND_ELEMENTS  # one FP8 band
+assert io_floor.READ_BYTES == stream.CONVERT_BAND_ELEMENTS  # one FP8 band
 assert io_floor.READ_AHEAD == stream.READ_AHEAD
 
 

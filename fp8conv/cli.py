@@ -30,6 +30,7 @@ from .options import (
     TARGETS,
     ConvertOptions,
     RunOptions,
+    options_from,
 )
 from .out_dir import OutDir, check_output_path
 from .parts import finalize, parse_part
@@ -196,7 +197,7 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 
 @main.command("convert")
 @click.argument("checkpoint")
-@click.option("--to", "target", type=click.Choice(TARGETS), required=True, help="Target format.")
+@click.option("--to", type=click.Choice(TARGETS), required=True, help="Target format.")
 @click.option("-o", "--output", required=True, help="Output directory (must be empty, or --overwrite).")
 @click.option(
     "--dtype",
@@ -259,12 +260,18 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     is_flag=True,
     help="Convert weights whose scales hold NaN/Inf, listing them, instead of refusing.",
 )
-@click.option("--no-space-check", is_flag=True, help="Do not compare the planned output size with the free space.")
+@click.option(
+    "--no-space-check",
+    "space_check",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Do not compare the planned output size with the free space.",
+)
 @click.option("--verify", "verify_after", is_flag=True, help="Read the output back and check it (fp8conv verify).")
 @REVISION_OPTION
 @click.option(
     "--part",
-    "part_text",
     default=None,
     metavar="I/N",
     help="Convert only the I-th of N parts of the shards (fan-out); the last part finalizes.",
@@ -285,7 +292,10 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 )
 @click.option(
     "--buffered-io",
+    "direct_io",
     is_flag=True,
+    flag_value=False,
+    default=True,
     help="Read and write through the page cache instead of direct I/O (O_DIRECT, the default where the "
     "filesystem has it: the page cache costs more CPU than the arithmetic).",
 )
@@ -326,81 +336,48 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     "and every tensor's requantization error.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
-# over 60 lines: its signature is click's 29 options, one a line; the body is ~37 lines
 def convert_command(
     checkpoint: str,
-    target: str,
     output: str,
-    dtype: str,
-    block_size: tuple[int, int] | None,
-    fp8_max: str | None,
     hardware: str | None,
-    scale_fmt: str | None,
-    pad_for_tp: int | None,
-    pad_roles: str | None,
-    device: str,
     threads: int | None,
-    overwrite: bool,
-    resume: bool,
-    allow_nonfinite: bool,
-    no_space_check: bool,
-    verify_after: bool,
-    revision: str | None,
-    part_text: str | None,
-    max_memory: str | None,
     jobs: int,
-    buffered_io: bool,
-    stream: bool,
-    evict_input: bool,
-    prefetch: int,
-    keep_model_card: bool,
     dry_run: bool,
     as_json: bool,
     quiet: bool,
+    **values: Any,
 ) -> None:
     """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
-    fp8_range = _fp8_range(fp8_max, hardware)
-    if jobs > 1 and part_text is not None:
+    # every other parameter is named after a field of ConvertOptions or RunOptions and becomes it
+    values["fp8_max"] = _fp8_range(values["fp8_max"], hardware)
+    if jobs > 1 and values["part"] is not None:
         raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
-    if as_json and not dry_run and (jobs > 1 or quiet or not (target == "mxfp8" or scale_fmt)):
+    if as_json and not dry_run and (jobs > 1 or quiet or not (values["to"] == "mxfp8" or values["scale_fmt"])):
         raise click.UsageError(
             "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8 or "
             "--scale-fmt ue8m0 run (not with -j or -q): add --dry-run, or drop --json"
         )
-    roles = tuple(r.strip() for r in pad_roles.split(",") if r.strip()) if pad_roles is not None else None
     with _usage_errors():  # the parameters become the two values, which check themselves
-        options = ConvertOptions(
-            to=target,
-            dtype=dtype,
-            block_size=block_size,
-            fp8_max=fp8_range,
-            pad_for_tp=pad_for_tp,
-            pad_roles=roles,
-            keep_model_card=keep_model_card,
-            scale_fmt=scale_fmt,
-        )
-        run = RunOptions(
-            overwrite=overwrite,
-            resume=resume,
-            part=parse_part(part_text) if part_text else None,
-            device=device,
-            allow_nonfinite=allow_nonfinite,
-            space_check=not no_space_check,
-            verify_after=verify_after,
-            revision=revision,
-            max_memory=parse_size(max_memory) if max_memory else None,
-            direct_io=not buffered_io,
-            stream=stream,
-            evict_input=evict_input,
-            prefetch=prefetch,
-        )
+        options, run = options_from(values, _OPTION_TEXT)
         workers = [replace(run, part=(i, jobs), verify_after=False) for i in range(1, jobs + 1)] if jobs > 1 else []
     if dry_run:
         _print_plan(checkpoint, output, options, run, jobs, as_json)
     elif workers:
-        _convert_with_workers(checkpoint, output, options, workers, threads, quiet, verify_after)
+        _convert_with_workers(checkpoint, output, options, workers, threads, quiet, run.verify_after)
     else:
         _convert_here(checkpoint, output, options, run, threads, quiet, as_json)
+
+
+def _roles(text: str | None) -> tuple[str, ...] | None:
+    return tuple(r.strip() for r in text.split(",") if r.strip()) if text is not None else None
+
+
+# the option values convert's command line gives as text, and what makes each its field's value
+_OPTION_TEXT: dict[str, Callable[[Any], Any]] = {
+    "pad_roles": _roles,
+    "part": lambda text: parse_part(text) if text else None,
+    "max_memory": lambda text: parse_size(text) if text else None,
+}
 
 
 def _fp8_range(fp8_max: str | None, hardware: str | None) -> float:

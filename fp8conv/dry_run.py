@@ -10,8 +10,9 @@ from typing import Any
 
 from .options import ConvertOptions, RunOptions
 from .parts import assign_parts
-from .plan import Job, ShardPlan, Strategy
+from .plan import RunJob, Strategy
 from .prepare import PreparedRun, prepare
+from .strategy import RunShard
 from .stream import BASE_BYTES, bands_held, held_bytes, write_limits
 
 # What a dry run leaves to the real run: it needs torch, or the tensors' bytes.
@@ -96,13 +97,13 @@ def dry_run(
     return PlanSummary(
         output=str(output),
         target=plan.target,
-        shards=[_shard_summary(s, prep, part_of.get(s.name)) for s in plan.shards],
+        shards=[_shard_summary(s, prep, part_of.get(s.name)) for s in prep.run.shards],
         files_copied=list(plan.copy_files),
         files_rewritten=sorted(plan.json_files),
         files_skipped=list(plan.skipped_files),
         writes_config=plan.config is not None,
         writes_index=plan.write_index,
-        warnings=list(plan.warnings),
+        warnings=list(prep.warnings),
         band_elements=prep.band_elements,
         max_memory=how.max_memory,
         writer_bytes=write_limits(how.max_memory).nbytes,
@@ -113,9 +114,9 @@ def dry_run(
     )
 
 
-def _shard_summary(shard: ShardPlan, prep: PreparedRun, part: int | None) -> ShardSummary:
+def _shard_summary(shard: RunShard, prep: PreparedRun, part: int | None) -> ShardSummary:
     state = "kept" if shard.name in prep.keep else "other part" if shard.name in prep.others else "convert"
-    strategies = Counter(job.strategy.value for job in shard.jobs if job.strategy is not None)
+    strategies = Counter(job.strategy.value for job in shard.jobs)
     return ShardSummary(
         name=shard.name,
         tensors=sum(len(job.outputs) for job in shard.jobs),
@@ -130,9 +131,9 @@ def _in_strategy_order(counts: Counter[str]) -> dict[str, int]:
     return {s.value: counts[s.value] for s in Strategy if counts[s.value]}
 
 
-def _jobs_run(prep: PreparedRun) -> list[Job]:
+def _jobs_run(prep: PreparedRun) -> list[RunJob]:
     """The jobs this run executes: not those of shards kept from an earlier run or of other parts."""
-    return [job for s in prep.plan.shards if s.name not in prep.keep | prep.others for job in s.jobs]
+    return [job for s in prep.run.shards if s.name not in prep.keep | prep.others for job in s.jobs]
 
 
 def _largest_held(prep: PreparedRun) -> tuple[str, str, int] | None:

@@ -77,13 +77,14 @@ def input_identity(ckpt: Checkpoint) -> dict[str, Any]:
         shards.append(
             {"name": shard.name, "size": shard.header.file_size, "header_sha256": hashlib.sha256(header).hexdigest()}
         )
-    config = ckpt.root / "config.json"
-    return {
-        "shards": shards,
-        "config_sha256": hashlib.sha256(read_contained(ckpt.root, config.name)).hexdigest()
-        if ckpt.config is not None
-        else None,
-    }
+    return {"shards": shards, "config_sha256": config_sha256(ckpt)}
+
+
+def config_sha256(ckpt: Checkpoint) -> str | None:
+    """config.json's hash, as every input identity records it (local or --stream); None without one."""
+    if ckpt.config is None:
+        return None
+    return hashlib.sha256(read_contained(ckpt.root, "config.json")).hexdigest()
 
 
 @dataclass

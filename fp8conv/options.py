@@ -8,9 +8,9 @@ ConvertOptions is recorded in the output's manifest; to_dict/from_dict are that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
@@ -162,3 +162,26 @@ class RunOptions:
         if opts.get("part") is not None:
             opts["part"] = tuple(opts["part"])
         return cls(**opts)
+
+
+_Options = TypeVar("_Options", ConvertOptions, RunOptions)
+_FIELDS = {cls: frozenset(f.name for f in fields(cls)) for cls in (ConvertOptions, RunOptions)}
+
+
+def options_from(
+    values: Mapping[str, Any], parse: Mapping[str, Callable[[Any], Any]] | None = None
+) -> tuple[ConvertOptions, RunOptions]:
+    """Both values from one mapping keyed by their field names (the CLI names its parameters after the
+    fields, so an option is one field and one click option). `parse`: field -> what turns its raw value
+    (text) into the field's; each value is parsed and made in turn, ConvertOptions first, so the first
+    refusal is the one it always was. A name neither value has is a bug: refused."""
+    parse = parse or {}
+    unknown = sorted(set(values) - _FIELDS[ConvertOptions] - _FIELDS[RunOptions])
+    if unknown:
+        raise TypeError(f"not an option field: {', '.join(unknown)}")
+
+    def made(cls: type[_Options]) -> _Options:  # parsed in the fields' order, whatever the command line's
+        names = [f.name for f in fields(cls) if f.name in values]
+        return cls(**{k: parse[k](values[k]) if k in parse else values[k] for k in names})
+
+    return made(ConvertOptions), made(RunOptions)

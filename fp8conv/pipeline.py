@@ -80,12 +80,13 @@ def convert(
         stream_check = None
         if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
             stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
-        totals, streamed = _execute(prep, backend, how, stream_check, within)
-        _exactness_warning(prep.plan, totals.exactness)
+        warnings = list(prep.warnings)  # the plan's and the scales', then what the run finds, in order
+        totals, streamed = _execute(prep, backend, how, stream_check, within, warnings)
+        warnings += _exactness_warning(prep.plan, totals.exactness)
         requantization = requant_record(totals.requant_errors)
         if requantization is not None:  # in the manifest, which the files written last save
             prep.manifest.extra["requantization"] = requantization
-        finalized = _finish_output(prep, totals.all_scales_pow2, how.part, within)
+        finalized = _finish_output(prep, totals.all_scales_pow2, how.part, within, warnings)
         verified = _verified(prep, options, how, stream_check)
     plan, others = prep.plan, prep.others
     return ConvertResult(
@@ -98,7 +99,7 @@ def convert(
         seconds=time.monotonic() - started,
         files_copied=list(plan.copy_files),
         files_skipped=list(plan.skipped_files),
-        warnings=plan.warnings,
+        warnings=warnings,
         verified=verified,
         packed_blocks_exact=totals.exactness[0],
         packed_blocks_total=totals.exactness[1],
@@ -125,10 +126,16 @@ def _start_output(prep: PreparedRun, how: RunOptions, within: OutDir) -> None:
 
 
 def _execute(
-    prep: PreparedRun, backend: Backend, how: RunOptions, stream_check: OutputCheck | None, within: OutDir
+    prep: PreparedRun,
+    backend: Backend,
+    how: RunOptions,
+    stream_check: OutputCheck | None,
+    within: OutDir,
+    warnings: list[str],
 ) -> tuple[RunTotals, dict[str, Any] | None]:
     """The scheduler's run of the plan (with --stream, inside the feed that fetches and evicts shards);
-    its totals and, streaming, what was fetched, evicted and waited for."""
+    its totals and, streaming, what was fetched, evicted and waited for. The feed's scale checks add
+    their warnings to `warnings`, the run's own list (never the plan's)."""
     ckpt, plan, out = prep.ckpt, prep.plan, prep.out
     readers = InputReaders(ckpt.index, how.direct_io)
     streamed: dict[str, Any] | None = None
@@ -136,10 +143,10 @@ def _execute(
         stack.callback(readers.close_all)
         feed: StreamFeed | None = None
         if prep.feed_source is not None and prep.schedule is not None:
-            feed = _stream_feed(ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check)
+            feed = _stream_feed(ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check, warnings)
             stack.callback(feed.close)
             feed.start()
-        scheduler = Scheduler(ckpt.index, plan, backend, readers, how.direct_io, how.progress, how.max_memory)
+        scheduler = Scheduler(ckpt.index, prep.run, backend, readers, how.direct_io, how.progress, how.max_memory)
         totals = scheduler.run(
             out, prep.keep | prep.others, feed.wait_for if feed else None, _on_commit(out, prep.manifest, feed), within
         )
@@ -149,26 +156,30 @@ def _execute(
     return totals, streamed
 
 
-def _exactness_warning(plan: ConversionPlan, exactness: tuple[int, int]) -> None:
+def _exactness_warning(plan: ConversionPlan, exactness: tuple[int, int]) -> list[str]:
     """Packed 4-bit weights requantized to FP8: how many output blocks (rows) kept every 4-bit value."""
     exact, total = exactness
-    if total:
-        unit = "rows" if plan.options.to == "channel" else f"{_out_block_text(plan)} blocks"
-        plan.warnings.append(
-            f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
-            "(their amax / 448 scales put 4-bit values between FP8 steps)"
-        )
+    if not total:
+        return []
+    unit = "rows" if plan.options.to == "channel" else f"{_out_block_text(plan)} blocks"
+    return [
+        f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
+        "(their amax / 448 scales put 4-bit values between FP8 steps)"
+    ]
 
 
-def _finish_output(prep: PreparedRun, all_scales_pow2: bool, part: tuple[int, int] | None, within: OutDir) -> bool:
+def _finish_output(
+    prep: PreparedRun, all_scales_pow2: bool, part: tuple[int, int] | None, within: OutDir, warnings: list[str]
+) -> bool:
     """The files that make the output complete (config, index, copies, manifest), written last; a part
-    records what they need instead, and the last part to finish writes them. False: parts unfinished."""
+    records what they need instead, and the last part to finish writes them. False: parts unfinished.
+    A scale_fmt dropped is a warning added to `warnings`."""
     ckpt, plan, out, manifest = prep.ckpt, prep.plan, prep.out, prep.manifest
     config = plan.config
     index = plan.index_document() if plan.write_index else None
     if part is None:
         if not with_scale_fmt(config, plan.claims_ue8m0, all_scales_pow2):
-            plan.warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
+            warnings.append("scale_fmt ue8m0 dropped: not every output scale is a power of two")
         finish(out, manifest, ckpt.root, plan.copy_files, index, config, plan.json_files, prep.card_note, within)
         within.unlink(HEADERS_FILE)  # --stream: only a resume needed them
         return True
@@ -240,6 +251,7 @@ def _stream_feed(
     schedule: Schedule,
     how: RunOptions,
     check: OutputCheck | None,
+    warnings: list[str],
 ) -> StreamFeed:
     """The hooks --stream adds to a run: a shard's arrival (its own header checked and adopted), an
     output shard's scales checked once its inputs are there (before it is converted), the per-shard
@@ -252,10 +264,10 @@ def _stream_feed(
 
     def ready(output: str) -> None:
         weights = {job.source for job in by_name[output].jobs}
-        problems, warnings = check_scales(ckpt, cls, how.allow_nonfinite, only_weights=weights)
+        problems, found = check_scales(ckpt, cls, how.allow_nonfinite, only_weights=weights)
         if problems:
             raise PlanRefused(problems)
-        plan.warnings.extend(warnings)
+        warnings.extend(found)
 
     def after_commit(name: str) -> None:
         if check is not None:

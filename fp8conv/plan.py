@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -90,8 +90,6 @@ class Job:
     fmt: WeightFormat | None = None  # how the source is quantized; None for a float tensor
     out_block: tuple[int, int] | None = None  # QUANTIZE: output block; None means one scale per row
     pad_parts: int = 1  # padded: the padded axis holds this many widths (fused gate_up), each padded
-    strategy: Strategy | None = None  # set for a run by fp8conv.strategy.choose_strategies
-    band_rows: int = 0  # BANDED: rows per band
 
     @property
     def spec(self) -> TensorSpec:
@@ -102,10 +100,26 @@ class Job:
         return sum(o.nbytes for o in self.outputs)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunJob(Job):
+    """A planned job and how one run executes it: made from the plan's Job by fp8conv.strategy (the plan
+    itself is never rewritten), read by the scheduler."""
+
+    strategy: Strategy
+    band_rows: int = 0  # BANDED: rows per band
+
+    @classmethod
+    def of(cls, job: Job, strategy: Strategy, band_rows: int = 0) -> RunJob:
+        return cls(**{f.name: getattr(job, f.name) for f in fields(Job)}, strategy=strategy, band_rows=band_rows)
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     name: str  # output file name, relative to the output directory
-    jobs: list[Job]
+    jobs: tuple[Job, ...]
+
+    def __post_init__(self) -> None:  # frozen all the way down: a list handed in is held as a tuple
+        object.__setattr__(self, "jobs", tuple(self.jobs))
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -126,18 +140,25 @@ class ShardPlan:
         return sum(j.nbytes for j in self.jobs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConversionPlan:
+    """A value, made once by plan_conversion: a run's strategies (fp8conv.strategy) and warnings are
+    computed from it, never written into it. The config and JSON documents are dicts, for JSON."""
+
     options: ConvertOptions
-    shards: list[ShardPlan]
+    shards: tuple[ShardPlan, ...]
     write_index: bool
     config: dict[str, Any] | None
-    copy_files: list[str]
-    skipped_files: list[tuple[str, str]]
+    copy_files: tuple[str, ...]
+    skipped_files: tuple[tuple[str, str], ...]
     claims_ue8m0: bool = False  # --to block: write scale_fmt ue8m0 if every output scale is a power of two
     json_files: dict[str, dict[str, Any]] = field(default_factory=dict)  # other JSON files, rewritten
-    problems: list[CheckpointError] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    problems: tuple[CheckpointError, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:  # lists handed in are held as tuples
+        for name in ("shards", "copy_files", "skipped_files", "problems", "warnings"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def target(self) -> str:
@@ -159,85 +180,116 @@ def plan_conversion(
     `only`: plan these tensors and no others (expert_fold's, for an estimate: not a plan to run)."""
     planner = _Planner(ckpt, cls, options)
     shards = _without_empty([ShardPlan(s.name, planner.jobs_for(s.name, only)) for s in ckpt.index.shards])
-    plan = ConversionPlan(
+    # the config before the problems and warnings are gathered: planning it adds to the planner's
+    config = planner.output_config()
+    problems = [*cls.problems, *planner.problems, *_fused_mismatches(shards, ckpt, planner.family)]
+    problems += _width_problems(ckpt, config, shards, cls, planner.family)
+    problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
+    warnings = [*cls.warnings, *planner.warnings]
+    if config is None:
+        warnings.append("the input has no config.json, so the output has none either")
+    native = _plan_mistral_native(ckpt, cls, planner, shards)
+    if native is None:
+        files, native_problems_, native_warnings = _plan_mistral_params(ckpt, config, options.to), (), ()
+    else:
+        files, shards, native_problems_, native_warnings = native.files, native.shards, native.problems, native.warnings
+    return ConversionPlan(
         options=options,
-        shards=shards,
+        shards=tuple(shards),
         write_index=ckpt.index.index_file is not None or len(shards) > 1,
-        config=planner.output_config(),
-        copy_files=list(ckpt.other_files),
-        skipped_files=list(ckpt.skipped_files),
+        config=config,
+        copy_files=files.copy_files,
+        skipped_files=files.skipped_files,
         # --scale-fmt ue8m0 writes scale_fmt itself; otherwise kept where every written scale is a power of two
         claims_ue8m0=options.to == "block" and options.scale_fmt is None and cls.settings.scale_fmt == "ue8m0",
-        problems=list(cls.problems) + planner.problems + _fused_mismatches(shards, ckpt, planner.family),
-        warnings=list(cls.warnings) + planner.warnings,
+        json_files=files.json_files,
+        problems=(*problems, *files.problems, *native_problems_),
+        warnings=(*warnings, *native_warnings),
     )
-    plan.problems += _width_problems(ckpt, plan, cls, planner.family)
-    plan.problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
-    if plan.config is None:
-        plan.warnings.append("the input has no config.json, so the output has none either")
-    if not _plan_mistral_native(ckpt, cls, plan, planner):
-        _plan_mistral_params(ckpt, plan)
-    return plan
 
 
-def _plan_mistral_native(ckpt: Checkpoint, cls: Classification, plan: ConversionPlan, planner: _Planner) -> bool:
+@dataclass(frozen=True)
+class _Native:
+    """A Mistral-native-only release as planned: its params.json rewritten, its scales renamed."""
+
+    files: _OtherFiles
+    shards: list[ShardPlan]
+    problems: tuple[CheckpointError, ...]
+    warnings: tuple[str, ...]
+
+
+def _plan_mistral_native(
+    ckpt: Checkpoint, cls: Classification, planner: _Planner, shards: list[ShardPlan]
+) -> _Native | None:
     """A release of Mistral-native files only: converted in their own names, scales named as vLLM's Mistral
-    loader reads them, params.json's quantization rewritten (fp8conv.mistral_native). False: not one."""
+    loader reads them, params.json's quantization rewritten (fp8conv.mistral_native). None: not one."""
     shard_names = [s.name for s in ckpt.index.shards]
     if not native_only(shard_names, ckpt.config is not None, ckpt.other_files):
-        return False
-    plan.copy_files.remove(MISTRAL_PARAMS_NAME)
+        return None
+    copied = tuple(name for name in ckpt.other_files if name != MISTRAL_PARAMS_NAME)
+    skipped = tuple(ckpt.skipped_files)
     try:
         params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
     except CheckpointError as exc:
-        plan.problems.append(exc)
-        return True
+        return _Native(_OtherFiles(copied, skipped, {}), shards, (exc,), ())
     first = next(iter(cls.weights), None)
     shard = ckpt.index.shard_of(first).name if first else shard_names[0]
-    plan.problems += native_problems(shard, first, plan.target, params, planner.pow2, planner.out_block[0])
+    to = planner.options.to
+    problems = tuple(native_problems(shard, first, to, params, planner.pow2, planner.out_block[0]))
     fakes = [n for n in ckpt.index.locations if FAKE_QUANTIZER.search(n)]
-    if fakes:
-        plan.warnings.append(fake_quantizer_warning(fakes))
-    to, ignore = plan.target, sorted(set(planner.unquantized_linears))
+    warnings = (fake_quantizer_warning(fakes),) if fakes else ()
+    ignore = sorted(set(planner.unquantized_linears))
     if to == "bf16":
-        plan.json_files[MISTRAL_PARAMS_NAME] = rewrite_mistral_params(params, None, to) or params
-        return True
+        rewritten = rewrite_mistral_params(params, None, to) or params
+        return _Native(_OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: rewritten}), shards, problems, warnings)
     if to == "channel":
-        flavor = "float8_e4m3fnuz" if plan.options.fp8_max == FP8_MAX_GAUDI2 else None
+        flavor = "float8_e4m3fnuz" if planner.options.fp8_max == FP8_MAX_GAUDI2 else None
         quant = rewrite_for_channel({}, ignore, flavor)["quantization_config"]
     else:
         quant = compressed_tensors_block(planner.out_block, ignore)
-    plan.json_files[MISTRAL_PARAMS_NAME] = native_params(params, quant, ignore)
-    for shard_plan in plan.shards:
-        shard_plan.jobs[:] = [
-            replace(j, outputs=(j.outputs[0], *(replace(o, name=native_scale_name(o.name, to)) for o in j.outputs[1:])))
-            if j.action in (Action.QUANTIZE, Action.KEEP_BLOCKS)
-            else j
-            for j in shard_plan.jobs
-        ]
-    return True
+    files = _OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: native_params(params, quant, ignore)})
+    renamed = [
+        ShardPlan(
+            s.name,
+            [
+                replace(
+                    j, outputs=(j.outputs[0], *(replace(o, name=native_scale_name(o.name, to)) for o in j.outputs[1:]))
+                )
+                if j.action in (Action.QUANTIZE, Action.KEEP_BLOCKS)
+                else j
+                for j in s.jobs
+            ],
+        )
+        for s in shards
+    ]
+    return _Native(files, renamed, problems, warnings)
 
 
-def _plan_mistral_params(ckpt: Checkpoint, plan: ConversionPlan) -> None:
+@dataclass(frozen=True)
+class _OtherFiles:
+    """The input's other files: copied, skipped (and why), or rewritten JSON; a problem reading them."""
+
+    copy_files: tuple[str, ...]
+    skipped_files: tuple[tuple[str, str], ...]
+    json_files: dict[str, dict[str, Any]]
+    problems: tuple[CheckpointError, ...] = ()
+
+
+def _plan_mistral_params(ckpt: Checkpoint, config: dict[str, Any] | None, target: str) -> _OtherFiles:
     """A copied params.json would still declare the input's FP8 to vLLM --config-format mistral."""
-    if MISTRAL_PARAMS_NAME not in plan.copy_files:
-        return
+    copied, skipped = tuple(ckpt.other_files), tuple(ckpt.skipped_files)
+    if MISTRAL_PARAMS_NAME not in copied:
+        return _OtherFiles(copied, skipped, {})
     try:
         params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
     except CheckpointError as exc:
-        plan.problems.append(exc)
-        return
-    plan.copy_files.remove(MISTRAL_PARAMS_NAME)
-    rewritten = rewrite_mistral_params(params, plan.config, plan.target)
+        return _OtherFiles(copied, skipped, {}, (exc,))
+    copied = tuple(name for name in copied if name != MISTRAL_PARAMS_NAME)
+    rewritten = rewrite_mistral_params(params, config, target)
     if rewritten is None:
-        plan.skipped_files.append(
-            (
-                MISTRAL_PARAMS_NAME,
-                "Mistral-format config with no spelling for block FP8; config.json describes the output",
-            )
-        )
-    else:
-        plan.json_files[MISTRAL_PARAMS_NAME] = rewritten
+        why = "Mistral-format config with no spelling for block FP8; config.json describes the output"
+        return _OtherFiles(copied, (*skipped, (MISTRAL_PARAMS_NAME, why)), {})
+    return _OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: rewritten})
 
 
 class _Planner:
@@ -644,16 +696,20 @@ def input_width_problems(ckpt: Checkpoint, cls: Classification, fix: str = INPUT
 
 
 def _width_problems(
-    ckpt: Checkpoint, plan: ConversionPlan, cls: Classification, family: Family | None
+    ckpt: Checkpoint,
+    config: dict[str, Any] | None,
+    shards: list[ShardPlan],
+    cls: Classification,
+    family: Family | None,
 ) -> list[CheckpointError]:
     """config.json and the tensors must agree on every MLP width, in the input and in the output (whose
     roles are the input's: the same names, padded where --pad-for-tp pads them)."""
     problems = input_width_problems(ckpt, cls)
-    if problems or plan.config is None:
+    if problems or config is None:
         return problems
-    outputs = ((o.name, o.shape, s.name) for s in plan.shards for j in s.jobs for o in j.outputs)
+    outputs = ((o.name, o.shape, s.name) for s in shards for j in s.jobs for o in j.outputs)
     return width_disagreements(
-        plan.config,
+        config,
         outputs,
         "the output's config.json would disagree with its tensors (a bug: please report it)",
         family,

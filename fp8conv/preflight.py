@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -174,12 +175,45 @@ def _packed_companion_problems(fmt: WeightFormat, read, ckpt: Checkpoint) -> lis
     return problems
 
 
-def check_free_space(out: Path, needed_bytes: int) -> None:
-    probe = out if out.exists() else next(p for p in out.parents if p.exists())
-    free = shutil.disk_usage(probe).free
-    if free < needed_bytes:
-        raise OutputError(
-            f"the output needs {needed_bytes} bytes ({needed_bytes / 2**30:.2f} GiB) but {probe} has {free} "
-            f"bytes ({free / 2**30:.2f} GiB) free",
-            fix="free space or choose another output; --no-space-check skips this check",
+@dataclass(frozen=True)
+class HeldInput:
+    """--stream: the input a run holds at once in the cache (`shards` of them, fetched `ahead`)."""
+
+    root: Path
+    nbytes: int
+    shards: int
+    ahead: int
+    evict: bool
+
+
+def check_free_space(out: Path, output_bytes: int, held: HeldInput | None = None) -> None:
+    """The one free-space check: the output (and, streaming, the input held at once) against its
+    filesystem's free space; together when both are on one filesystem. The refusal names the numbers."""
+    out_probe = _existing(out)
+    what = f"the output needs {output_bytes} bytes ({output_bytes / 2**30:.2f} GiB)"
+    fix = "free space or choose another output; --no-space-check skips this check"
+    checks = [(out_probe, output_bytes, "")]
+    if held is not None:
+        in_probe = _existing(held.root)
+        how = (
+            f"{held.shards} input shard(s) at most, fetched {held.ahead} ahead and evicted once converted"
+            if held.evict
+            else "every input shard, kept in the cache (no --evict-input)"
         )
+        what += f" and the input {held.nbytes} bytes ({held.nbytes / 2**30:.2f} GiB: {how}),"
+        fix = "free space, choose another output or cache (HF_HUB_CACHE), pass --evict-input or a smaller --prefetch; "
+        fix += "--no-space-check skips this check"
+        total = output_bytes + held.nbytes
+        if os.stat(out_probe).st_dev == os.stat(in_probe).st_dev:
+            checks = [(out_probe, total, f" {total} bytes ({total / 2**30:.2f} GiB) in all,")]
+        else:
+            checks.append((in_probe, held.nbytes, ""))
+    for probe, needed, in_all in checks:
+        free = shutil.disk_usage(probe).free
+        if free < needed:
+            raise OutputError(f"{what}{in_all} but {probe} has {free} bytes ({free / 2**30:.2f} GiB) free", fix=fix)
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (where the output will be made)."""
+    return path if path.exists() else next(p for p in path.parents if p.exists())

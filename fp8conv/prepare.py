@@ -20,14 +20,14 @@ from .out_dir import OutDir, check_output_path
 from .output_size import output_bytes
 from .parts import assign_parts, check_part, part_path
 from .plan import ConversionPlan, Strategy, plan_conversion
-from .preflight import check_free_space, check_scales
+from .preflight import HeldInput, check_free_space, check_scales
 from .provenance import model_card_note, source_record
 from .report import inspect_invocation
 from .shard_source import ShardSource
 from .source import Checkpoint, open_checkpoint
-from .strategy import choose_strategies
+from .strategy import RunPlan, choose_strategies
 from .stream import band_buffer_bytes, band_elements_for, bands_held, fixed_bytes, held_bytes, lowest_max_memory
-from .streaming import Schedule, check_stream_space, make_schedule, open_stream, stream_identity
+from .streaming import Schedule, make_schedule, open_stream, stream_identity
 from .version import __version__
 
 
@@ -36,7 +36,9 @@ class PreparedRun:
     """A run decided and checked: what it reads, the plan it executes, and what it leaves alone."""
 
     ckpt: Checkpoint
-    plan: ConversionPlan  # every job's strategy chosen
+    plan: ConversionPlan
+    run: RunPlan  # how this run executes each of the plan's jobs
+    warnings: tuple[str, ...]  # the plan's, then what reading the scales found
     out: Path
     manifest: Manifest
     record: dict[str, Any]  # where the input came from (the manifest's "source")
@@ -59,10 +61,10 @@ def prepare(
     """The checks and decisions of convert(), in its order, up to the first write. `dry_run`: nothing is
     downloaded (a Hub ID must be in the cache, or --stream) and the scale values are not read (torch would be)."""
     ckpt, feed_source = _open(source, output, how, dry_run)
-    plan = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run)
+    plan, warnings = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run)
     band_elements = band_elements_for(how.max_memory)
-    choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes, once
-    _check_memory_cap(ckpt, plan, how.max_memory)
+    run = choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes
+    _check_memory_cap(ckpt, run, how.max_memory)
     out = check_output_path(output)  # before Path(): Path("") is the working directory
     if out.is_dir():  # before any record in it is read: a link there is refused, never followed
         with OutDir.open(out, create=False) as existing:
@@ -78,7 +80,9 @@ def prepare(
     schedule = make_schedule(ckpt.index, plan, keep) if feed_source is not None else None
     if how.space_check:
         _check_space(ckpt, plan, manifest, card_note, out, keep, others, feed_source, schedule, how)
-    return PreparedRun(ckpt, plan, out, manifest, record, card_note, feed_source, schedule, keep, others, band_elements)
+    return PreparedRun(
+        ckpt, plan, run, warnings, out, manifest, record, card_note, feed_source, schedule, keep, others, band_elements
+    )
 
 
 def _open(
@@ -96,8 +100,11 @@ def _open(
     return ckpt, None
 
 
-def _plan(ckpt: Checkpoint, options: ConvertOptions, how: RunOptions, read_scales: bool) -> ConversionPlan:
-    """Classified and planned; refused with every problem the headers, options and scales show.
+def _plan(
+    ckpt: Checkpoint, options: ConvertOptions, how: RunOptions, read_scales: bool
+) -> tuple[ConversionPlan, tuple[str, ...]]:
+    """Classified and planned, with the plan's warnings and the scales'; refused with every problem the
+    headers, options and scales show.
     Unread here, --stream checks an output shard's scales once its inputs are there."""
     block_size, revision = options.block_size, how.revision
     cls = classify(ckpt.index, ckpt.config, block_size)
@@ -107,11 +114,10 @@ def _plan(ckpt: Checkpoint, options: ConvertOptions, how: RunOptions, read_scale
     scale_problems, scale_warnings = check_scales(ckpt, cls, how.allow_nonfinite) if read_scales else ([], [])
     if plan.problems or scale_problems:  # a plan's problems depend on the options: no inspect lists them
         raise PlanRefused(
-            plan.problems + scale_problems,
+            [*plan.problems, *scale_problems],
             listed_by=None if plan.problems else inspect_invocation(block_size, revision, scales=True),
         )
-    plan.warnings += scale_warnings
-    return plan
+    return plan, (*plan.warnings, *scale_warnings)
 
 
 def _source_record(
@@ -161,7 +167,7 @@ def _check_space(
     held, count = schedule.peak_input(sizes, how.prefetch, how.evict_input, present)
     tensor_bytes = sum(s.nbytes for s in plan.shards if s.name not in others) + sum(copied)  # --stream: as before
     kept = sum((out / name).stat().st_size for name in keep)
-    check_stream_space(out, tensor_bytes - kept, feed_source.root, held, count, how.prefetch, how.evict_input)
+    check_free_space(out, tensor_bytes - kept, HeldInput(feed_source.root, held, count, how.prefetch, how.evict_input))
 
 
 def _check_output(ckpt: Checkpoint, out: Path, overwrite: bool) -> None:
@@ -212,7 +218,7 @@ def check_output_empty(out: Path) -> None:
         )
 
 
-def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | None) -> None:
+def _check_memory_cap(ckpt: Checkpoint, run: RunPlan, max_memory: int | None) -> None:
     """Refuses, before anything is written, a --max-memory cap that cannot hold the run or a tensor the
     plan rewrites whole (padded, 3-D, or quantized from bf16) or streams in whole gpt-oss experts that
     would not fit under it."""
@@ -225,18 +231,15 @@ def _check_memory_cap(ckpt: Checkpoint, plan: ConversionPlan, max_memory: int | 
         )
     fixed = fixed_bytes(max_memory)  # the process and the writer's buffers
     budget = max_memory - fixed
-    for shard in plan.shards:
-        for job in shard.jobs:
-            held = held_bytes(job, ckpt.index.entry(job.source))
-            if held is not None and held[1] > budget:
-                raise OptionsError(
-                    f"tensor {job.source} {held[0]} and needs ~{held[1]} bytes, "
-                    f"over --max-memory {max_memory} minus ~{fixed} for the process and the writer",
-                    fix="raise --max-memory",
-                )
-    banded = [
-        (job, ckpt.index.entry(job.source)) for s in plan.shards for job in s.jobs if job.strategy is Strategy.BANDED
-    ]
+    for job in run.jobs():
+        held = held_bytes(job, ckpt.index.entry(job.source))
+        if held is not None and held[1] > budget:
+            raise OptionsError(
+                f"tensor {job.source} {held[0]} and needs ~{held[1]} bytes, "
+                f"over --max-memory {max_memory} minus ~{fixed} for the process and the writer",
+                fix="raise --max-memory",
+            )
+    banded = [(job, ckpt.index.entry(job.source)) for job in run.jobs() if job.strategy is Strategy.BANDED]
     bands = bands_held(banded)
     if bands > budget:  # the largest bands of the run's jobs, held together
         largest = max(banded, key=lambda pair: sum(band_buffer_bytes(*pair)))[0].source

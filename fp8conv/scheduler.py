@@ -32,12 +32,13 @@ from .direct_io import aligned_empty, round_up
 from .index import CheckpointIndex
 from .options import ProgressCallback
 from .out_dir import OutDir
-from .plan import SAFETENSORS_METADATA, Action, ConversionPlan, Job, ShardPlan, Strategy
+from .plan import SAFETENSORS_METADATA, Action, Job, ShardPlan, Strategy
 from .rewrite.banded import BandedJob
 from .rewrite.dequant import scale_grid, stored_scale
 from .rewrite.experts import ExpertBands
 from .rewrite.jobs import run_job
 from .shard_reader import ShardReader, read_capacity
+from .strategy import RunPlan
 from .stream import BAND_WORKERS, IN_SLOTS, OUT_SLOTS, READ_AHEAD, Band, BandRead, bands, expert_banded, write_limits
 from .writer import ShardWriter
 
@@ -115,7 +116,7 @@ class Scheduler:
     def __init__(
         self,
         index: CheckpointIndex,
-        plan: ConversionPlan,
+        plan: RunPlan,
         backend: Backend,
         readers: InputReaders,
         direct_io: bool,

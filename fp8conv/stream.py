@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from .dtypes import ELEMENT_BYTES
 from .formats import CONVERTIBLE, PACKED, Kind
-from .plan import Action, Job, Strategy
+from .plan import Action, Job, RunJob, Strategy
 from .safetensors_file import TensorEntry
 from .shard_reader import read_capacity
 from .writer import COPY_CHUNK_BYTES, MAX_SEGMENTS, SEGMENT_BYTES
 
-BAND_ELEMENTS = 1 << 22  # ~4M elements per band: 4 MB of FP8 in, 8 MB of bf16 out
+# a converted weight's band (verify reads its own, verify_bands.VERIFY_BAND_ELEMENTS): ~4M elements,
+# 4 MB of FP8 in, 8 MB of bf16 out; --max-memory makes it smaller, never larger
+CONVERT_BAND_ELEMENTS = 1 << 22
 OUT_SLOTS = 3  # bands that may wait for the writer
 READ_AHEAD = 3  # band reads in flight ahead of the arithmetic, across tensors
 BAND_WORKERS = 2  # bands computed at once, one torch thread each (a pool the pipeline sizes to the cores)
@@ -72,8 +74,8 @@ def lowest_max_memory() -> int:
 def band_elements_for(max_memory: int | None) -> int:
     """Elements per band under a memory cap (the default when there is none)."""
     if max_memory is None:
-        return BAND_ELEMENTS
-    return max(1, min(BAND_ELEMENTS, (max_memory - fixed_bytes(max_memory)) // BYTES_PER_BAND_ELEMENT))
+        return CONVERT_BAND_ELEMENTS
+    return max(1, min(CONVERT_BAND_ELEMENTS, (max_memory - fixed_bytes(max_memory)) // BYTES_PER_BAND_ELEMENT))
 
 
 def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
@@ -81,7 +83,7 @@ def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
     return entry.nbytes + job.nbytes + 4 * math.prod(job.spec.shape)
 
 
-def held_bytes(job: Job, entry: TensorEntry) -> tuple[str, int] | None:
+def held_bytes(job: RunJob, entry: TensorEntry) -> tuple[str, int] | None:
     """What a job holds at once that the band size does not bound, and why: a WHOLE job's tensors, or
     the bands of gpt-oss's experts (each read is a whole expert); None for the rest (copied file to file,
     or streamed in bands)."""
@@ -95,7 +97,7 @@ def held_bytes(job: Job, entry: TensorEntry) -> tuple[str, int] | None:
 def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
     """A 2-D FP8 or packed 4-bit weight, rewritten without padding, or gpt-oss's fused [E, N, K/32, 16]
     experts dequantized, over one band: band by band."""
-    band_elements = BAND_ELEMENTS if band_elements is None else band_elements
+    band_elements = CONVERT_BAND_ELEMENTS if band_elements is None else band_elements
     if expert_banded(job):
         return len(entry.shape) == 4 and math.prod(job.spec.shape) > band_elements
     if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights
@@ -154,7 +156,7 @@ class Band:
     read: BandRead | None  # None: computed from the previous band's read (another part of one expert)
 
 
-def bands(job: Job, entry: TensorEntry) -> list[Band]:
+def bands(job: RunJob, entry: TensorEntry) -> list[Band]:
     """Every band of a BANDED job, in order, with the input read each one starts."""
     if expert_banded(job):
         return _expert_bands(job, entry)
@@ -165,7 +167,7 @@ def bands(job: Job, entry: TensorEntry) -> list[Band]:
     ]
 
 
-def _expert_bands(job: Job, entry: TensorEntry) -> list[Band]:
+def _expert_bands(job: RunJob, entry: TensorEntry) -> list[Band]:
     """Whole experts per band, or, when one expert is over the band budget, slices of its output rows
     (k) that all decode from one read of the expert (output rows are input columns: a slice of them is
     spread over all of the expert's bytes)."""
@@ -186,7 +188,7 @@ def _expert_bands(job: Job, entry: TensorEntry) -> list[Band]:
     return out
 
 
-def band_buffer_bytes(job: Job, entry: TensorEntry) -> tuple[int, int, int]:
+def band_buffer_bytes(job: RunJob, entry: TensorEntry) -> tuple[int, int, int]:
     """The buffers a BANDED job's bands take at most, by kind: an input read (with a gpt-oss expert's
     scales), an output band, and a band worker's decoded expert before its transpose (gpt-oss only)."""
     size = ELEMENT_BYTES[job.spec.dtype]
@@ -199,7 +201,7 @@ def band_buffer_bytes(job: Job, entry: TensorEntry) -> tuple[int, int, int]:
     return rows * (entry.nbytes // entry.shape[0]), rows * k * size, 0
 
 
-def bands_held(banded: list[tuple[Job, TensorEntry]]) -> int:
+def bands_held(banded: list[tuple[RunJob, TensorEntry]]) -> int:
     """What the band buffers hold over a run of these BANDED jobs: the scheduler reuses IN_SLOTS input
     and OUT_SLOTS output buffers (and a decoded expert per band worker) from job to job, each kept at
     the largest size a job asked of it (measured: gpt-oss experts of two shapes under 320M, VmHWM 338 MiB

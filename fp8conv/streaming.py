@@ -13,10 +13,8 @@ input takes is computed, and checked against the free space, before anything is 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -30,9 +28,8 @@ from .config import present
 from .errors import CheckpointError, OptionsError, OutputError
 from .header import parse_header
 from .index import INDEX_NAME, CheckpointIndex, Shard, check_shard_name, read_shard_header, read_weight_map
-from .input_files import read_contained
 from .json_file import read_json_object
-from .manifest import input_identity
+from .manifest import config_sha256, input_identity
 from .out_dir import OutDir
 from .plan import ConversionPlan
 from .safetensors_file import ShardHeader
@@ -162,9 +159,7 @@ def stream_identity(ckpt: Checkpoint, source: ShardSource) -> dict[str, Any]:
         "repo_id": prov["repo_id"],
         "commit": prov["commit"],
         "shards": [{"name": s.name} for s in ckpt.index.shards],
-        "config_sha256": hashlib.sha256(read_contained(ckpt.root, "config.json")).hexdigest()
-        if ckpt.config is not None
-        else None,
+        "config_sha256": config_sha256(ckpt),
     }
 
 
@@ -215,44 +210,6 @@ def make_schedule(index: CheckpointIndex, plan: ConversionPlan, skip: set[str]) 
             last_use[inp] = i
     unused = [s.name for s in index.shards if s.name not in last_use]
     return Schedule(order, needs, fetches, last_use, unused)
-
-
-def check_stream_space(
-    out: Path,
-    output_bytes: int,
-    input_root: Path,
-    input_bytes: int,
-    input_shards: int,
-    ahead: int,
-    evict: bool,
-) -> None:
-    """Output and the input held at once, each against its filesystem's free space; together when
-    both are on one filesystem. The refusal names both numbers."""
-    out_probe = out if out.exists() else next(p for p in out.parents if p.exists())
-    in_probe = input_root if input_root.exists() else next(p for p in input_root.parents if p.exists())
-    how = (
-        f"{input_shards} input shard(s) at most, fetched {ahead} ahead and evicted once converted"
-        if evict
-        else "every input shard, kept in the cache (no --evict-input)"
-    )
-    what = f"the output needs {output_bytes} bytes ({output_bytes / 2**30:.2f} GiB) and the input {input_bytes} bytes "
-    what += f"({input_bytes / 2**30:.2f} GiB: {how})"
-    fix = "free space, choose another output or cache (HF_HUB_CACHE), pass --evict-input or a smaller --prefetch; "
-    fix += "--no-space-check skips this check"
-    if os.stat(out_probe).st_dev == os.stat(in_probe).st_dev:
-        free = shutil.disk_usage(out_probe).free
-        if free < output_bytes + input_bytes:
-            total = output_bytes + input_bytes
-            raise OutputError(
-                f"{what}, {total} bytes ({total / 2**30:.2f} GiB) in all, but {out_probe} has {free} bytes "
-                f"({free / 2**30:.2f} GiB) free",
-                fix=fix,
-            )
-        return
-    for probe, needed in ((out_probe, output_bytes), (in_probe, input_bytes)):
-        free = shutil.disk_usage(probe).free
-        if free < needed:
-            raise OutputError(f"{what}, but {probe} has {free} bytes ({free / 2**30:.2f} GiB) free", fix=fix)
 
 
 def adopt_local_header(index: CheckpointIndex, name: str, path: Path) -> None:

@@ -28,7 +28,7 @@ from .safetensors_file import ShardHeader, TensorEntry, as_writable_memoryview, 
 # so verify's peak is the interpreter's ~230 MiB plus ~200 MiB, whatever the tensor's size (measured:
 # 64 MiB bands peaked at 0.9 GiB). A band is still 256+ rows of a real model's widest weight, so the
 # Python per band is noise next to its arithmetic.
-BAND_ELEMENTS = 4 << 20
+VERIFY_BAND_ELEMENTS = 4 << 20
 ROW_UNIT = 128  # bands are whole 128-row blocks (and whole input and output block rows)
 
 Reader = Callable[[str], torch.Tensor]
@@ -69,7 +69,7 @@ def _row_blocks(job: Job, shape: tuple[int, ...]) -> tuple[int, int]:
 
 def pieces(job: Job, shape: tuple[int, ...], band_elements: int | None = None) -> list[Piece] | None:
     """The bands verify reads `job` in; None: whole (fewer than two dimensions)."""
-    band_elements = band_elements or BAND_ELEMENTS
+    band_elements = band_elements or VERIFY_BAND_ELEMENTS
     out_shape = job.spec.shape
     if len(shape) < 2 or len(out_shape) != len(shape):
         return None

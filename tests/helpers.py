@@ -31,7 +31,7 @@ import json, sys
 import fp8conv, fp8conv.stream
 args = json.loads(sys.argv[1])
 if args["band_elements"] is not None:
-    fp8conv.stream.BAND_ELEMENTS = args["band_elements"]
+    fp8conv.stream.CONVERT_BAND_ELEMENTS = args["band_elements"]
 run = fp8conv.RunOptions(max_memory=args["max_memory"])
 fp8conv.convert(args["src"], args["out"], fp8conv.ConvertOptions(to=args["to"]), run=run)
 status = open("/proc/self/status").read()
@@ -40,7 +40,7 @@ print(next(line.split()[1] for line in status.splitlines() if line.startswith("V
 
 
 def peak_rss_kib(src: Path, out: Path, to: str, max_memory: int | None = None, band_elements: int | None = None) -> int:
-    """Convert `src` into `out` in a fresh process (`--max-memory`, and BAND_ELEMENTS set when given):
+    """Convert `src` into `out` in a fresh process (`--max-memory`, and CONVERT_BAND_ELEMENTS set when given):
     its peak RSS in KiB. The mmap threshold is fixed: glibc's dynamic one (up to 32 MiB) keeps freed
     16 MiB buffers in the heap now and then, which measures the allocator's mood rather than what fp8conv
     holds on to."""

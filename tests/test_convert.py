@@ -420,7 +420,7 @@ def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, mon
     fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="bf16"))
     streamed = []
     real_init = BandedJob.__init__  # one per job the plan streams in bands
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
     monkeypatch.setattr(BandedJob, "__init__", lambda self, job, *a: streamed.append(job) or real_init(self, job, *a))
     fp8conv.convert(tiny.path, tmp_path / "bands", ConvertOptions(to="bf16"))
     assert len(streamed) == len(tiny.fp8_weights)
@@ -435,7 +435,7 @@ def test_direct_and_buffered_io_write_the_same_checkpoint(tiny, tmp_path, monkey
     import fp8conv.stream as stream
     import fp8conv.writer as writer
 
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
     monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
     monkeypatch.setattr(writer, "SEGMENT_BYTES", 8192)
     opened: list[bool] = []

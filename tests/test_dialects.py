@@ -21,7 +21,7 @@ def execution(request, monkeypatch):
     if request.param == "bands":
         import fp8conv.stream
 
-        monkeypatch.setattr(fp8conv.stream, "BAND_ELEMENTS", 3000)
+        monkeypatch.setattr(fp8conv.stream, "CONVERT_BAND_ELEMENTS", 3000)
     return request.param
 
 

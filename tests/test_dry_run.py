@@ -207,7 +207,7 @@ def test_gpt_oss_experts_show_as_banded_with_their_whole_expert_reads(tmp_path, 
 
     from .test_gpt_oss_bands import SHAPES, build_gpt_oss
 
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 2000)  # E*K*N: 10656 and 20480 stream, 256 does not
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 2000)  # E*K*N: 10656 and 20480 stream, 256 does not
     build_gpt_oss(tmp_path / "gpt-oss", SHAPES)
     summary = dry_run(tmp_path / "gpt-oss", tmp_path / "out", ConvertOptions(to="bf16"))
     assert summary.strategies == {"copy-file": 1, "banded": 2, "whole": 1}  # the router is copied

@@ -6,7 +6,6 @@ backends; and the lowest --max-memory converts an expert tensor larger than itse
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -74,7 +73,7 @@ def test_gpt_oss_experts_stream_in_bands_with_identical_output(tmp_path, monkeyp
         "__init__",
         lambda self, job, b: streamed.append((job.spec.name, job.band_rows)) or real_init(self, job, b),
     )
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 700)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
     real_rows = stream.expert_band_rows
     for layout, rows_of in LAYOUTS.items():
         forced = real_rows if rows_of is None else (lambda job, _, f=rows_of: f(job.spec.shape[1]))
@@ -97,7 +96,7 @@ def test_gpt_oss_experts_to_bf16_in_bands_are_transformers_values(tmp_path, monk
     import fp8conv.stream as stream
 
     build_gpt_oss(tmp_path / "c", SHAPES)
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 700)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
     monkeypatch.setattr(stream, "expert_band_rows", lambda job, _: 32)
     fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     src, got = load_dir(tmp_path / "c"), load_dir(tmp_path / "out")
@@ -161,20 +160,20 @@ def test_gpt_oss_bands_tile_the_output_and_read_each_expert_once(e, n, k, dtype)
     made of whole experts; every expert's blocks and scales are read once, in file order; the bands hold
     what the budget allows, or the least there is (one group's rows: --max-memory then refuses)."""
     from fp8conv import stream
-    from fp8conv.plan import Action, Job, TensorSpec
+    from fp8conv.plan import Action, Job, RunJob, Strategy, TensorSpec
     from fp8conv.safetensors_file import TensorEntry
     from fp8conv.weight_format import Kind, WeightFormat
 
     fmt = WeightFormat("x_blocks", Kind.MXFP4_GPT_OSS, scale="x_scales", group=32, shape=(e, n, k))
     entry = TensorEntry("x_blocks", "U8", (e, n, k // 32, 16), 1000, e * n * k // 2)
     for band_elements in (
-        stream.BAND_ELEMENTS,
+        stream.CONVERT_BAND_ELEMENTS,
         stream.band_elements_for(stream.lowest_max_memory()),
         700,
         5000,  # (3, 37, 96) in bf16: two experts a band, then one
     ):
         job = Job("x_blocks", Action.DEQUANTIZE, (TensorSpec("x", dtype, (e, k, n)),), fmt)
-        job = replace(job, band_rows=stream.band_rows(job, band_elements))
+        job = RunJob.of(job, Strategy.BANDED, stream.band_rows(job, band_elements))
         fits = stream.expert_band_bytes(job, job.band_rows) <= band_elements * stream.BYTES_PER_BAND_ELEMENT
         assert fits or job.band_rows == 32, (band_elements, job.band_rows)
         bands = stream.bands(job, entry)
@@ -216,10 +215,10 @@ def test_gpt_oss_bands_of_both_expert_shapes_fit_the_cap_together(cap_mib):
         fmt = WeightFormat(name + "_blocks", Kind.MXFP4_GPT_OSS, scale=name + "_scales", group=32, shape=(e, n, k))
         jobs.append(Job(name + "_blocks", Action.DEQUANTIZE, (TensorSpec(name, "BF16", (e, k, n)),), fmt))
         entries[name + "_blocks"] = TensorEntry(name + "_blocks", "U8", (e, n, k // 32, 16), 0, e * n * k // 2)
-    plan = SimpleNamespace(shards=[SimpleNamespace(jobs=jobs)])
+    plan = SimpleNamespace(shards=[SimpleNamespace(name="s", jobs=jobs)])
     index = SimpleNamespace(entry=entries.__getitem__)
     cap = cap_mib * 2**20
-    choose_strategies(plan, index, stream.band_elements_for(cap), capped=True)  # type: ignore[arg-type]
+    jobs = choose_strategies(plan, index, stream.band_elements_for(cap), capped=True).jobs()  # type: ignore[arg-type]
     assert all(job.strategy is Strategy.BANDED for job in jobs)
     held = stream.bands_held([(job, entries[job.source]) for job in jobs])
     assert held <= cap - stream.fixed_bytes(cap), (held, cap - stream.fixed_bytes(cap))

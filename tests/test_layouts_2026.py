@@ -168,8 +168,8 @@ def test_mimo_per_head_kv_in_row_bands(tmp_path, monkeypatch, to):
 
     build_mimo_flash(tmp_path / "in")
     whole = _convert(tmp_path / "in", tmp_path / "whole", to)
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3 * 64 * 200)
-    monkeypatch.setattr(verify_bands, "BAND_ELEMENTS", 2 * 64 * 200)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3 * 64 * 200)
+    monkeypatch.setattr(verify_bands, "VERIFY_BAND_ELEMENTS", 2 * 64 * 200)
     banded = _convert(tmp_path / "in", tmp_path / "banded", to)
     assert all(same_bits(whole[n], banded[n]) for n in whole) and whole.keys() == banded.keys()
     result = fp8conv.verify(tmp_path / "in", tmp_path / "banded")

@@ -108,3 +108,22 @@ def test_jobs_refuses_stream_before_starting_workers(tiny, tmp_path):
     refused = CliRunner().invoke(main, args)
     assert refused.exit_code == 2 and "do not combine it with -j or --part" in refused.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_every_option_field_is_one_click_parameter_of_convert():
+    """convert's parameters are named after the fields and become the two values by name: a field with
+    no click option, or a click option that is neither a field nor the CLI's own, fails here."""
+    from dataclasses import fields
+
+    from fp8conv.cli import main
+    from fp8conv.options import options_from
+    from fp8conv.parts import parse_part
+
+    names = {p.name for p in main.commands["convert"].params}
+    cli_only = {"checkpoint", "output", "hardware", "threads", "jobs", "dry_run", "as_json", "quiet"}
+    field_names = {f.name for cls in (ConvertOptions, RunOptions) for f in fields(cls)} - {"progress"}
+    assert names - cli_only == field_names
+    with pytest.raises(TypeError, match="not an option field: jobs"):
+        options_from({"to": "bf16", "jobs": 2})
+    options, run = options_from({"direct_io": False, "part": "2/3", "to": "block"}, {"part": parse_part})
+    assert options == ConvertOptions(to="block") and run == RunOptions(part=(2, 3), direct_io=False)

@@ -511,7 +511,7 @@ def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path, monkeypat
     real_init = ExpertBands.__init__
     monkeypatch.setattr(ExpertBands, "__init__", lambda self, job, b: streamed.append(job) or real_init(self, job, b))
     if band_elements is not None:
-        monkeypatch.setattr(stream, "BAND_ELEMENTS", band_elements)
+        monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", band_elements)
     fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
     assert len(streamed) == (0 if band_elements is None else 4)
     assert all(job.band_rows < job.spec.shape[1] for job in streamed)

@@ -50,7 +50,7 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
     streamed = []
     real_init = BandedJob.__init__  # one per job the plan streams in bands
     # bands of a few rows (of 128 for blocks), the last one short; float32 pieces smaller than a band
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 700)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
     monkeypatch.setattr(unpack, "GLOBAL_SCALE_CHUNK", 200)
     monkeypatch.setattr(
         BandedJob, "__init__", lambda self, job, *a: streamed.append(job.fmt.kind) or real_init(self, job, *a)

@@ -125,7 +125,7 @@ import fp8conv.stream
 from fp8conv.cli import main
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-fp8conv.stream.BAND_ELEMENTS = int(sys.argv[4])  # small: the tiny weights stream in bands, writes in flight
+fp8conv.stream.CONVERT_BAND_ELEMENTS = int(sys.argv[4])  # small: the tiny weights stream in bands, writes in flight
 sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", sys.argv[3], "-o", sys.argv[2]]
 main()
 """
@@ -157,7 +157,7 @@ def test_an_error_in_the_arithmetic_cancels_the_run_cleanly(tiny, tmp_path, monk
     import fp8conv.stream
     from fp8conv.backends.cpu import CpuBackend
 
-    monkeypatch.setattr(fp8conv.stream, "BAND_ELEMENTS", band_elements)
+    monkeypatch.setattr(fp8conv.stream, "CONVERT_BAND_ELEMENTS", band_elements)
     real = CpuBackend.dequantize_blocks
     calls = []
 

@@ -19,8 +19,7 @@ def _planned(path, band_elements: int, **options):
     ckpt = open_checkpoint(path)
     plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, None), ConvertOptions(**options))
     assert not plan.problems
-    choose_strategies(plan, ckpt.index, band_elements)
-    return ckpt, [job for shard in plan.shards for job in shard.jobs]
+    return ckpt, choose_strategies(plan, ckpt.index, band_elements).jobs()
 
 
 @pytest.mark.parametrize(
@@ -68,14 +67,14 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
     from fp8conv.rewrite.banded import BandedJob
     from fp8conv.writer import ShardWriter
 
-    monkeypatch.setattr(stream, "BAND_ELEMENTS", 3000)
+    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
     fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))
     chosen = prepare.choose_strategies
 
     def all_whole(plan, index, band_elements, *capped):
-        chosen(plan, index, band_elements, *capped)
-        for shard in plan.shards:
-            shard.jobs[:] = [replace(j, strategy=Strategy.WHOLE) for j in shard.jobs]
+        run = chosen(plan, index, band_elements, *capped)
+        shards = tuple(replace(s, jobs=tuple(replace(j, strategy=Strategy.WHOLE) for j in s.jobs)) for s in run.shards)
+        return replace(run, shards=shards)
 
     banded, copied = [], []
     monkeypatch.setattr(prepare, "choose_strategies", all_whole)

@@ -228,14 +228,14 @@ def test_stream_order_with_a_scale_in_another_shard(tiny, tmp_path, recorded_com
 
 
 def test_stream_disk_bound_is_refused_with_both_numbers(tiny, tmp_path, monkeypatch):
-    import fp8conv.streaming as streaming
+    import fp8conv.preflight as preflight
 
     sizes = [(tiny.path / s).stat().st_size for s in tiny.shards]
     reference = fp8conv.convert(tiny.path, tmp_path / "ref", ConvertOptions(to="bf16"))
     copied = sum((tiny.path / f).stat().st_size for f in reference.files_copied)
     output = reference.bytes_written + copied
     for evict, held in ((True, max(sizes[0] + sizes[1], sizes[1] + sizes[2])), (False, sum(sizes))):
-        monkeypatch.setattr(streaming.shutil, "disk_usage", lambda p, n=output + held - 1: SimpleNamespace(free=n))
+        monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p, n=output + held - 1: SimpleNamespace(free=n))
         source = LocalShardSource(tiny.path, tmp_path / f"staging-{evict}", log=tmp_path / f"log-{evict}")
         with pytest.raises(OutputError) as info:
             fp8conv.convert(
@@ -248,7 +248,7 @@ def test_stream_disk_bound_is_refused_with_both_numbers(tiny, tmp_path, monkeypa
         assert f"the output needs {output} bytes" in message and f"the input {held} bytes" in message
         assert f"{output + held} bytes" in message and f"has {output + held - 1} bytes" in message
         assert not (tmp_path / f"out-{evict}").exists() and not (tmp_path / f"log-{evict}").exists()  # nothing fetched
-        monkeypatch.setattr(streaming.shutil, "disk_usage", lambda p, n=output + held: SimpleNamespace(free=n))
+        monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p, n=output + held: SimpleNamespace(free=n))
         fp8conv.convert(
             tiny.path,
             tmp_path / f"out-{evict}",

@@ -26,7 +26,7 @@ from .helpers import fp8, fp8_block_config, write_checkpoint
 N, K = 1000, 320  # 7 whole 128-row blocks and a ragged eighth of 104 rows; 2.5 blocks wide
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
 EMBED = "model.embed_tokens.weight"  # copied as it is
-BAND_ROWS = 128  # what BAND_ELEMENTS = 1 gives: one block row per band
+BAND_ROWS = 128  # what VERIFY_BAND_ELEMENTS = 1 gives: one block row per band
 MESSAGES = {
     "bf16": "not one rounding of the float32 product",
     "channel": "differs from the reference backend's output",
@@ -55,7 +55,7 @@ def _flip_last_byte(out: Path, name: str) -> None:
 
 @pytest.fixture
 def small_bands(monkeypatch) -> None:
-    monkeypatch.setattr(verify_bands, "BAND_ELEMENTS", 1)
+    monkeypatch.setattr(verify_bands, "VERIFY_BAND_ELEMENTS", 1)
 
 
 @pytest.mark.parametrize("to", ["bf16", "channel", "block"])

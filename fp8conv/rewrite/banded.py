@@ -8,7 +8,7 @@ import torch
 from ..backends import Backend
 from ..dtypes import ELEMENT_BYTES, torch_dtype
 from ..formats import PACKED
-from ..plan import Action, Job
+from ..plan import Action, RunJob
 from .dequant import scale_grid
 from .unpack import band_decoder, band_quantizer
 
@@ -20,7 +20,7 @@ class BandedJob:
 
     def __init__(
         self,
-        job: Job,
+        job: RunJob,
         scale: torch.Tensor,
         global_scale: torch.Tensor | None,
         backend: Backend,
