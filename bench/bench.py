@@ -33,7 +33,8 @@ import plan_scale  # noqa: E402
 import synth  # noqa: E402
 
 import fp8conv  # noqa: E402
-from fp8conv import direct_io, stream, writer  # noqa: E402
+from fp8conv.plan import bands as stream  # noqa: E402
+from fp8conv.storage import direct_io, writer  # noqa: E402
 
 # the floor does not import fp8conv (torch's import alone costs ~1.4 s of CPU), so it states the sizes
 assert (io_floor.ALIGN, io_floor.SEGMENT_BYTES) == (direct_io.ALIGN, writer.SEGMENT_BYTES)
@@ -42,8 +43,8 @@ assert io_floor.READ_AHEAD == stream.READ_AHEAD
 
 
 TARGETS = ("bf16", "channel", "block")
-# what a conversion pays before its first read: the CLI and torch (import fp8conv.cli alone no longer loads it)
-STARTUP = "fp8conv start-up alone (import fp8conv.cli, fp8conv.pipeline)"
+# what a conversion pays before its first read: the CLI and torch (importing the CLI alone no longer loads it)
+STARTUP = "fp8conv start-up alone (import fp8conv.cli.commands, fp8conv.run.convert)"
 # issue 14: at 2 GiB the whole `fp8conv convert` process within this many times the floor of the same
 # bytes read and written at once
 WHOLE_PROCESS_TARGET = {"bf16": 1.15, "channel": 1.35}
@@ -182,7 +183,7 @@ def run_size(
         [py, str(HERE / "io_floor.py"), str(src), str(out), str(outputs["bf16"]), "--buffered"],
         "bf16",
     )
-    variants[STARTUP] = ([py, "-c", "import fp8conv.cli, fp8conv.pipeline"], None)
+    variants[STARTUP] = ([py, "-c", "import fp8conv.cli.commands, fp8conv.run.convert"], None)
     variants["fp8conv --to bf16 -j 2"] = (
         [py, "-m", "fp8conv", "convert", str(src), "--to", "bf16", "-o", str(out), "-q", "-j", "2"],
         "bf16",

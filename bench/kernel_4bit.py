@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fp8conv.backends import get_backend
-from fp8conv.formats import Kind
+from fp8conv.model.classify import Kind
 from fp8conv.rewrite.unpack import code_values
 
 ROWS, K = 1024, 4096

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import threading
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.support's stand-in
+
 import fp8conv  # every mode pays the same start-up (torch's import) first: the rows differ by overlap only
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.shard_source import LocalShardSource
+from tests.support.local_shards import LocalShardSource
 
 
 def main() -> None:

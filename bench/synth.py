@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fp8conv.writer import ShardWriter, TensorSpec
+from fp8conv.storage.writer import ShardWriter, TensorSpec
 
 # DeepSeek-V3 shapes (hidden 7168): dense MLP, routed experts, MLA projections; ragged ones included
 RAGGED = [

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
+from .check.inspect_report import InspectReport, inspect
 from .errors import CheckpointError, Fp8ConvError, OptionsError, OutputError, PlanRefused
-from .formats import Kind
+from .model.classify import Kind
 from .options import ConvertOptions, RunOptions
-from .parts import FinalizeResult, finalize
-from .report import InspectReport, inspect
+from .output.finish import FinalizeResult, finalize
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .pipeline import ConvertResult, convert
-    from .verify import VerifyResult, verify
+    from .check.verify import VerifyResult, verify
+    from .run.convert import ConvertResult, convert
 
 # convert and verify import torch; loaded on first use so that `import fp8conv`, inspect and --help do not.
-_LAZY = {"ConvertResult": "pipeline", "convert": "pipeline", "VerifyResult": "verify", "verify": "verify"}
+_LAZY = {
+    "ConvertResult": "run.convert",
+    "convert": "run.convert",
+    "VerifyResult": "check.verify",
+    "verify": "check.verify",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -29,16 +32,6 @@ def __getattr__(name: str) -> Any:
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Importing the submodule fp8conv.verify binds it on the package; the name stays the function.
-        if name == "verify" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "CheckpointError",

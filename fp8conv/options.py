@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import OptionsError
-from .families import ROLE_GROUPS
+from .model.families import ROLE_GROUPS
 
 if TYPE_CHECKING:
-    from .shard_source import ShardSource
+    from .source.shard_fetch import ShardSource
 
 TARGETS = ("bf16", "channel", "block", "mxfp8")
 SCALE_FORMATS = ("ue8m0",)  # --to block --scale-fmt: power-of-two scales stored as float8_e8m0fnu

@@ -28,10 +28,10 @@ def load_dir(path: Path) -> dict[str, torch.Tensor]:
 # VmHWM belongs to the new process image alone.
 _PEAK_RSS_SCRIPT = """
 import json, sys
-import fp8conv, fp8conv.stream
+import fp8conv, fp8conv.plan.bands
 args = json.loads(sys.argv[1])
 if args["band_elements"] is not None:
-    fp8conv.stream.CONVERT_BAND_ELEMENTS = args["band_elements"]
+    fp8conv.plan.bands.CONVERT_BAND_ELEMENTS = args["band_elements"]
 run = fp8conv.RunOptions(max_memory=args["max_memory"])
 fp8conv.convert(args["src"], args["out"], fp8conv.ConvertOptions(to=args["to"]), run=run)
 status = open("/proc/self/status").read()

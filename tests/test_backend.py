@@ -9,7 +9,7 @@ import torch
 
 from fp8conv.backends import available_devices, get_backend
 from fp8conv.errors import OptionsError
-from fp8conv.formats import Kind, WeightFormat
+from fp8conv.model.classify import Kind, WeightFormat
 from fp8conv.rewrite.dequant import dequantize
 from fp8conv.rewrite.quant import quantize, requantize
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 
 from .helpers import load_dir
 

@@ -17,9 +17,9 @@ from safetensors import safe_open
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 from fp8conv.errors import CheckpointError, OptionsError
-from fp8conv.writer import TEMP_SUFFIX
+from fp8conv.storage.writer import TEMP_SUFFIX
 
 from .helpers import dir_snapshot, load_dir
 from .reference import dequant_block_reference, same_bits
@@ -414,7 +414,7 @@ def test_options_that_do_not_fit_the_target_are_refused(tiny, tmp_path):
 
 
 def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, monkeypatch):
-    import fp8conv.stream as stream
+    import fp8conv.plan.bands as stream
     from fp8conv.rewrite.banded import BandedJob
 
     fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="bf16"))
@@ -431,9 +431,9 @@ def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, mon
 def test_direct_and_buffered_io_write_the_same_checkpoint(tiny, tmp_path, monkeypatch, to):
     """Direct I/O (the default) against --buffered-io: the same files, byte for byte. Small bands,
     direct reads for every size and small segments, so the tiny checkpoint takes every path."""
-    import fp8conv.shard_reader as shard_reader
-    import fp8conv.stream as stream
-    import fp8conv.writer as writer
+    import fp8conv.plan.bands as stream
+    import fp8conv.storage.shard_reader as shard_reader
+    import fp8conv.storage.writer as writer
 
     monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
     monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)

@@ -19,9 +19,9 @@ from .synthetic import DIALECTS
 def execution(request, monkeypatch):
     """Each test twice: whole tensors, and streamed in bands of rows small enough to split every weight."""
     if request.param == "bands":
-        import fp8conv.stream
+        import fp8conv.plan.bands
 
-        monkeypatch.setattr(fp8conv.stream, "CONVERT_BAND_ELEMENTS", 3000)
+        monkeypatch.setattr(fp8conv.plan.bands, "CONVERT_BAND_ELEMENTS", 3000)
     return request.param
 
 

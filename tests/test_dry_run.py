@@ -16,9 +16,9 @@ from safetensors import safe_open
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
-from fp8conv.dry_run import dry_run
+from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError
+from fp8conv.run.dry_run import dry_run
 
 from .helpers import dir_snapshot, fp8, fp8_block_config, write_checkpoint
 from .test_startup import _fresh
@@ -171,7 +171,7 @@ def test_the_dry_run_does_not_import_torch(tiny, tmp_path):
     out = tmp_path / "out"
     _fresh(
         "from click.testing import CliRunner\n"
-        "from fp8conv.cli import main\n"
+        "from fp8conv.cli.commands import main\n"
         f"r = CliRunner().invoke(main, ['convert', {str(tiny.path)!r}, '--to', 'block', '--pad-for-tp', '8', "
         f"'-o', {str(out)!r}, '--dry-run', '--max-memory', '300M'])\n"
         "assert r.exit_code == 0 and 'jobs by strategy: copy-file' in r.output, r.output\n"
@@ -181,7 +181,7 @@ def test_the_dry_run_does_not_import_torch(tiny, tmp_path):
 
 def test_a_hub_repo_not_downloaded_is_refused_not_fetched(tiny, tmp_path, monkeypatch):
     """Without --stream a real run downloads the repo first; a dry run downloads nothing and says so."""
-    import fp8conv.prepare as prepare
+    import fp8conv.run.prepare as prepare
 
     real = prepare.open_checkpoint
 
@@ -203,7 +203,7 @@ def test_gpt_oss_experts_show_as_banded_with_their_whole_expert_reads(tmp_path, 
     """gpt-oss's fused experts into bf16 stream in bands whose reads are whole experts: the dry run counts
     them BANDED, and the job holding the most is one of them (five reads of a 2 KB expert and its output
     bands, against ~1.8 KB for the 1x8x32 tensor rewritten whole), not the largest tensor rewritten whole."""
-    import fp8conv.stream as stream
+    import fp8conv.plan.bands as stream
 
     from .test_gpt_oss_bands import SHAPES, build_gpt_oss
 

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.manifest import MANIFEST
+from fp8conv.output.manifest import MANIFEST
 
 from .helpers import fp8, fp8_block_config, load_dir
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fp8conv import families as table
-from fp8conv.cli import main
-from fp8conv.roles import ROLE_TENSORS
+from fp8conv.cli.commands import main
+from fp8conv.model import families as table
+from fp8conv.model.roles import ROLE_TENSORS
 
 from .families import FAMILIES, FamilyFixture, build_family
 from .helpers import load_dir
@@ -217,7 +217,7 @@ def test_to_block(families, tmp_path, name):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "float8_e4m3fn", "F8_E4M3", "fp8_e4m3", "E4M3FN"])
 def test_fmt_spellings_of_e4m3_are_read(fmt):
-    from fp8conv.quant_config import read_quant_settings
+    from fp8conv.model.quant_config import read_quant_settings
 
     settings = read_quant_settings({"quantization_config": {"quant_method": "fp8", "fmt": fmt}})
     assert settings.problems == []

@@ -29,7 +29,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 
 from .reductions import assert_same_function
 

@@ -7,8 +7,8 @@ import torch
 
 import fp8conv
 from fp8conv import ConvertOptions
-from fp8conv.formats import Kind, classify
-from fp8conv.source import open_checkpoint
+from fp8conv.model.classify import Kind, classify
+from fp8conv.source.checkpoint import open_checkpoint
 
 from .helpers import fp8, fp8_block_config, load_dir, write_checkpoint
 from .reference import same_bits

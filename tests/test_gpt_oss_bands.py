@@ -55,7 +55,7 @@ def build_gpt_oss(path, shapes: dict[str, tuple[int, int, int]]) -> dict[str, to
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_gpt_oss_experts_stream_in_bands_with_identical_output(tmp_path, monkeypatch, dtype):
-    import fp8conv.stream as stream
+    import fp8conv.plan.bands as stream
     from fp8conv.rewrite.experts import ExpertBands
 
     truth = build_gpt_oss(tmp_path / "c", SHAPES)
@@ -93,7 +93,7 @@ def test_gpt_oss_experts_to_bf16_in_bands_are_transformers_values(tmp_path, monk
     pytest.importorskip("transformers")
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    import fp8conv.stream as stream
+    import fp8conv.plan.bands as stream
 
     build_gpt_oss(tmp_path / "c", SHAPES)
     monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
@@ -111,7 +111,7 @@ def test_gpt_oss_experts_larger_than_the_lowest_memory_cap_stream_under_it(tmp_p
 
     from safetensors import safe_open
 
-    from fp8conv.stream import lowest_max_memory
+    from fp8conv.plan.bands import lowest_max_memory
 
     e, n, k = 36, 2880, 1536
     name = "model.layers.0.mlp.experts.down_proj"
@@ -135,7 +135,7 @@ def test_gpt_oss_experts_larger_than_the_lowest_memory_cap_stream_under_it(tmp_p
 def test_gpt_oss_expert_over_the_memory_cap_is_refused_by_name(tmp_path):
     """One [2880, 2880] expert: five reads of it ahead and in hand (4.4 MB each) do not fit the lowest
     cap's bands. Refused before anything is written, naming the tensor."""
-    from fp8conv.stream import lowest_max_memory
+    from fp8conv.plan.bands import lowest_max_memory
 
     name = "model.layers.0.mlp.experts.down_proj"
     blocks = torch.zeros((1, 2880, 90, 16), dtype=torch.uint8)
@@ -159,10 +159,10 @@ def test_gpt_oss_bands_tile_the_output_and_read_each_expert_once(e, n, k, dtype)
     cover the output rows [0, E * K) once, in order, each inside one expert (slices, in whole groups) or
     made of whole experts; every expert's blocks and scales are read once, in file order; the bands hold
     what the budget allows, or the least there is (one group's rows: --max-memory then refuses)."""
-    from fp8conv import stream
-    from fp8conv.plan import Action, Job, RunJob, Strategy, TensorSpec
-    from fp8conv.safetensors_file import TensorEntry
-    from fp8conv.weight_format import Kind, WeightFormat
+    from fp8conv.model.weight_format import Kind, WeightFormat
+    from fp8conv.plan import bands as stream
+    from fp8conv.plan.conversion import Action, Job, RunJob, Strategy, TensorSpec
+    from fp8conv.storage.safetensors_file import TensorEntry
 
     fmt = WeightFormat("x_blocks", Kind.MXFP4_GPT_OSS, scale="x_scales", group=32, shape=(e, n, k))
     entry = TensorEntry("x_blocks", "U8", (e, n, k // 32, 16), 1000, e * n * k // 2)
@@ -204,11 +204,11 @@ def test_gpt_oss_bands_of_both_expert_shapes_fit_the_cap_together(cap_mib):
     320M: VmHWM 338 MiB), and what they hold together fits what the cap leaves them."""
     from types import SimpleNamespace
 
-    from fp8conv import stream
-    from fp8conv.plan import Action, Job, Strategy, TensorSpec
-    from fp8conv.safetensors_file import TensorEntry
-    from fp8conv.strategy import choose_strategies
-    from fp8conv.weight_format import Kind, WeightFormat
+    from fp8conv.model.weight_format import Kind, WeightFormat
+    from fp8conv.plan import bands as stream
+    from fp8conv.plan.conversion import Action, Job, Strategy, TensorSpec
+    from fp8conv.plan.strategy import choose_strategies
+    from fp8conv.storage.safetensors_file import TensorEntry
 
     jobs, entries = [], {}
     for name, (e, n, k) in {"gate_up_proj": (128, 5760, 2880), "down_proj": (128, 2880, 2880)}.items():

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8conv.formats import classify
-from fp8conv.ignore_list import IgnoreList, unsafe_regex
+from fp8conv.check.inspect_report import inspect
+from fp8conv.model.classify import classify
+from fp8conv.model.ignore_list import IgnoreList, unsafe_regex
+from fp8conv.model.quant_config import module_matches
 from fp8conv.options import ConvertOptions
-from fp8conv.plan import Action, plan_conversion
-from fp8conv.quant_config import module_matches
-from fp8conv.report import inspect
-from fp8conv.source import open_checkpoint
+from fp8conv.plan.conversion import Action, plan_conversion
+from fp8conv.source.checkpoint import open_checkpoint
 from tests.helpers import fp8, fp8_block_config, write_checkpoint
 
 

@@ -19,7 +19,7 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.errors import CheckpointError, OutputError
-from fp8conv.header import MAX_TENSORS, parse_header
+from fp8conv.storage.header import MAX_TENSORS, parse_header
 
 from .helpers import fp8, fp8_block_config, write_checkpoint, write_raw_safetensors
 from .test_sources import COMMIT, lay_out_hf_cache
@@ -47,7 +47,8 @@ def _replace_by_link(path, target):
 @pytest.fixture
 def read_names(monkeypatch):
     """The names whose content fp8conv read (headers and JSON files): a refusal must come first."""
-    from fp8conv import index, json_file
+    from fp8conv.source import index
+    from fp8conv.storage import json_file
 
     seen: list[str] = []
     real_header, real_capped = index.read_header, json_file.read_capped
@@ -280,7 +281,7 @@ def test_trailing_bytes_and_a_truncated_file_are_refused(tmp_path):
 def test_a_million_empty_tensors_are_refused_fast(monkeypatch):
     header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(1_000_000)}
     raw = json.dumps(header).encode()
-    from fp8conv import header as header_module
+    from fp8conv.storage import header as header_module
 
     def no_parse(*args, **kwargs):
         raise AssertionError("the header was parsed before its tensors were counted")
@@ -312,7 +313,7 @@ def test_every_lie_is_refused_on_the_hub_path(tmp_path, monkeypatch, header, siz
 
     import huggingface_hub
 
-    from fp8conv import hub
+    from fp8conv.source import hub
 
     tensors = {
         n: SimpleNamespace(dtype=s["dtype"], shape=s["shape"], data_offsets=tuple(s["data_offsets"]))
@@ -333,7 +334,7 @@ def test_every_lie_is_refused_on_the_saved_path(tmp_path, header, size, match):
     """--stream --resume's saved headers: validated as a shard's own, refused in one line naming the file."""
     from types import SimpleNamespace
 
-    from fp8conv.streaming import HEADERS_FILE, _saved_headers
+    from fp8conv.run.streaming import HEADERS_FILE, _saved_headers
 
     out = tmp_path / "out"
     (out / HEADERS_FILE).parent.mkdir(parents=True)

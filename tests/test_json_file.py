@@ -10,7 +10,7 @@ import torch
 
 import fp8conv
 from fp8conv.errors import CheckpointError, OptionsError, OutputError
-from fp8conv.json_file import read_json_object
+from fp8conv.storage.json_file import read_json_object
 
 from .helpers import fp8, fp8_block_config, write_checkpoint
 

@@ -164,7 +164,8 @@ def test_fused_per_tensor_experts_to_channel_refused_by_name(tmp_path):
 @pytest.mark.parametrize("to", TARGETS)
 def test_mimo_per_head_kv_in_row_bands(tmp_path, monkeypatch, to):
     """Bands of a few math blocks (64 rows here) give the same bytes as whole tensors, and verify agrees."""
-    from fp8conv import stream, verify_bands
+    from fp8conv.check import verify_bands
+    from fp8conv.plan import bands as stream
 
     build_mimo_flash(tmp_path / "in")
     whole = _convert(tmp_path / "in", tmp_path / "whole", to)
@@ -258,7 +259,7 @@ def test_mistral_native_dense_names_and_refusals(tmp_path):
     """A dense Mistral-native params.json (vLLM's MistralForCausalLM, llama.py mistral_mapping): ignore in
     its module names; block FP8 refused when wq/wk's rotary permutation would cross scale blocks (head_dim
     96 with 128-row blocks), and MXFP8 refused (no Mistral-format spelling), each naming the file."""
-    from fp8conv.mistral_native import engine_module
+    from fp8conv.source.mistral_native import engine_module
 
     assert engine_module("layers.3.attention.wk", "dense", False) == "model.layers.3.self_attn.k_proj"
     assert engine_module("layers.3.feed_forward.w3", "dense", True) == "language_model.model.layers.3.mlp.up_proj"

@@ -40,7 +40,7 @@ def test_max_memory_caps_peak_rss(tmp_path):
         )
         tensors[f"layers.{i}.w.weight_scale_inv"] = torch.rand(32, 32, generator=gen) + 0.1
     src = write_checkpoint(tmp_path / "in", tensors, fp8_block_config())
-    from fp8conv.stream import lowest_max_memory
+    from fp8conv.plan.bands import lowest_max_memory
 
     cap = lowest_max_memory()  # the lowest cap accepted: ~288 MiB
     peak = peak_rss_kib(src, tmp_path / "out", "channel", max_memory=cap)
@@ -72,11 +72,12 @@ def test_the_cap_counts_what_the_write_side_holds(tmp_path, monkeypatch):
     import weakref
     from types import SimpleNamespace
 
-    import fp8conv.writer as writer_module
-    from fp8conv import scheduler, stream
-    from fp8conv.dry_run import dry_run
+    import fp8conv.storage.writer as writer_module
     from fp8conv.options import ConvertOptions, RunOptions
-    from fp8conv.writer import SEGMENT_BYTES, ShardWriter, TensorSpec
+    from fp8conv.plan import bands as stream
+    from fp8conv.run import scheduler
+    from fp8conv.run.dry_run import dry_run
+    from fp8conv.storage.writer import SEGMENT_BYTES, ShardWriter, TensorSpec
 
     cap = stream.lowest_max_memory()
     limits = stream.write_limits(cap)
@@ -121,7 +122,7 @@ def test_bands_of_long_rows_count_whole_blocks_of_rows(tmp_path):
     import fp8conv
     from fp8conv import ConvertOptions, RunOptions
     from fp8conv.errors import OptionsError
-    from fp8conv.stream import lowest_max_memory
+    from fp8conv.plan.bands import lowest_max_memory
 
     name = "model.layers.0.mlp.down_proj.weight"
     codes = torch.randint(0, 126, (256, 18432), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp8conv
-from fp8conv.config import READ_FROM_KEY
+from fp8conv.source.config import READ_FROM_KEY
 
 from .helpers import dir_snapshot, load_dir, write_checkpoint
 from .packing import e2m1_value, group_scaled, pack_nibbles, random_codes, random_e4m3_scales

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp8conv.backends import available_devices, get_backend
-from fp8conv.formats import Kind
+from fp8conv.model.classify import Kind
 from fp8conv.rewrite.unpack import code_values
 
 from .packing import e2m1_value, group_scaled

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 import fp8conv
 from fp8conv import ConvertOptions, OptionsError, RunOptions
-from fp8conv.cli import main
-from fp8conv.shard_source import LocalShardSource
+from fp8conv.cli.commands import main
+from tests.support.local_shards import LocalShardSource
 
 from .helpers import dir_snapshot
 
@@ -115,9 +115,9 @@ def test_every_option_field_is_one_click_parameter_of_convert():
     no click option, or a click option that is neither a field nor the CLI's own, fails here."""
     from dataclasses import fields
 
-    from fp8conv.cli import main
+    from fp8conv.cli.commands import main
     from fp8conv.options import options_from
-    from fp8conv.parts import parse_part
+    from fp8conv.output.finish import parse_part
 
     names = {p.name for p in main.commands["convert"].params}
     cli_only = {"checkpoint", "output", "hardware", "threads", "jobs", "dry_run", "as_json", "quiet"}

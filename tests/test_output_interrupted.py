@@ -15,7 +15,7 @@ import pytest
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.writer import TEMP_SUFFIX
+from fp8conv.storage.writer import TEMP_SUFFIX
 
 from .helpers import dir_snapshot
 
@@ -23,7 +23,7 @@ from .helpers import dir_snapshot
 KILL_AT_COMMIT = """
 import os, signal, sys
 import fp8conv
-from fp8conv.out_dir import OutDir
+from fp8conv.storage.out_dir import OutDir
 name, nth, seen = sys.argv[3], int(sys.argv[4]), []
 real = OutDir.commit
 def commit(self, temp):

@@ -16,11 +16,11 @@ from click.testing import CliRunner
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 from fp8conv.errors import OutputError
-from fp8conv.lock import OutputLock
-from fp8conv.out_dir import OutDir
-from fp8conv.writer import TEMP_SUFFIX, ShardFile
+from fp8conv.storage.lock import OutputLock
+from fp8conv.storage.out_dir import OutDir
+from fp8conv.storage.writer import TEMP_SUFFIX, ShardFile
 
 from .helpers import dir_snapshot
 
@@ -144,7 +144,7 @@ def test_verify_refuses_an_output_holding_a_link_without_reading_its_target(make
 def test_a_link_planted_during_the_run_is_never_written_through_or_shipped(make_tiny, tmp_path, monkeypatch):
     """Planted after the checks: shards and manifest replace links rather than follow them, and the
     output is refused before its index and config.json make it look finished."""
-    import fp8conv.manifest as manifest_module
+    import fp8conv.output.manifest as manifest_module
 
     ckpt = make_tiny(num_shards=2)
     out = tmp_path / "out"

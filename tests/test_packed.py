@@ -14,8 +14,8 @@ import torch
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.formats import Kind, classify
-from fp8conv.source import open_checkpoint
+from fp8conv.model.classify import Kind, classify
+from fp8conv.source.checkpoint import open_checkpoint
 
 from .helpers import fp8, load_dir, write_checkpoint
 from .packing import (
@@ -504,7 +504,7 @@ def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path, monkeypat
     ckpt = open_checkpoint(tmp_path / "c")
     assert classify(ckpt.index, ckpt.config).kind_counts()["mxfp4-gpt-oss"] == 4
 
-    import fp8conv.stream as stream
+    import fp8conv.plan.bands as stream
     from fp8conv.rewrite.experts import ExpertBands
 
     streamed = []
@@ -575,7 +575,7 @@ def test_kimi_style_int4_experts_to_bf16_load_in_transformers_deepseek_v3(make_t
 def test_cli_inspect_and_convert_name_the_packed_formats(tmp_path):
     from click.testing import CliRunner
 
-    from fp8conv.cli import main
+    from fp8conv.cli.commands import main
 
     build_v4(tmp_path / "c", layers=1, experts=1)
     runner = CliRunner()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8conv
-from fp8conv.formats import PACKED, Kind
+from fp8conv.model.classify import PACKED, Kind
 
 from .helpers import dir_snapshot, load_dir
 from .packing import e2m1_value, e8m0_value, group_scaled
@@ -36,8 +36,8 @@ TARGETS = [
 @pytest.mark.parametrize(("to", "dtype"), TARGETS)
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypatch, kind, to, dtype):
+    import fp8conv.plan.bands as stream
     import fp8conv.rewrite.unpack as unpack
-    import fp8conv.stream as stream
     from fp8conv.rewrite.banded import BandedJob
 
     _, truth = BUILDERS[kind](tmp_path / "c")
@@ -111,7 +111,7 @@ def test_packed_experts_stay_under_the_lowest_memory_cap(tmp_path, to):
     faster than the input and the writer fills its segments: counted, and fewer under a cap (before,
     8 of them uncounted: 276-277 MiB against the then lowest cap, 272 MiB)."""
 
-    from fp8conv.stream import lowest_max_memory
+    from fp8conv.plan.bands import lowest_max_memory
 
     from .helpers import peak_rss_kib, write_checkpoint
     from .test_packed import v4_config

@@ -16,11 +16,11 @@ from click.testing import CliRunner
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError
-from fp8conv.parts import assign_parts, parse_part
-from fp8conv.plan import ShardPlan
-from fp8conv.writer import TEMP_SUFFIX
+from fp8conv.output.finish import assign_parts, parse_part
+from fp8conv.plan.conversion import ShardPlan
+from fp8conv.storage.writer import TEMP_SUFFIX
 
 from .helpers import dir_snapshot
 
@@ -86,8 +86,8 @@ def test_finalize_waits_for_every_part_and_checks_hashes(tiny, tmp_path):
 
 
 def test_part_assignment_is_balanced_and_deterministic():
-    from fp8conv.plan import Action, Job
-    from fp8conv.writer import TensorSpec
+    from fp8conv.plan.conversion import Action, Job
+    from fp8conv.storage.writer import TensorSpec
 
     sizes = {"s0": 50, "s1": 40, "s2": 30, "s3": 20, "s4": 10}
     plans = [ShardPlan(n, [Job("t", Action.COPY, (TensorSpec("t", "U8", (b,)),))]) for n, b in sizes.items()]
@@ -132,7 +132,7 @@ def test_jobs_flag_runs_worker_processes(make_tiny, tmp_path):
 def test_finalize_rereads_only_shards_touched_since_their_part_wrote_them(tiny, tmp_path, monkeypatch):
     """A part records each shard's mtime and inode beside its hash; finalize re-hashes a shard only when
     they changed (touched, or copied in from elsewhere) and the final manifest leaves them out."""
-    import fp8conv.manifest as manifest_module
+    import fp8conv.output.manifest as manifest_module
 
     out = tmp_path / "out"
     fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(part=(1, 2)))

@@ -12,10 +12,10 @@ import importlib.util
 import time
 from pathlib import Path
 
-from fp8conv.formats import classify
+from fp8conv.model.classify import classify
 from fp8conv.options import ConvertOptions
-from fp8conv.plan import plan_conversion
-from fp8conv.source import open_checkpoint
+from fp8conv.plan.conversion import plan_conversion
+from fp8conv.source.checkpoint import open_checkpoint
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "plan_scale.py"
 

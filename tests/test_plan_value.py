@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from fp8conv.formats import classify
+from fp8conv.model.classify import classify
 from fp8conv.options import ConvertOptions
-from fp8conv.plan import Action, Job, Strategy, plan_conversion
-from fp8conv.source import open_checkpoint
-from fp8conv.strategy import choose_strategies
+from fp8conv.plan.conversion import Action, Job, Strategy, plan_conversion
+from fp8conv.plan.strategy import choose_strategies
+from fp8conv.source.checkpoint import open_checkpoint
 
 STATIC = "activation_scheme was static; block FP8 is written with dynamic activations"
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import fp8conv
 from fp8conv import ConvertOptions
 from fp8conv.backends import available_devices, get_backend
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError, PlanRefused
 from fp8conv.rewrite.pow2 import quantize_pow2
 

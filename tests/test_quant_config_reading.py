@@ -9,9 +9,9 @@ import torch
 
 import fp8conv
 from fp8conv import ConvertOptions
-from fp8conv.formats import Kind, classify
-from fp8conv.quant_config import module_matches
-from fp8conv.source import open_checkpoint
+from fp8conv.model.classify import Kind, classify
+from fp8conv.model.quant_config import module_matches
+from fp8conv.source.checkpoint import open_checkpoint
 
 from .helpers import fp8, load_dir, write_checkpoint
 from .packing import pack_nibbles, random_codes, random_e4m3_scales, random_e8m0

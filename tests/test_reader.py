@@ -12,7 +12,7 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions
 from fp8conv.errors import CheckpointError
-from fp8conv.safetensors_file import read_header, read_tensor
+from fp8conv.storage.safetensors_file import read_header, read_tensor
 
 from .helpers import direct_io_works, fp8, write_checkpoint, write_raw_safetensors
 from .reference import same_bits
@@ -44,7 +44,7 @@ def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct
     tensors misaligned for their dtype, an empty one; then a truncated file, refused by name."""
     from safetensors.torch import load_file, save_file
 
-    from fp8conv import shard_reader
+    from fp8conv.storage import shard_reader
 
     monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
     gen = torch.Generator().manual_seed(3)

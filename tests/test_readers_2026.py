@@ -14,7 +14,7 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.backends import get_backend
-from fp8conv.formats import Kind, WeightFormat
+from fp8conv.model.classify import Kind, WeightFormat
 from fp8conv.rewrite.dequant import dequantize
 from fp8conv.rewrite.quant import requantize
 
@@ -108,7 +108,7 @@ def test_inspect_states_mxfp8_group_layout(tmp_path, layout, line):
     unquantized); a block-FP8 input's line is unchanged."""
     from click.testing import CliRunner
 
-    from fp8conv.cli import main
+    from fp8conv.cli.commands import main
 
     write_release(tmp_path / "c", LAYOUTS[layout]())
     result = CliRunner().invoke(main, ["inspect", str(tmp_path / "c")])

@@ -15,8 +15,8 @@ import torch
 
 import fp8conv
 from fp8conv import ConvertOptions
+from fp8conv.check.inspect_report import inspect
 from fp8conv.errors import Fp8ConvError
-from fp8conv.report import inspect
 
 from .helpers import load_dir
 from .reference import dequant_block_reference, same_bits, scale_values, within_fp8_bound
@@ -164,7 +164,7 @@ def _text(config: dict) -> dict:
 def test_inspect_cli_names_the_mtp_layer(built):
     from click.testing import CliRunner
 
-    from fp8conv.cli import main
+    from fp8conv.cli.commands import main
 
     result = CliRunner().invoke(main, ["inspect", str(built("qwen3.6-35b-a3b-fp8").path)])
     assert result.exit_code == 0, result.output

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 from fp8conv.errors import CheckpointError, OutputError
-from fp8conv.writer import TEMP_SUFFIX
+from fp8conv.storage.writer import TEMP_SUFFIX
 
 from .helpers import load_dir
 
@@ -121,11 +121,11 @@ def test_not_enough_space_is_refused_with_both_numbers(tiny, tmp_path, monkeypat
 
 FSIZE_LIMITED = """
 import resource, signal, sys
-import fp8conv.stream
-from fp8conv.cli import main
+import fp8conv.plan.bands
+from fp8conv.cli.commands import main
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-fp8conv.stream.CONVERT_BAND_ELEMENTS = int(sys.argv[4])  # small: the tiny weights stream in bands, writes in flight
+fp8conv.plan.bands.CONVERT_BAND_ELEMENTS = int(sys.argv[4])  # small: the tiny weights stream in bands, writes in flight
 sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", sys.argv[3], "-o", sys.argv[2]]
 main()
 """
@@ -154,10 +154,10 @@ def test_a_failing_write_ends_cleanly(tiny, tmp_path, to, band_elements):
 def test_an_error_in_the_arithmetic_cancels_the_run_cleanly(tiny, tmp_path, monkeypatch, band_elements):
     """A failure on a compute thread (banded) or the main one (whole) mid-shard: it is what convert()
     raises, the reads and writes in flight are drained, and no partial shard or index is left."""
-    import fp8conv.stream
+    import fp8conv.plan.bands
     from fp8conv.backends.cpu import CpuBackend
 
-    monkeypatch.setattr(fp8conv.stream, "CONVERT_BAND_ELEMENTS", band_elements)
+    monkeypatch.setattr(fp8conv.plan.bands, "CONVERT_BAND_ELEMENTS", band_elements)
     real = CpuBackend.dequantize_blocks
     calls = []
 

@@ -98,8 +98,8 @@ def test_inspect_of_an_uncached_hub_id_reads_remote_headers_only(tiny, tmp_path,
     """The network path is thin: huggingface_hub's remote safetensors metadata, adapted to headers."""
     import huggingface_hub
 
-    from fp8conv import hub
-    from fp8conv.safetensors_file import read_header
+    from fp8conv.source import hub
+    from fp8conv.storage.safetensors_file import read_header
 
     files = {}
     for shard in tiny.shards:

@@ -21,11 +21,11 @@ def _fresh(code: str) -> None:
 
 def test_import_cli_and_help_do_not_import_torch() -> None:
     _fresh(
-        "import fp8conv, fp8conv.cli\n"
+        "import fp8conv, fp8conv.cli.commands\n"
         "from click.testing import CliRunner\n"
-        "r = CliRunner().invoke(fp8conv.cli.main, ['--help'])\n"
+        "r = CliRunner().invoke(fp8conv.cli.commands.main, ['--help'])\n"
         "assert r.exit_code == 0 and 'convert' in r.output, r.output\n"
-        "r = CliRunner().invoke(fp8conv.cli.main, ['convert', '--help'])\n"
+        "r = CliRunner().invoke(fp8conv.cli.commands.main, ['convert', '--help'])\n"
         "assert r.exit_code == 0 and '--to' in r.output, r.output\n"
     )
 
@@ -34,7 +34,7 @@ def test_inspect_does_not_import_torch(tmp_path: Path) -> None:
     ckpt = build_tiny_deepseek(tmp_path / "ckpt")
     _fresh(
         "from click.testing import CliRunner\n"
-        "from fp8conv.cli import main\n"
+        "from fp8conv.cli.commands import main\n"
         f"r = CliRunner().invoke(main, ['inspect', {str(ckpt.path)!r}])\n"
         "assert r.exit_code == 0 and 'block-fp8' in r.output, r.output\n"
         f"r = CliRunner().invoke(main, ['inspect', '--json', {str(ckpt.path)!r}])\n"
@@ -45,9 +45,9 @@ def test_inspect_does_not_import_torch(tmp_path: Path) -> None:
 def test_reading_classifying_and_planning_do_not_import_torch(tmp_path: Path) -> None:
     ckpt = build_tiny_deepseek(tmp_path / "ckpt")
     _fresh(
-        "from fp8conv.formats import classify\n"
-        "from fp8conv.plan import ConvertOptions, plan_conversion\n"
-        "from fp8conv.source import open_checkpoint\n"
+        "from fp8conv.model.classify import classify\n"
+        "from fp8conv.plan.conversion import ConvertOptions, plan_conversion\n"
+        "from fp8conv.source.checkpoint import open_checkpoint\n"
         f"ck = open_checkpoint({str(ckpt.path)!r})\n"
         "cls = classify(ck.index, ck.config)\n"
         "for target in ('bf16', 'channel', 'block'):\n"
@@ -60,7 +60,7 @@ def test_the_read_ahead_while_torch_loads_needs_no_torch(tmp_path: Path) -> None
     ckpt = build_tiny_deepseek(tmp_path / "ckpt")
     _fresh(
         "from fp8conv import preread, warm_start\n"
-        "from fp8conv.plan import ConvertOptions\n"
+        "from fp8conv.plan.conversion import ConvertOptions\n"
         f"warm_start.begin({str(ckpt.path)!r}, ConvertOptions('bf16')).join()\n"
         "assert preread.held_bytes() > 0\n"
     )

@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 
 import fp8conv
-from fp8conv.formats import classify
+from fp8conv.model.classify import classify
 from fp8conv.options import ConvertOptions
-from fp8conv.plan import Action, Strategy, plan_conversion
-from fp8conv.source import open_checkpoint
-from fp8conv.strategy import choose_strategies
-from fp8conv.stream import band_elements_for
+from fp8conv.plan.bands import band_elements_for
+from fp8conv.plan.conversion import Action, Strategy, plan_conversion
+from fp8conv.plan.strategy import choose_strategies
+from fp8conv.source.checkpoint import open_checkpoint
 
 
 def _planned(path, band_elements: int, **options):
@@ -62,10 +62,10 @@ def test_the_default_band_keeps_tiny_weights_whole(tiny):
 def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatch):
     """The scheduler reads the plan's choice: force every job WHOLE and nothing is streamed or copied
     file to file, yet the output is the same bytes."""
-    import fp8conv.prepare as prepare
-    import fp8conv.stream as stream
+    import fp8conv.plan.bands as stream
+    import fp8conv.run.prepare as prepare
     from fp8conv.rewrite.banded import BandedJob
-    from fp8conv.writer import ShardWriter
+    from fp8conv.storage.writer import ShardWriter
 
     monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
     fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))

@@ -20,11 +20,12 @@ from click.testing import CliRunner
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 from fp8conv.errors import CheckpointError, OptionsError, OutputError, PlanRefused
-from fp8conv.shard_source import LocalShardSource, evict_cached_file
+from fp8conv.source.shard_fetch import evict_cached_file
 
 from .helpers import dir_snapshot
+from .support.local_shards import LocalShardSource
 from .test_sources import COMMIT, lay_out_hf_cache
 
 REPO = "acme/tiny-fp8"
@@ -104,7 +105,7 @@ def test_stream_plans_from_remote_headers_before_any_download(tiny, tmp_path, hf
     relative to the data), and a refusal happens before any shard is downloaded."""
     import huggingface_hub
 
-    from fp8conv.safetensors_file import read_header
+    from fp8conv.storage.safetensors_file import read_header
 
     snap = lay_out_hf_cache(tiny.path, hf_cache, REPO)
     for name in tiny.shards:  # only the small files are cached
@@ -177,7 +178,7 @@ class RecordingSource(LocalShardSource):
 
 @pytest.fixture
 def recorded_commits(monkeypatch):
-    from fp8conv.manifest import Manifest
+    from fp8conv.output.manifest import Manifest
 
     events: list = []
     real = Manifest.record_shard
@@ -228,7 +229,7 @@ def test_stream_order_with_a_scale_in_another_shard(tiny, tmp_path, recorded_com
 
 
 def test_stream_disk_bound_is_refused_with_both_numbers(tiny, tmp_path, monkeypatch):
-    import fp8conv.preflight as preflight
+    import fp8conv.plan.preflight as preflight
 
     sizes = [(tiny.path / s).stat().st_size for s in tiny.shards]
     reference = fp8conv.convert(tiny.path, tmp_path / "ref", ConvertOptions(to="bf16"))
@@ -299,7 +300,7 @@ KILLED_RUN = """
 import sys
 from pathlib import Path
 import fp8conv
-from fp8conv.shard_source import LocalShardSource
+from tests.support.local_shards import LocalShardSource
 origin, staging, out, log = map(Path, sys.argv[1:5])
 source = LocalShardSource(origin, staging, delay_s=float(sys.argv[5]), log=log)
 fp8conv.convert(
@@ -375,8 +376,8 @@ def test_model_card_note_replaces_an_old_one(tiny, tmp_path):
 def test_resume_after_eviction_plans_offline_from_the_saved_headers(tiny, tmp_path, hf_cache, monkeypatch):
     """An interrupted streamed run evicted input 0; offline, the resume plans from the headers that run
     saved (the shard is gone from the cache and the Hub is out of reach) and never fetches it again."""
-    from fp8conv.shard_source import HubShardSource
-    from fp8conv.streaming import HEADERS_FILE
+    from fp8conv.run.streaming import HEADERS_FILE
+    from fp8conv.source.shard_fetch import HubShardSource
 
     snap = lay_out_hf_cache(tiny.path, hf_cache, REPO)
     real_fetch = HubShardSource.fetch

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError
-from fp8conv.safetensors_file import read_header
+from fp8conv.storage.safetensors_file import read_header
 
 from .helpers import load_dir
 from .reference import expected_output, same_bits

@@ -12,13 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fp8conv
-from fp8conv import ConvertOptions, verify_bands
+from fp8conv import ConvertOptions
 from fp8conv.backends.torch_device import TorchDeviceBackend
-from fp8conv.formats import classify
-from fp8conv.manifest import load_manifest
-from fp8conv.plan import Job, plan_conversion
-from fp8conv.safetensors_file import read_header
-from fp8conv.source import open_checkpoint
+from fp8conv.check import verify_bands
+from fp8conv.model.classify import classify
+from fp8conv.output.manifest import load_manifest
+from fp8conv.plan.conversion import Job, plan_conversion
+from fp8conv.source.checkpoint import open_checkpoint
+from fp8conv.storage.safetensors_file import read_header
 
 from .families import build_family
 from .helpers import fp8, fp8_block_config, write_checkpoint

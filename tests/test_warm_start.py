@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fp8conv import convert, preread, warm_start
-from fp8conv.cli import main
-from fp8conv.formats import classify
-from fp8conv.plan import ConvertOptions, plan_conversion
-from fp8conv.shard_reader import ShardReader
-from fp8conv.source import open_checkpoint
+from fp8conv import convert
+from fp8conv.cli.commands import main
+from fp8conv.model.classify import classify
+from fp8conv.plan.conversion import ConvertOptions, plan_conversion
+from fp8conv.run import warm_start
+from fp8conv.source.checkpoint import open_checkpoint
+from fp8conv.storage import preread
+from fp8conv.storage.shard_reader import ShardReader
 
 from .synthetic import build_tiny_deepseek
 

@@ -14,12 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 import fp8conv
-import fp8conv.writer as writer_module
-from fp8conv import ConvertOptions, shard_reader
-from fp8conv.direct_io import aligned_empty
-from fp8conv.safetensors_file import TensorEntry, as_writable_memoryview, read_header
-from fp8conv.shard_reader import ShardReader, read_capacity
-from fp8conv.writer import (
+import fp8conv.storage.writer as writer_module
+from fp8conv import ConvertOptions
+from fp8conv.storage import shard_reader
+from fp8conv.storage.direct_io import aligned_empty
+from fp8conv.storage.safetensors_file import TensorEntry, as_writable_memoryview, read_header
+from fp8conv.storage.shard_reader import ShardReader, read_capacity
+from fp8conv.storage.writer import (
     OrderedHash,
     SegmentAssembler,
     ShardFile,

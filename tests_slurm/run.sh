@@ -114,13 +114,13 @@ cat >"$WORK/venv/bin/fp8conv" <<SHIM
 if [[ \${SLURM_ARRAY_TASK_ID:-} == $KILLED && ! -e $WORK/cancelled ]]; then
     exec "$PY" -c '
 import sys, time
-import fp8conv.writer as writer
+import fp8conv.storage.writer as writer
 commit = writer.ShardWriter.commit
 def slow_commit(self):
     time.sleep(3)
     commit(self)
 writer.ShardWriter.commit = slow_commit
-from fp8conv.cli import main
+from fp8conv.cli.commands import main
 sys.argv[0] = "fp8conv"
 main()
 ' "\$@"

@@ -7,8 +7,8 @@ import torch
 
 from ..backends import Backend
 from ..dtypes import ELEMENT_BYTES, torch_dtype
-from ..formats import PACKED
-from ..plan import Action, RunJob
+from ..model.classify import PACKED
+from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
 from .unpack import band_decoder, band_quantizer
 
@@ -30,7 +30,7 @@ class BandedJob:
         self.job, self.backend, self.fp8_max = job, backend, fp8_max
         n, k = job.spec.shape
         self.shape = (n, k)
-        self.row_elements = k  # elements per output row (bands: fp8conv.stream.bands)
+        self.row_elements = k  # elements per output row (bands: fp8conv.plan.bands.bands)
         self.quantize = job.action is Action.QUANTIZE
         self.out_block = job.out_block or (1, k)
         packed = job.fmt.kind in PACKED

@@ -9,12 +9,12 @@ import torch
 
 from ..backends import Backend
 from ..backends.scales import scale_to_float32
-from ..formats import WeightFormat
+from ..model.classify import WeightFormat
 
 
 def stored_scale(read: Callable[[str], torch.Tensor], fmt: WeightFormat) -> torch.Tensor:
     """The scale a weight's math_block grid reads: its own, or for scale rows in another unit
-    (fp8conv.mimo_kv) its own and its peer's stacked, one row per math block, as they were made."""
+    (fp8conv.model.mimo_kv) its own and its peer's stacked, one row per math block, as they were made."""
     assert fmt.scale is not None
     scale = read(fmt.scale)
     rows = fmt.row_scales

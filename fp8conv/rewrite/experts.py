@@ -1,5 +1,5 @@
 """gpt-oss's fused MXFP4 experts (uint8 *_blocks [E, N, K/32, 16], E8M0 *_scales [E, N, K/32]) dequantized
-band by band of their transposed output [E, K, N], seen as rows [E * K, N] (fp8conv.stream.bands places
+band by band of their transposed output [E, K, N], seen as rows [E * K, N] (fp8conv.plan.bands.bands places
 each band and its read): whole experts per band, or a slice of one expert's output rows k, which are
 columns of its decoded [N, K]. The bits dequantized_output gives: one value depends on its code and its
 group's scale only, rounded once to the output dtype."""
@@ -11,7 +11,7 @@ import torch
 from ..backends import Backend
 from ..backends.scratch import scratch
 from ..dtypes import ELEMENT_BYTES, torch_dtype
-from ..plan import Job
+from ..plan.conversion import Job
 from .unpack import code_values
 
 

@@ -9,8 +9,8 @@ import torch
 
 from ..backends import Backend
 from ..dtypes import torch_dtype
-from ..formats import PACKED
-from ..plan import Action, Job
+from ..model.classify import PACKED
+from ..plan.conversion import Action, Job
 from .dequant import dequantize, scale_grid, stored_scale
 from .pad import pad_to
 from .pow2 import run_pow2_job
@@ -18,7 +18,7 @@ from .quant import quantize, requantize
 from .unpack import block_exactness, dequantized_output, unpack_to_float32
 
 if TYPE_CHECKING:
-    from ..requant_report import TensorError
+    from ..output.requant_report import TensorError
 
 Reader = Callable[[str], torch.Tensor]
 

@@ -18,9 +18,9 @@ import torch
 from ..backends import Backend
 from ..backends.pow2 import E8M0_BIAS, FP8_MAX, pairwise_sum, powers_of_two
 from ..dtypes import torch_dtype
-from ..formats import CONVERTIBLE, PACKED, WeightFormat
-from ..plan import Job
-from ..requant_report import TensorError, exact
+from ..model.classify import CONVERTIBLE, PACKED, WeightFormat
+from ..output.requant_report import TensorError, exact
+from ..plan.conversion import Job
 from .dequant import dequantize, scale_grid
 from .pad import pad_to
 from .unpack import unpack_to_float32

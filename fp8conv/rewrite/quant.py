@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..backends import Backend
-from ..formats import WeightFormat
+from ..model.classify import WeightFormat
 from .dequant import scale_grid
 
 

@@ -16,7 +16,7 @@ import torch
 from ..backends import Backend
 from ..backends.scales import scale_to_float32
 from ..backends.scratch import scratch
-from ..formats import Kind, WeightFormat
+from ..model.classify import Kind, WeightFormat
 
 # E2M1 code c: (-1)^(c >> 3) * [0, 0.5, 1, 1.5, 2, 3, 4, 6][c & 7]; INT4 (compressed-tensors): c - 8
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

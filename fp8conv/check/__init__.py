@@ -1,0 +1,1 @@
+"""Reading a checkpoint or an output back: inspect and verify."""

@@ -1,0 +1,228 @@
+"""`fp8conv inspect`: what a checkpoint is, from headers only (no tensor bytes are read)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import Fp8ConvError
+from ..model.classify import Classification, Kind, classify, has_partial_blocks
+from ..model.families import ROLE_GROUPS, Family, model_type_of, role_of
+from ..model.mlp_layout import tp_report
+from ..options import DEFAULT_BLOCK, TARGETS, ConvertOptions
+from ..plan.conversion import input_family, input_width_problems, plan_conversion, role_examples
+from ..plan.expert_fold import expert_fold
+from ..source.checkpoint import Checkpoint, open_checkpoint
+from .deepgemm_ready import deepgemm_readiness
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class PartialBlockTensor:
+    name: str
+    shape: list[int]
+    block: list[int]
+    grid: list[int]
+
+
+@dataclass
+class InspectReport:
+    source: str
+    format: str
+    quant_method: str | None
+    block_size: list[int] | None
+    block_size_from: str | None
+    shards: int
+    tensors: int
+    total_bytes: int
+    formats: dict[str, int]
+    dtypes: dict[str, int]
+    estimated_output_bytes: dict[str, int]
+    partial_block_tensors: list[PartialBlockTensor]
+    num_hidden_layers: int | None
+    mtp_layers: list[int]
+    mtp_modules: list[str]  # top-level multi-token-prediction modules: Qwen3.5's mtp.layers.0, V4's mtp.0
+    tp_indivisible: dict[str, list[str]]  # TP size -> MLP widths that would not give each rank whole blocks
+    # TP size -> --pad-roles choice ("dense,shared,routed", "dense,shared", ...) -> --to block bytes
+    padded_output_bytes: dict[str, dict[str, int]]
+    family: str | None  # the family table's entry for the model_type, None if it has none
+    problems: list[str]
+    warnings: list[str] = field(default_factory=list)
+    scales_read: bool = False  # --scales: the scale tensors were read and their problems are listed too
+    deepgemm_ready: str | None = None  # block FP8: yes / no: why / unknown (fp8conv.check.deepgemm_ready)
+    # the quantization config's not-converted list (modules_to_not_convert / ignore / ...): its length and
+    # the entries that match no tensor
+    not_converted_entries: int = 0
+    not_converted_unmatched: list[str] = field(default_factory=list)
+    # MXFP8 weights' scale groups ([1, 32]: one E8M0 scale per 32 values of a row); they have no block size
+    mxfp8_groups: list[list[int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect(
+    source: str | os.PathLike[str],
+    block_size: tuple[int, int] | None = None,
+    revision: str | None = None,
+    scales: bool = False,
+) -> InspectReport:
+    """Headers only: a Hub ID not in the local cache is read remotely without downloading weights.
+    `scales`: also read every scale tensor (only those) and list the problems convert refuses them for
+    (zero, negative, NaN/Inf); a Hub ID is then downloaded first, as convert does."""
+    ckpt = open_checkpoint(source, revision=revision, headers_only=not scales)
+    cls = classify(ckpt.index, ckpt.config, block_size)
+    scale_problems: list[Fp8ConvError] = []
+    if scales and not cls.problems:  # as in convert: a checkpoint its headers refuse has its scales unread
+        from ..plan.preflight import check_scales  # torch: plain inspect starts without it
+
+        scale_problems = list(check_scales(ckpt, cls, allow_nonfinite=False)[0])
+    layers = _num_hidden_layers(ckpt.config)
+    partial = _partial_block_tensors(ckpt, cls)
+    dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
+    block = cls.block_size or DEFAULT_BLOCK
+    shapes = _shapes(ckpt, cls)
+    tp_bad = tp_report(
+        ckpt.config, block, names=role_examples(ckpt, cls), shapes=shapes, family=input_family(ckpt, cls)
+    )
+    family = input_family(ckpt, cls)
+    widths = input_width_problems(ckpt, cls, "config.json and the tensors disagree: correct config.json")
+    warnings = _warnings(ckpt, cls, scales, family)
+    return InspectReport(
+        source=str(source),
+        format=cls.checkpoint_format,
+        quant_method=cls.quant_method,
+        block_size=list(cls.block_size) if cls.block_size else None,
+        block_size_from=cls.block_source,
+        shards=len(ckpt.index.shards),
+        tensors=len(ckpt.index.locations),
+        total_bytes=ckpt.index.total_bytes,
+        formats=cls.kind_counts(),
+        dtypes=dict(sorted(dtypes.items())),
+        estimated_output_bytes=estimate_output_bytes(ckpt, cls),
+        partial_block_tensors=partial,
+        num_hidden_layers=layers,
+        mtp_layers=_mtp_layers(ckpt, layers),
+        mtp_modules=_mtp_modules(ckpt),
+        tp_indivisible=tp_bad,
+        padded_output_bytes={}
+        if widths
+        else padded_output_bytes(ckpt, cls, [int(tp) for tp, bad in tp_bad.items() if bad]),
+        family=family.name if family else None,
+        problems=[p.one_line() for p in [*cls.problems, *widths, *scale_problems]],
+        warnings=warnings,
+        scales_read=scales and not cls.problems,
+        deepgemm_ready=deepgemm_readiness(ckpt, cls, scales and not cls.problems),
+        not_converted_entries=len(cls.settings.not_converted),
+        not_converted_unmatched=list(cls.unmatched_not_converted),
+        mxfp8_groups=[
+            list(g) for g in sorted({f.block for f in cls.weights.values() if f.kind is Kind.MXFP8 and f.block})
+        ],
+    )
+
+
+def _partial_block_tensors(ckpt: Checkpoint, cls: Classification) -> list[PartialBlockTensor]:
+    """Block FP8 weights whose edge blocks are partial (a shape not a multiple of the block)."""
+    partial = []
+    for fmt in cls.weights.values():
+        shape = ckpt.index.entry(fmt.weight).shape
+        if has_partial_blocks(fmt, shape) and fmt.block:
+            grid = [math.ceil(shape[-2] / fmt.block[0]), math.ceil(shape[-1] / fmt.block[1])]
+            partial.append(PartialBlockTensor(fmt.weight, list(shape), list(fmt.block), grid))
+    return partial
+
+
+def _warnings(ckpt: Checkpoint, cls: Classification, scales: bool, family: Family | None) -> list[str]:
+    warnings = list(cls.warnings) + [f"{path} is not copied: {why}" for path, why in ckpt.skipped_files]
+    if scales and cls.problems:
+        warnings.append("--scales: the scales are not read while the headers show problems; fix those first")
+    if family is not None and family.by_rule:
+        warnings.append(
+            f"model_type {model_type_of(ckpt.config)!r} is not in the family table: its MLP roles are found by "
+            f"rule ({family.name.split('roles by rule: ', 1)[-1].rstrip(')')})"
+        )
+        warnings += family.refusals
+    return warnings
+
+
+def inspect_invocation(block_size: tuple[int, int] | None, revision: str | None, scales: bool = False) -> str:
+    """The `fp8conv inspect` that lists the problems convert found with these options (for its refusals)."""
+    words = ["fp8conv inspect"] + (["--scales"] if scales else [])
+    words += [f"--block-size {block_size[0]},{block_size[1]}"] if block_size else []
+    return " ".join(words + ([f"--revision {revision}"] if revision else []))
+
+
+def pad_role_choices(names: list[str], family: Family | None) -> list[tuple[str, ...]]:
+    """Every MLP role the checkpoint has; and, when it has routed experts, the roles left once they are not
+    padded (expert-parallel experts are not split across ranks), minus any role sharing their width key."""
+    if family is None:
+        return []
+    roles = {found[0] for name in names for found in [role_of(family, name)] if found}
+    everything = tuple(g for g in ROLE_GROUPS if any(r.group == g for r in roles))
+    routed_keys = {r.width.key for r in roles if r.group == "routed"}
+    rest = tuple(
+        g for g in everything if g != "routed" and all(r.width.key not in routed_keys for r in roles if r.group == g)
+    )
+    return [everything] + ([rest] if rest and routed_keys else [])
+
+
+def padded_output_bytes(ckpt: Checkpoint, cls: Classification, tps: list[int]) -> dict[str, dict[str, int]]:
+    """--to block --pad-for-tp N bytes for each TP size and role choice, from the plans convert would run."""
+    sizes: dict[str, dict[str, int]] = {}
+    for tp in tps:
+        for roles in pad_role_choices(role_examples(ckpt, cls), input_family(ckpt, cls)):
+            try:  # the options check themselves when made (an empty role list is refused there)
+                nbytes, problems = _planned_bytes(ckpt, cls, ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles))
+            except Fp8ConvError:
+                continue
+            if not problems:
+                sizes.setdefault(str(tp), {})[",".join(roles)] = nbytes
+    return sizes
+
+
+def estimate_output_bytes(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
+    """Bytes of tensor data each target would write, from the same plan convert would run
+    (weights that would be refused are counted as they are)."""
+    return {to: _planned_bytes(ckpt, cls, ConvertOptions(to=to))[0] for to in TARGETS}
+
+
+def _planned_bytes(ckpt: Checkpoint, cls: Classification, options: ConvertOptions) -> tuple[int, bool]:
+    """The plan's output bytes and whether it has problems, planned with experts folded (expert_fold)."""
+    fold = expert_fold(ckpt, cls)
+    plan = plan_conversion(ckpt, cls, options, only=fold)
+    return sum(job.nbytes * fold[job.source] for shard in plan.shards for job in shard.jobs), bool(plan.problems)
+
+
+def _num_hidden_layers(config: dict[str, Any] | None) -> int | None:
+    for section in (config or {}, (config or {}).get("text_config") or {}):
+        value = section.get("num_hidden_layers") if isinstance(section, dict) else None
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _mtp_layers(ckpt: Checkpoint, num_hidden_layers: int | None) -> list[int]:
+    """Layers numbered at or past num_hidden_layers: DeepSeek's multi-token-prediction layers."""
+    if num_hidden_layers is None:
+        return []
+    found = {int(m.group(1)) for name in ckpt.index.locations for m in [LAYER_RE.search(name)] if m}
+    return sorted(i for i in found if i >= num_hidden_layers)
+
+
+MTP_MODULE = re.compile(r"^(?:model\.)?(mtp\.(?:layers\.)?\d+)\.")
+
+
+def _mtp_modules(ckpt: Checkpoint) -> list[str]:
+    """Top-level MTP / draft modules (Qwen3.5 and Nemotron-H mtp.layers.N, DeepSeek-V4's mtp.N,
+    MiMo's model.mtp.layers.N), whatever num_hidden_layers says."""
+    found = {m.group(1) for name in ckpt.index.locations for m in [MTP_MODULE.match(name)] if m}
+    return sorted(found, key=lambda s: int(s.rsplit(".", 1)[1]))
+
+
+def _shapes(ckpt: Checkpoint, cls: Classification) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, shape, _ in cls.input_shapes(ckpt.index)}

@@ -1,0 +1,639 @@
+"""The command line: the only place that prints and chooses exit codes (1: bad input, 2: usage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from ..backends import DEVICES
+from ..check.inspect_report import InspectReport, inspect
+from ..dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
+from ..errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
+from ..options import (
+    DEFAULT_BLOCK,
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DEFAULT_PREFETCH,
+    SCALE_FORMATS,
+    TARGETS,
+    ConvertOptions,
+    RunOptions,
+    options_from,
+)
+from ..output.finish import finalize, parse_part
+from ..output.requant_report import summary_line
+from ..run import warm_start
+from ..run.prepare import check_locked_output, check_output_empty
+from ..storage.lock import LOCK_DIR, OutputLock
+from ..storage.out_dir import OutDir, check_output_path
+from .workers import WORKER_COMMAND, bind_to_parent, failure_line, start_worker
+
+if TYPE_CHECKING:
+    from ..check.verify import VerifyResult
+    from ..run.convert import ConvertResult
+    from ..run.dry_run import PlanSummary
+
+PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
+
+
+def _parse_block_size(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    parts = value.replace("x", ",").split(",")
+    try:
+        bn, bk = (int(p) for p in parts)
+    except ValueError:
+        raise click.BadParameter("expected two positive integers, e.g. 128,128") from None
+    if bn <= 0 or bk <= 0:
+        raise click.BadParameter("expected two positive integers, e.g. 128,128")
+    return (bn, bk)
+
+
+BLOCK_SIZE_OPTION = click.option(
+    "--block-size",
+    callback=_parse_block_size,
+    metavar="BN,BK",
+    help="Assert the block size (e.g. 128,128) when config.json does not state it; every scale grid must agree.",
+)
+
+
+def _fail(exc: Fp8ConvError) -> NoReturn:
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exc()
+    click.echo(f"error: {exc.one_line()}", err=True)
+    if os.environ.get(DEBUG_ENV) == "1" and isinstance(exc, PlanRefused):  # every problem, one a line
+        for more in exc.problems[1:]:
+            click.echo(f"error: {more.one_line()}", err=True)
+    if os.environ.get(DEBUG_ENV) != "1":
+        click.echo(f"(set {DEBUG_ENV}=1 for the full traceback)", err=True)
+    sys.exit(1)
+
+
+class _Commands(click.Group):
+    """The one place an Fp8ConvError becomes a one-line message and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Fp8ConvError as exc:
+            _fail(exc)
+
+
+@click.group(cls=_Commands)
+@click.version_option(package_name="fp8conv")
+def main() -> None:
+    """Convert FP8 LLM checkpoints into formats other hardware and engines can run."""
+
+
+REVISION_OPTION = click.option("--revision", default=None, help="Branch, tag or commit, for a Hub repo ID.")
+
+
+@main.command("inspect")
+@click.argument("checkpoint")
+@BLOCK_SIZE_OPTION
+@REVISION_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option(
+    "--scales",
+    is_flag=True,
+    help="Also read the scale tensors (only those) and list every zero, negative or NaN/Inf scale convert "
+    "refuses; a Hub ID is downloaded first.",
+)
+def inspect_command(
+    checkpoint: str, block_size: tuple[int, int] | None, revision: str | None, as_json: bool, scales: bool
+) -> None:
+    """Describe CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) from its headers only
+    (with --scales, its scale tensors too)."""
+    report = inspect(checkpoint, block_size=block_size, revision=revision, scales=scales)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(_render_report(report))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _render_report(r: InspectReport) -> str:
+    block = f"{r.block_size[0]}x{r.block_size[1]} (from {r.block_size_from})" if r.block_size else "none"
+    if r.mxfp8_groups:  # MXFP8 has scale groups, not blocks: "none" alone would read as unquantized
+        groups = ", ".join(f"{g[0]}x{g[1]}" for g in r.mxfp8_groups)
+        mx = f"{groups} groups (MXFP8: one E8M0 scale per {r.mxfp8_groups[0][1]} values of a row)"
+        block = f"{block}; MXFP8 weights in {mx}" if r.block_size else mx
+    lines = [
+        f"checkpoint:    {r.source}",
+        f"format:        {r.format}",
+        f"quant_method:  {r.quant_method or 'none'}",
+        f"block size:    {block}",
+        f"shards:        {r.shards}   tensors: {r.tensors}   size: {_gib(r.total_bytes)} ({r.total_bytes} bytes)",
+        "formats:       " + ", ".join(f"{k} {v}" for k, v in r.formats.items()),
+        "dtypes:        " + ", ".join(f"{k} {v}" for k, v in r.dtypes.items()),
+        "output size:   " + ", ".join(f"--to {k} ~{_gib(v)}" for k, v in r.estimated_output_bytes.items()),
+    ]
+    mtp = ", ".join([str(i) for i in r.mtp_layers] + r.mtp_modules) or "none"
+    lines.append(
+        f"MTP layers:    {mtp}" + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
+    )
+    lines.append(f"partial blocks: {len(r.partial_block_tensors)} tensor(s)")
+    for t in r.partial_block_tensors[:PARTIAL_LINES]:
+        lines.append(f"  {t.name} {t.shape} -> grid {t.grid} of {t.block[0]}x{t.block[1]} blocks")
+    if len(r.partial_block_tensors) > PARTIAL_LINES:
+        lines.append(f"  ... and {len(r.partial_block_tensors) - PARTIAL_LINES} more (--json lists them all)")
+    block = f"{r.block_size[0]}x{r.block_size[1]}" if r.block_size else "{}x{}".format(*DEFAULT_BLOCK)
+    lines.append(f"tensor parallel: MLP widths that do not split into whole {block} blocks per rank")
+    for tp, bad in r.tp_indivisible.items():
+        lines.append(f"  TP={tp:<3} " + ("ok" if not bad else "not divisible: " + "; ".join(bad)))
+        for roles, size in r.padded_output_bytes.get(tp, {}).items():
+            lines.append(f"          --pad-for-tp {tp} --pad-roles {roles}: --to block ~{_gib(size)}")
+    if any(r.tp_indivisible.values()):
+        lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
+    if r.deepgemm_ready is not None:
+        lines.append(f"DeepGEMM-ready: {r.deepgemm_ready}")
+    if r.not_converted_unmatched:
+        lines.append(
+            f"not converted: {r.not_converted_entries} entries listed, "
+            f"{len(r.not_converted_unmatched)} match no tensor:"
+        )
+        lines += [f"  {e}" for e in r.not_converted_unmatched[:PARTIAL_LINES]]
+        if len(r.not_converted_unmatched) > PARTIAL_LINES:
+            lines.append(f"  ... and {len(r.not_converted_unmatched) - PARTIAL_LINES} more (--json lists them all)")
+    read = "" if r.scales_read else " (from the headers; --scales reads the scale tensors too)"
+    lines.append(f"problems:      {len(r.problems) or 'none'}{read}")
+    lines += [f"  {p}" for p in r.problems]
+    lines += [f"warning: {w}" for w in r.warnings]
+    return "\n".join(lines)
+
+
+def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    if quiet or not sys.stderr.isatty():
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting")
+        bar["bar"].update(done - bar["bar"].n)
+
+    def close() -> None:
+        if "bar" in bar:
+            bar["bar"].close()
+
+    return update, close
+
+
+@main.command("convert")
+@click.argument("checkpoint")
+@click.option("--to", type=click.Choice(TARGETS), required=True, help="Target format.")
+@click.option("-o", "--output", required=True, help="Output directory (must be empty, or --overwrite).")
+@click.option(
+    "--dtype",
+    type=click.Choice(list(DEQUANT_TARGETS)),
+    default=DEFAULT_DTYPE,
+    show_default=True,
+    help="Output dtype of dequantized weights (--to bf16).",
+)
+@BLOCK_SIZE_OPTION
+@click.option(
+    "--fp8-max",
+    type=click.Choice([f"{FP8_MAX_STANDARD:g}", f"{FP8_MAX_GAUDI2:g}"]),
+    default=None,
+    help="FP8 range to quantize to (--to channel): 448 standard, 240 for Gaudi2 (marked in the config).",
+)
+@click.option(
+    "--target",
+    "hardware",
+    type=click.Choice(["gaudi2", "gaudi3", "generic"]),
+    default=None,
+    help="Hardware shorthand: gaudi2 means --fp8-max 240; gaudi3 and generic mean 448.",
+)
+@click.option(
+    "--scale-fmt",
+    type=click.Choice(SCALE_FORMATS),
+    default=None,
+    help="--to block: ue8m0 writes power-of-two scales as float8_e8m0fnu (DeepGEMM on Blackwell takes them as is).",
+)
+@click.option(
+    "--pad-for-tp",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="--to block: zero-pad MLP widths so each of N tensor-parallel ranks holds whole blocks.",
+)
+@click.option(
+    "--pad-roles",
+    default=None,
+    metavar="ROLES",
+    help="With --pad-for-tp: the MLP roles to pad, from dense,shared,routed (default: all; "
+    "dense,shared when the routed experts run expert-parallel).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(list(DEVICES)),
+    default=DEFAULT_DEVICE,
+    show_default=True,
+    help="Where the arithmetic runs; auto is the CPU (the job is disk-bound).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch threads for the arithmetic (default: cores - 1, leaving a core for reading and writing).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace the checkpoint in a non-empty output directory.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run: keep its finished shards that check out.")
+@click.option(
+    "--allow-nonfinite",
+    is_flag=True,
+    help="Convert weights whose scales hold NaN/Inf, listing them, instead of refusing.",
+)
+@click.option(
+    "--no-space-check",
+    "space_check",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Do not compare the planned output size with the free space.",
+)
+@click.option("--verify", "verify_after", is_flag=True, help="Read the output back and check it (fp8conv verify).")
+@REVISION_OPTION
+@click.option(
+    "--part",
+    default=None,
+    metavar="I/N",
+    help="Convert only the I-th of N parts of the shards (fan-out); the last part finalizes.",
+)
+@click.option(
+    "--max-memory",
+    default=None,
+    metavar="SIZE",
+    help="Cap on memory (e.g. 512M, 2G): large weights stream in smaller bands; refused up front if impossible.",
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes, each converting a byte-balanced part of the shards (--part I/N under the hood).",
+)
+@click.option(
+    "--buffered-io",
+    "direct_io",
+    is_flag=True,
+    flag_value=False,
+    default=True,
+    help="Read and write through the page cache instead of direct I/O (O_DIRECT, the default where the "
+    "filesystem has it: the page cache costs more CPU than the arithmetic).",
+)
+@click.option(
+    "--stream",
+    is_flag=True,
+    help="Hub ID: fetch shards one by one (hf_hub_download) while earlier ones convert; plan from remote headers.",
+)
+@click.option(
+    "--evict-input",
+    is_flag=True,
+    help="--stream: remove each input shard from the Hugging Face cache once every output reading it is written.",
+)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(min=0),
+    default=DEFAULT_PREFETCH,
+    show_default=True,
+    metavar="N",
+    help="--stream: fetch the shards of up to N output shards ahead of the one being converted.",
+)
+@click.option(
+    "--keep-model-card",
+    is_flag=True,
+    help="Copy README.md unchanged instead of appending a 'Converted with fp8conv' section.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Plan and check as a run would, print the plan (per output shard: tensors, bytes, how each job "
+    "executes) and write nothing.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="With --dry-run: print the plan as one JSON object; with --to mxfp8 or --scale-fmt ue8m0: the result "
+    "and every tensor's requantization error.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+def convert_command(
+    checkpoint: str,
+    output: str,
+    hardware: str | None,
+    threads: int | None,
+    jobs: int,
+    dry_run: bool,
+    as_json: bool,
+    quiet: bool,
+    **values: Any,
+) -> None:
+    """Convert CHECKPOINT (a folder, a .safetensors file or a Hub repo ID) into OUTPUT."""
+    # every other parameter is named after a field of ConvertOptions or RunOptions and becomes it
+    values["fp8_max"] = _fp8_range(values["fp8_max"], hardware)
+    if jobs > 1 and values["part"] is not None:
+        raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
+    if as_json and not dry_run and (jobs > 1 or quiet or not (values["to"] == "mxfp8" or values["scale_fmt"])):
+        raise click.UsageError(
+            "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8 or "
+            "--scale-fmt ue8m0 run (not with -j or -q): add --dry-run, or drop --json"
+        )
+    with _usage_errors():  # the parameters become the two values, which check themselves
+        options, run = options_from(values, _OPTION_TEXT)
+        workers = [replace(run, part=(i, jobs), verify_after=False) for i in range(1, jobs + 1)] if jobs > 1 else []
+    if dry_run:
+        _print_plan(checkpoint, output, options, run, jobs, as_json)
+    elif workers:
+        _convert_with_workers(checkpoint, output, options, workers, threads, quiet, run.verify_after)
+    else:
+        _convert_here(checkpoint, output, options, run, threads, quiet, as_json)
+
+
+def _roles(text: str | None) -> tuple[str, ...] | None:
+    return tuple(r.strip() for r in text.split(",") if r.strip()) if text is not None else None
+
+
+# the option values convert's command line gives as text, and what makes each its field's value
+_OPTION_TEXT: dict[str, Callable[[Any], Any]] = {
+    "pad_roles": _roles,
+    "part": lambda text: parse_part(text) if text else None,
+    "max_memory": lambda text: parse_size(text) if text else None,
+}
+
+
+def _fp8_range(fp8_max: str | None, hardware: str | None) -> float:
+    """--fp8-max, or what --target implies; the two must agree."""
+    ranges = {"gaudi2": FP8_MAX_GAUDI2, "gaudi3": FP8_MAX_STANDARD, "generic": FP8_MAX_STANDARD}
+    implied = f"{ranges[hardware]:g}" if hardware else None
+    if fp8_max and implied and fp8_max != implied:
+        raise click.UsageError(f"--target {hardware} means --fp8-max {implied}, not {fp8_max}")
+    return float(fp8_max or implied or FP8_MAX_STANDARD)
+
+
+@contextmanager
+def _usage_errors() -> Iterator[None]:
+    """Option values that do not fit together are usage errors (exit 2), not bad input (exit 1)."""
+    try:
+        yield
+    except OptionsError as exc:
+        raise click.UsageError(exc.one_line()) from None
+
+
+def _convert_with_workers(
+    checkpoint: str,
+    output: str,
+    options: ConvertOptions,
+    workers: list[RunOptions],
+    threads: int | None,
+    quiet: bool,
+    verify_after: bool,
+) -> None:
+    _run_workers(checkpoint, output, options, workers, threads or 1, quiet)
+    if verify_after:
+        from ..check.verify import verify
+
+        _report_verify(verify(checkpoint, output))
+
+
+def _convert_here(
+    checkpoint: str,
+    output: str,
+    options: ConvertOptions,
+    run: RunOptions,
+    threads: int | None,
+    quiet: bool,
+    as_json: bool = False,
+) -> None:
+    warm_start.warm_torch()  # torch's import below then reads its files from the page cache
+    if not (run.stream or run.part or run.resume or run.max_memory):  # the first input is read while torch loads
+        warm_start.begin(checkpoint, options, direct=run.direct_io)
+    from ..run.convert import convert
+
+    _set_threads(threads)
+    progress, close = _progress_bar(quiet or as_json)
+    try:
+        result = convert(checkpoint, output, options, run=replace(run, progress=progress))
+    finally:
+        close()
+    if as_json:  # the result, the requantization error report included, as one object
+        click.echo(json.dumps(asdict(result), indent=2, default=str))
+        return
+    _report_convert(result, quiet)
+
+
+def _print_plan(
+    checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, jobs: int, as_json: bool
+) -> None:
+    """--dry-run: planned and checked as the run would be (its refusals exit 1 as they would), printed."""
+    from ..run.dry_run import dry_run
+
+    summary = dry_run(checkpoint, output, options, run=run, parts=jobs if jobs > 1 else None)
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+        return
+    _echo_warnings(summary.warnings, summary.files_skipped, "would not be")
+    click.echo(_render_plan(summary))
+
+
+def _strategy_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in counts.items()) or "no jobs"
+
+
+def _render_plan(p: PlanSummary) -> str:
+    converted = [s for s in p.shards if s.state == "convert"]
+    lines = [
+        f"plan for {p.output} (--to {p.target}), nothing written (--dry-run): {len(converted)} shard(s) to write, "
+        f"{p.tensors} tensor(s), {_gib(p.nbytes)} ({p.nbytes} bytes)"
+    ]
+    width = max((len(s.name) for s in p.shards), default=0)
+    for s in p.shards:
+        where = f"  part {s.part}" if s.part is not None else ""
+        state = "" if s.state == "convert" else f"  ({s.state}, not written by this run)"
+        jobs = _strategy_text(s.strategies)
+        lines.append(f"  {s.name:<{width}}  {s.tensors} tensor(s)  {_gib(s.nbytes)}  {jobs}{where}{state}")
+    lines.append(f"jobs by strategy: {_strategy_text(p.strategies)}")
+    memory = [f"~{_gib(p.process_bytes)} for the process", f"~{_gib(p.writer_bytes)} for the writer's buffers"]
+    if p.band_bytes:
+        memory.append(f"~{_gib(p.band_bytes)} of bands of {p.band_elements} elements")
+    if p.largest_held:
+        name, why, nbytes = p.largest_held
+        memory.append(f"~{_gib(nbytes)} for {name}, which {why}")
+    cap = f"; --max-memory {_gib(p.max_memory)}" if p.max_memory else ""
+    lines.append("memory (what --max-memory is checked against, not a peak): " + ", ".join(memory) + cap)
+    last = [name for name, yes in (("config.json", p.writes_config), ("the index", p.writes_index)) if yes]
+    lines.append(
+        f"other files: {len(p.files_copied)} copied, {len(p.files_rewritten)} rewritten, "
+        f"{len(p.files_skipped)} not copied" + (f"; {' and '.join(last)} written last" if last else "")
+    )
+    lines.append("not checked by --dry-run: " + "; ".join(p.not_checked))
+    return "\n".join(lines)
+
+
+def _set_threads(threads: int | None) -> None:
+    """The process is the CLI's: it may size torch's thread pool (the library never touches it). On 2 cores,
+    2 arithmetic threads starve the reader and writer threads and the whole run gets slower."""
+    import torch
+
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+
+
+def _echo_warnings(warnings: list[str], files_skipped: list[tuple[str, str]], verb: str) -> None:
+    """On stderr, even under --quiet; verb: "was not" after a run, "would not be" in a dry run's plan."""
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    for path, why in files_skipped:
+        click.echo(f"warning: {path} {verb} copied: {why}", err=True)
+
+
+def _report_convert(result: ConvertResult, quiet: bool) -> None:
+    _echo_warnings(result.warnings, result.files_skipped, "was not")
+    if not quiet:
+        click.echo(_summary(result))
+        requantized = summary_line(result.requantization)
+        if requantized:
+            click.echo(requantized)
+    if result.streamed is not None and not quiet:
+        click.echo(
+            f"streamed: {len(result.streamed['fetched'])} shard(s) fetched, {len(result.streamed['evicted'])} "
+            f"evicted, {result.streamed['waited_s']:.1f} s spent waiting for shards"
+        )
+    if result.verified is not None:
+        _report_verify(result.verified)
+
+
+def _summary(result: ConvertResult) -> str:
+    """What this process did: a part reports its own shards, tensors, bytes and rate, not the run's."""
+    rate = result.bytes_written / max(result.seconds, 1e-9) / 2**20
+    kept = f" ({len(result.shards_kept)} kept from an earlier run)" if result.shards_kept else ""
+    work = (
+        f"{len(result.shards)} shard(s){kept}, {result.tensors_converted} tensor(s) converted, "
+        f"{result.tensors_copied} copied"
+    )
+    written = f"{_gib(result.bytes_written)} written in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
+    if result.part is None:
+        return f"wrote {result.output}: {work}, {len(result.files_copied)} other file(s) copied, {written}"
+    i, n = result.part
+    state = "all parts done, finalized" if result.finalized else "other parts unfinished; the last to finish finalizes"
+    return f"wrote part {i}/{n} of {result.output}: {work}, {written}; {state}"
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), flags=re.IGNORECASE)
+    if not match:
+        raise OptionsError(f"--max-memory {text!r} is not a size", fix="e.g. 512M or 2G")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def _run_workers(
+    checkpoint: str, output: str, options: ConvertOptions, parts: list[RunOptions], threads: int, quiet: bool
+) -> None:
+    """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure.
+
+    Each is a fresh `python -I -m fp8conv part-worker JOB` (workers.py: nothing importable from the
+    working directory, dies with this process), JOB the two values as JSON (the manifest's own record of
+    ConvertOptions): an option added to either value reaches the workers with no code here. This
+    process holds OUT's lock for the whole run; the workers lock only their own parts."""
+    out = check_output_path(output)
+    if not (parts[0].overwrite or parts[0].resume):
+        check_output_empty(out)
+    started = time.monotonic()
+    made = not out.exists()
+    with OutDir.open(out) as within, OutputLock.for_run(within, None, f"convert -j {len(parts)}"):
+        check_locked_output(within, parts[0].overwrite or parts[0].resume)
+        jobs = [(run.part, start_worker(_worker_job(checkpoint, output, options, run, threads))) for run in parts]
+        errors = []
+        for part, proc in jobs:
+            stderr = proc.communicate()[1]
+            if proc.returncode != 0 and part is not None:
+                errors.append(failure_line(stderr, part, proc.returncode))
+    if errors:
+        if made:  # refused before anything was written: leave no directory behind
+            _remove_if_empty(out)
+        click.echo(errors[0], err=True)
+        sys.exit(1)
+    if not quiet:
+        click.echo(f"wrote {output} with {len(parts)} worker processes in {time.monotonic() - started:.1f} s")
+
+
+def _remove_if_empty(out: Path) -> None:
+    """OUT as -j's parent made it, with nothing in it but the (now removed) lock's directory: removed again."""
+    lock_dir = out / LOCK_DIR
+    if [p.name for p in out.iterdir()] == [LOCK_DIR.name] and not any(lock_dir.iterdir()):
+        lock_dir.rmdir()
+        out.rmdir()
+
+
+def _worker_job(checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int) -> str:
+    doc = {"source": checkpoint, "output": output, "options": options.to_dict(), "run": run.to_dict()}
+    return json.dumps(doc | {"threads": threads})
+
+
+@main.command(WORKER_COMMAND, hidden=True)
+@click.argument("job")
+def part_worker_command(job: str) -> None:
+    """One part of `convert -j N`: JOB is the JSON _worker_job writes. Reports as `convert -q` does."""
+    bind_to_parent()
+    doc = json.loads(job)
+    options, run = ConvertOptions.from_dict(doc["options"]), RunOptions.from_dict(doc["run"])
+    from ..run.convert import convert
+
+    _set_threads(doc["threads"])
+    _report_convert(convert(doc["source"], doc["output"], options, run=run), quiet=True)
+
+
+def _report_verify(result: VerifyResult) -> None:
+    for failure in result.failures:
+        click.echo(f"verify: {failure}", err=True)
+    verdict = "ok" if result.ok else "FAILED"
+    click.echo(
+        f"verify {verdict}: {result.tensors_sampled} of {result.tensors_checked} tensors checked numerically, "
+        f"structure of all, in {result.seconds:.1f} s"
+    )
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command("finalize")
+@click.argument("output")
+def finalize_command(output: str) -> None:
+    """Check every part of a fan-out in OUTPUT, then write its manifest, index and config."""
+    result = finalize(output)
+    assert result is not None
+    click.echo(f"finalized {result.output}: {result.parts} part(s), {result.shards} shard(s) checked")
+
+
+@main.command("verify")
+@click.argument("checkpoint")
+@click.argument("output")
+@click.option(
+    "--sample",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Fraction of tensors whose numbers are checked (the structure is always checked whole).",
+)
+def verify_command(checkpoint: str, output: str, sample: float) -> None:
+    """Check OUTPUT against CHECKPOINT, with the options recorded in OUTPUT/.fp8conv/manifest.json."""
+    from ..check.verify import verify
+
+    _report_verify(verify(checkpoint, output, sample=sample))

@@ -1,0 +1,1 @@
+"""What a checkpoint's names, dtypes and config mean: formats, families, MLP roles, ignore lists."""

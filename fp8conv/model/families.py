@@ -1,0 +1,416 @@
+"""The family table: what tensor names mean in each model family fp8conv knows.
+
+Per family (keyed by config.json's model_type, or text_config's): which tensors play which MLP role
+(gate/up rows or down columns; dense, shared or routed; fused 3-D experts), which config key sets each
+role's width, which modules engines fuse into one layer, which modules the FP8 releases leave
+unquantized. Checked against transformers' modeling files (5.x): adding a family is one entry here and
+one test. No torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+
+ROLE_GROUPS = ("dense", "shared", "routed")
+
+# The language model's decoder layers (also DeepSeek/GLM MTP layers and Qwen3-Next's mtp.layers);
+# vision towers have MLPs of their own width (Pixtral's vision feed_forward.gate_proj, ...).
+_LAYER = r"(?:^|\.)layers\.\d+\."
+VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|mm_projector|multi_modal_projector)\.")
+# Containers whose tensors may carry an MLP width: a name in one that no role claims is refused
+# by --pad-for-tp rather than left at the old width.
+MLP_CONTAINER = re.compile(_LAYER + r"(?:mlp|feed_forward|block_sparse_moe|moe|ffn)\.")
+# Fused 3-D expert parameters (transformers 5, Llama-4): group(1) is the module an engine builds from them.
+FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(?:gate_up_proj|gate_proj|up_proj|down_proj)$")
+# The bias of an MLP's down projection is hidden-sized: no width, never padded.
+OUTPUT_BIAS = re.compile(r"\.(?:down_proj|w2)\.bias$")
+
+# Unquantized in every FP8 release of these families (and by DeepSeek's own recipe).
+# Multimodal projectors (Mistral-3's multi_modal_projector with its patch merger) stay bf16 in every release.
+_UNQUANTIZED_BASE = (
+    r"embed|norm|lm_head|shared_head\.head|eh_proj|\.mlp\.gate\.weight$|_gate\.weight$|vision|visual|mm_projector"
+    r"|multi_modal_projector"
+)
+
+
+@dataclass(frozen=True)
+class Width:
+    """A role's width: config[key], times config[times] when set (DeepSeek's shared experts)."""
+
+    key: str
+    times: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.key if self.times is None else f"{self.key} * {self.times}"
+
+    def of(self, c: dict[str, Any]) -> int | None:
+        value = c.get(self.key)
+        factor = 1 if self.times is None else c.get(self.times)
+        if isinstance(value, int) and isinstance(factor, int) and value > 0 and factor > 0:
+            return value * factor
+        return None
+
+
+@dataclass(frozen=True)
+class MlpTensor:
+    """Tensors whose `axis` (from the end) is the role's width; `parts` > 1: a fused [gate; up] whose
+    axis holds `parts` widths, each padded on its own; `alt_axis`: the same tensor saved transposed
+    (fused 3-D experts: [E, 2I, H] by transformers 5, [E, H, 2I] by earlier versions and Llama-4)."""
+
+    pattern: re.Pattern[str]  # matched at the start of the name's part after 'layers.N.'
+    axis: int
+    parts: int = 1
+    alt_axis: int | None = None
+
+
+@dataclass(frozen=True)
+class MlpRole:
+    group: str  # dense / shared / routed: what --pad-roles selects
+    width: Width
+    tensors: tuple[MlpTensor, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    roles: tuple[MlpRole, ...]
+    fused: tuple[re.Pattern[str], ...]  # each match's group(1): one layer an engine builds from them
+    unquantized: re.Pattern[str]  # modules the FP8 releases leave in bf16/f32
+    mlp_other: re.Pattern[str]  # tensors inside an MLP that carry no width (routers, biases)
+    # False: transformers builds this family's experts one Linear per expert under compressed-tensors
+    # (SequentialLlama4TextExperts), so fused 3-D experts cannot stay fused beside a channel FP8 config
+    fused_experts_beside_channel: bool = True
+    # True: a bf16 -> block FP8 run quantizes fused 3-D experts (experts.gate_up_proj [E, 2I, H]) in place,
+    # scales [E, 2I/bn, H/bk] as transformers' FP8Experts saves them, because the engine's loader reads
+    # that layout (vLLM qwen3_5.py: gate_up_proj_scale_inv split in halves like the weight)
+    block_fused_experts: bool = False
+    # A family the table does not name, its roles found by rule (roles.py): why --pad-for-tp cannot pad it
+    # (widths no config key matches, or two keys match), and the `mixer.` modules that are MLPs
+    refusals: tuple[str, ...] = ()
+    mlp_mixers: frozenset[str] = frozenset()
+    by_rule: bool = False
+
+
+def _gate_up_down(container: str, gate_up: str = r"(?:gate_proj|up_proj)", down: str = "down_proj"):
+    prefix = container
+    return (
+        MlpTensor(re.compile(prefix + gate_up + r"\.weight$"), -2),
+        MlpTensor(re.compile(prefix + down + r"\.weight$"), -1),
+        # mlp_bias (Llama, ...): gate/up biases have the width; down's bias has the hidden size (OUTPUT_BIAS)
+        MlpTensor(re.compile(prefix + gate_up + r"\.bias$"), -1),
+    )
+
+
+def _fused_experts(container: str, gate_up_axis: int) -> tuple[MlpTensor, ...]:
+    """3-D [E, 2I, H] / [E, H, I] (gate_up_axis -2) or [E, H, 2I] / [E, I, H] (-1); either is accepted."""
+    other = -1 if gate_up_axis == -2 else -2
+    prefix = container + r"experts\."
+    return (
+        MlpTensor(re.compile(prefix + r"gate_up_proj$"), gate_up_axis, parts=2, alt_axis=other),
+        MlpTensor(re.compile(prefix + r"down_proj$"), other, alt_axis=gate_up_axis),
+    )
+
+
+def _unquantized(*extra: str) -> re.Pattern[str]:
+    return re.compile("(" + "|".join((_UNQUANTIZED_BASE, *extra)) + ")")
+
+
+_QKV = re.compile(r"^(.*\.self_attn\.)(?:q_proj|k_proj|v_proj)\.weight$")
+_MLA = re.compile(r"^(.*\.self_attn\.)(?:q_a_proj|kv_a_proj_with_mqa)\.weight$")
+_GATE_UP = re.compile(r"^(.*\.mlp\.(?:shared_experts?\.)?)(?:gate_proj|up_proj)\.weight$")
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)\d+\.(?:gate_proj|up_proj|down_proj)\.weight$")
+_MLP_ROUTERS = re.compile(r"\.mlp\.(?:gate\.weight|gate\.e_score_correction_bias|shared_expert_gate\.weight)$")
+
+DENSE = MlpRole("dense", Width("intermediate_size"), _gate_up_down(r"mlp\."))
+ROUTED = MlpRole(
+    "routed",
+    Width("moe_intermediate_size"),
+    _gate_up_down(r"mlp\.experts\.\d+\.") + _fused_experts(r"mlp\.", -2),
+)
+SHARED_DEEPSEEK = MlpRole(
+    "shared", Width("moe_intermediate_size", "n_shared_experts"), _gate_up_down(r"mlp\.shared_experts\.")
+)
+SHARED_QWEN = MlpRole("shared", Width("shared_expert_intermediate_size"), _gate_up_down(r"mlp\.shared_expert\."))
+
+_DENSE_ONLY = dict(roles=(DENSE,), fused=(_QKV, _GATE_UP), unquantized=_unquantized(), mlp_other=_MLP_ROUTERS)
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "DeepSeek-V3/R1/V3.1/V3.2, Kimi-K2",
+        ("deepseek_v3", "deepseek_v32", "deepseek_v2", "kimi_k2"),
+        (DENSE, ROUTED, SHARED_DEEPSEEK),
+        (_MLA, _QKV, _GATE_UP, _EXPERTS),
+        _unquantized(r"\.indexer\.weights_proj\."),  # V3.2's indexer: wq_b / wk are FP8
+        _MLP_ROUTERS,
+    ),
+    Family(
+        "GLM-4.5/4.6, GLM-4.5V",
+        ("glm4_moe", "glm4v_moe_text", "glm4v_moe"),
+        (DENSE, ROUTED, SHARED_DEEPSEEK),
+        (_QKV, _GATE_UP, _EXPERTS),
+        _unquantized(),
+        _MLP_ROUTERS,
+    ),
+    Family(
+        "Qwen3-MoE / Qwen3-VL-MoE",
+        ("qwen3_moe", "qwen3_vl_moe_text"),
+        (DENSE, ROUTED),
+        (_QKV, _GATE_UP, _EXPERTS),
+        _unquantized(),
+        _MLP_ROUTERS,
+    ),
+    Family(
+        "Qwen2-MoE style",
+        ("qwen2_moe",),
+        (DENSE, ROUTED, SHARED_QWEN),
+        (_QKV, _GATE_UP, _EXPERTS),
+        _unquantized(),
+        _MLP_ROUTERS,
+    ),
+    Family(
+        "Qwen3-Next",
+        ("qwen3_next",),
+        (DENSE, ROUTED, SHARED_QWEN),
+        # in_proj_qkvz is one tensor engines split four ways (q, k, v, z): a fused layer of its own
+        (_QKV, _GATE_UP, _EXPERTS, re.compile(r"^(.*\.linear_attn\.in_proj_qkvz)\.weight$")),
+        _unquantized(r"\.linear_attn\.in_proj_ba\.", r"\.linear_attn\.conv1d\."),
+        _MLP_ROUTERS,
+    ),
+    Family(
+        "Mixtral / MiniMax-M2",
+        ("mixtral", "minimax_m2", "minimax"),
+        (
+            MlpRole(
+                "routed",
+                Width("intermediate_size"),
+                _gate_up_down(r"block_sparse_moe\.experts\.\d+\.", r"(?:w1|w3)", "w2"),
+            ),
+        ),
+        (_QKV, re.compile(r"^(.*\.block_sparse_moe\.experts\.)\d+\.(?:w1|w2|w3)\.weight$")),
+        _unquantized(r"\.block_sparse_moe\.gate\."),
+        re.compile(r"\.block_sparse_moe\.(?:gate\.weight|e_score_correction_bias|gate\.e_score_correction_bias)$"),
+    ),
+    Family(
+        "Llama-4",
+        ("llama4_text",),
+        (
+            MlpRole("dense", Width("intermediate_size_mlp"), _gate_up_down(r"feed_forward\.")),
+            MlpRole(
+                "routed",
+                Width("intermediate_size"),
+                _gate_up_down(r"feed_forward\.experts\.\d+\.") + _fused_experts(r"feed_forward\.", -1),
+            ),
+            MlpRole("shared", Width("intermediate_size"), _gate_up_down(r"feed_forward\.shared_expert\.")),
+        ),
+        (
+            _QKV,
+            re.compile(r"^(.*\.feed_forward\.(?:shared_expert\.)?)(?:gate_proj|up_proj)\.weight$"),
+            re.compile(r"^(.*\.feed_forward\.experts\.)\d+\.(?:gate_proj|up_proj|down_proj)\.weight$"),
+        ),
+        _unquantized(r"\.feed_forward\.router\.", r"multi_modal_projector"),
+        re.compile(r"\.feed_forward\.router\.weight$"),
+        fused_experts_beside_channel=False,
+    ),
+    Family(
+        "Qwen3 / Qwen2 dense, Qwen2-VL / Qwen2.5-VL / Qwen3-VL",
+        ("qwen3", "qwen2", "qwen3_vl_text", "qwen2_5_vl_text", "qwen2_vl_text", "qwen2_5_vl", "qwen2_vl"),
+        **_DENSE_ONLY,
+    ),
+    Family("Llama-3.x", ("llama",), **_DENSE_ONLY),
+    Family("Mistral / Ministral", ("mistral", "ministral", "ministral3"), **_DENSE_ONLY),
+)
+_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+_BY_NAME = {f.name: f for f in FAMILIES}
+_ALL_FUSED = tuple(dict.fromkeys(p for f in FAMILIES for p in f.fused))
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) and "hidden_size" in nested else config
+
+
+def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Family | None:
+    """The family of the (text) config's model_type. For a model type the table does not know: with the
+    checkpoint's tensor shapes, its roles found by rule (roles.py); without them, None."""
+    if not config:
+        return None
+    c = text_config(config)
+    for section in (c, config):
+        family = _BY_MODEL_TYPE.get(str(section.get("model_type")))
+        if family is not None:
+            return family
+    if shapes is None:
+        return None
+    from .roles import rule_family  # roles.py builds on this module's types
+
+    return rule_family(config, shapes)
+
+
+def register(family: Family) -> None:
+    """A family found by rule: its roles are then matched by name like the table's. Its name states each
+    role's width key, and a role's tensors are fixed by rule, so one name always means the same roles."""
+    _BY_NAME[family.name] = family
+
+
+def model_type_of(config: dict[str, Any] | None) -> str:
+    c = text_config(config or {})
+    return str(c.get("model_type") or (config or {}).get("model_type") or "none")
+
+
+def is_language_mlp(name: str) -> bool:
+    return bool(MLP_CONTAINER.search(name)) and not VISION.search(name)
+
+
+_MATCHERS: dict[str, tuple[re.Pattern[str], list[tuple[MlpRole, MlpTensor]]]] = {}
+
+
+def _matcher(family: Family) -> tuple[re.Pattern[str], list[tuple[MlpRole, MlpTensor]]]:
+    """One anchored regex for every role tensor of a family: R1 has 92k names, planned several times."""
+    if family.name not in _MATCHERS:
+        pairs = [(role, tensor) for role in family.roles for tensor in role.tensors]
+        combined = "|".join(f"(?P<t{i}>{t.pattern.pattern})" for i, (_, t) in enumerate(pairs))
+        _MATCHERS[family.name] = (re.compile(combined), pairs)
+    return _MATCHERS[family.name]
+
+
+_LAYER_PREFIX = re.compile(_LAYER)
+
+
+def _in_layer(name: str) -> str | None:
+    """The part of a name after its (first) decoder layer's 'layers.N.', or None."""
+    m = _LAYER_PREFIX.search(name)
+    return None if m is None else name[m.end() :]
+
+
+def layer_factor(c: dict[str, Any], group: str, name: str) -> int:
+    """How many times its config width a dense MLP is in this layer: Gemma-4's E-models
+    (use_double_wide_mlp) build the MLPs of their KV-sharing layers, the last num_kv_shared_layers,
+    intermediate_size * 2 wide (transformers gemma4 Gemma4TextMLP / kv_sharing_modes); else 1."""
+    if group != "dense" or c.get("use_double_wide_mlp") is not True:
+        return 1
+    shared, layers = c.get("num_kv_shared_layers"), c.get("num_hidden_layers")
+    m = _LAYER_PREFIX.search(name)
+    if not (isinstance(shared, int) and isinstance(layers, int) and shared > 0 and m):
+        return 1
+    index = re.search(r"(\d+)\.$", m.group(0))
+    return 2 if index is not None and int(index.group(1)) >= layers - shared else 1
+
+
+def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
+    index = _role_index(family.name, name)
+    return None if index is None else _MATCHERS[family.name][1][index]
+
+
+@functools.lru_cache(maxsize=1 << 19)  # every plan, inspect and verify asks again about the same names
+def _role_index(family_name: str, name: str) -> int | None:
+    rest = layer_key(name)
+    if rest is None or VISION.search(name):
+        return None
+    return _role_index_in_layer(family_name, rest)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a few dozen distinct names per layer once experts are one
+def _role_index_in_layer(family_name: str, rest: str) -> int | None:
+    pattern, _ = _matcher(_BY_NAME[family_name])
+    m = pattern.match(rest)
+    if m is None or m.lastgroup is None:
+        return None
+    return int(m.lastgroup[1:])
+
+
+_EXPERT_INDEX = re.compile(r"experts\.\d+\.")
+
+
+def one_expert(rest: str) -> str:
+    """The name with its (first) expert index made 0 (`mlp.experts.17.up_proj` -> `mlp.experts.0.up_proj`):
+    every role pattern takes any index (`experts\\.\\d+\\.`, a test holds them to it), so the 512 experts of a
+    layer are matched once."""
+    return _EXPERT_INDEX.sub("experts.0.", rest, count=1)
+
+
+@functools.lru_cache(maxsize=1 << 19)
+def layer_key(name: str) -> str | None:
+    """What role matching reads of a name: the part after its decoder layer's 'layers.N.', with the expert
+    index made 0; None outside decoder layers."""
+    rest = _in_layer(name)
+    return None if rest is None else one_expert(rest)
+
+
+def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: int | None) -> int | None:
+    """The axis holding the role's width (times parts), or None when the shape does not have it."""
+    if len(shape) < max(-tensor.axis, -(tensor.alt_axis or -1)):
+        return None
+    want = width * tensor.parts
+    if shape[tensor.axis] == want:
+        return tensor.axis
+    if tensor.alt_axis is not None and shape[tensor.alt_axis] == want and hidden in (None, shape[tensor.axis]):
+        return tensor.alt_axis
+    return None
+
+
+def fused_group(name: str, family: Family | None = None) -> str | None:
+    for pattern in family.fused if family is not None else _ALL_FUSED:
+        m = pattern.match(name)
+        if m:
+            return m.group(1) + f"<{pattern.pattern}>"
+    return None
+
+
+def widths_by_role(
+    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
+) -> dict[str, int]:
+    """Each MLP width the (text) config states, by its label ('intermediate_size', ...). `family`: the
+    one already found for these shapes."""
+    family = family or family_of(config, shapes)
+    if family is None:
+        return {}
+    c = text_config(config or {})
+    return {r.width.label: w for r in family.roles for w in [r.width.of(c)] if w is not None}
+
+
+def width_disagreements(
+    config: dict[str, Any] | None,
+    tensors: Iterable[tuple[str, tuple[int, ...], str]],
+    fix: str,
+    family: Family | None = None,
+) -> list[CheckpointError]:
+    """Every (name, shape, shard) whose MLP width differs from the one the (text) config states for
+    its role: transformers and vLLM build the layer from config.json and stop on the size mismatch.
+    A family found by rule has each role's key matched to its tensors: this then checks the output
+    (the padded widths written where the roles' keys are). `family`: the input's, for its output (the roles
+    found on the input's names, checked against the widths written); else found here."""
+    tensors = list(tensors)
+    family = family or family_of(config, {name: shape for name, shape, _ in tensors})
+    if family is None:
+        return []
+    c = text_config(config or {})
+    hidden = c.get("hidden_size") if isinstance(c.get("hidden_size"), int) else None
+    problems = []
+    for name, shape, shard in tensors:
+        found = role_of(family, name)
+        if found is None:
+            continue
+        role, tensor = found
+        width = role.width.of(c)
+        width = None if width is None else width * layer_factor(c, role.group, name)
+        if width is None or width_axis(tensor, shape, width, hidden) is not None:
+            continue
+        what = f"{tensor.parts} x {width}" if tensor.parts > 1 else str(width)
+        problems.append(
+            CheckpointError(
+                f"has shape {list(shape)} but config.json's {role.width.label} says {what} along its "
+                f"intermediate dimension ({role.group} MLP of {model_type_of(config)})",
+                tensor=name,
+                shard=shard,
+                fix=fix,
+            )
+        )
+    return problems

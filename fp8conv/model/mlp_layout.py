@@ -1,0 +1,212 @@
+"""What tensor names mean, from the family table (families.py): quantizable Linears, fused groups,
+and the MLP padding of --pad-for-tp."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError, OptionsError
+from .families import (
+    _UNQUANTIZED_BASE,
+    OUTPUT_BIAS,
+    ROLE_GROUPS,
+    Family,
+    family_of,
+    fused_group,
+    is_language_mlp,
+    layer_factor,
+    model_type_of,
+    role_of,
+    text_config,
+    width_axis,
+    widths_by_role,
+)
+
+__all__ = ["fused_group", "text_config"]
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+NEVER_QUANTIZED = re.compile("(" + _UNQUANTIZED_BASE + ")")  # families the table does not know
+# Keys an unknown family's config may use for its MLP widths: shown by inspect, never padded.
+_GENERIC_WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def is_quantizable_linear(name: str, dtype: str, ndim: int, family: Family | None = None) -> bool:
+    unquantized = family.unquantized if family is not None else NEVER_QUANTIZED
+    return name.endswith(".weight") and dtype in FLOAT_DTYPES and ndim in (2, 3) and not unquantized.search(name)
+
+
+def mlp_widths(
+    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
+) -> dict[str, int]:
+    """Each intermediate width the MLP tensors use, by its config label."""
+    family = family or family_of(config, shapes)
+    if family is not None:
+        return widths_by_role(config, shapes, family)
+    c = text_config(config or {})
+    return {k: v for k in _GENERIC_WIDTH_KEYS for v in [c.get(k)] if isinstance(v, int) and v > 0}
+
+
+@dataclass(frozen=True)
+class Pad:
+    """A padded output shape; `parts` > 1: the padded axis holds that many widths, each padded."""
+
+    shape: tuple[int, ...]
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class MlpPadding:
+    """--pad-for-tp: the new value of each config key whose roles are padded."""
+
+    family: Family
+    config: dict[str, Any]  # the (text) config of the input
+    groups: tuple[str, ...]  # the role groups padded
+    padded: dict[str, int]  # config key -> new width
+    warnings: list[str] = field(default_factory=list)
+
+    def padded_shape(self, name: str, shape: tuple[int, ...], shard: str) -> Pad | None:
+        found = role_of(self.family, name)
+        if found is None:
+            if self._in_mlp(name) and not (self.family.mlp_other.search(name) or OUTPUT_BIAS.search(name)):
+                known = "the naming rules (fp8conv/roles.py) give" if self.family.by_rule else "the family table knows"
+                raise CheckpointError(
+                    f"is inside an MLP but plays no role {known} for {self.family.name}, "
+                    "so --pad-for-tp cannot tell which width it has",
+                    tensor=name,
+                    shard=shard,
+                    fix="convert without --pad-for-tp (or add the name to fp8conv/families.py)",
+                )
+            return None
+        role, tensor = found
+        if role.group not in self.groups:
+            return None
+        layer = layer_factor(self.config, role.group, name)  # Gemma-4's double-wide MLPs: 2 x the key
+        width = role.width.of(self.config)
+        width = None if width is None else width * layer
+        hidden = self.config.get("hidden_size") if isinstance(self.config.get("hidden_size"), int) else None
+        axis = None if width is None else width_axis(tensor, shape, width, hidden)
+        if width is None or axis is None:
+            raise CheckpointError(
+                f"has shape {list(shape)} but config.json implies {role.width.label} = {width} along its "
+                "intermediate dimension",
+                tensor=name,
+                shard=shard,
+                fix="config.json and the tensors disagree; --pad-for-tp needs them to agree",
+            )
+        factor = self.config[role.width.times] if role.width.times else 1  # DeepSeek's n_shared_experts
+        new_width = self.padded[role.width.key] * factor * layer
+        if new_width == width:
+            return None
+        new = list(shape)
+        new[axis] = new_width * tensor.parts
+        return Pad(tuple(new), tensor.parts)
+
+    def _in_mlp(self, name: str) -> bool:
+        """In an MLP container; `mixer.` (Nemotron-H) only where that layer's mixer is an MLP."""
+        i = name.find(".mixer.")
+        return is_language_mlp(name) or (i >= 0 and name[: i + len(".mixer.")] in self.family.mlp_mixers)
+
+
+def plan_mlp_padding(
+    config: dict[str, Any] | None,
+    tp: int,
+    block: tuple[int, int],
+    names: Iterable[str],
+    groups: tuple[str, ...] | None = None,
+    family: Family | None = None,
+) -> MlpPadding:
+    """Pad each chosen role's width to a multiple of tp * lcm(bn, bk): every rank then holds whole blocks
+    of gate/up rows (block_n) and of down columns (block_k). Roles no tensor plays are left alone; a
+    config key two roles share is padded for both or neither. `family`: one found by rule (roles.py)."""
+    family = family or family_of(config)
+    if family is None:
+        raise OptionsError(
+            f"--pad-for-tp does not know model_type {model_type_of(config)!r}: which tensors use which MLP "
+            "width is in fp8conv's family table",
+            fix="convert without --pad-for-tp",
+        )
+    if family.refusals:
+        raise OptionsError(f"--pad-for-tp: {family.refusals[0]}", fix="convert without --pad-for-tp")
+    c = text_config(config or {})
+    chosen = groups or ROLE_GROUPS
+    present: dict[int, str] = {}  # role index -> one tensor playing it
+    for name in names:
+        found = role_of(family, name)
+        if found is not None:
+            present.setdefault(family.roles.index(found[0]), name)
+    roles = [(family.roles[i], example) for i, example in sorted(present.items())]
+    warnings = [
+        f"--pad-roles {g}: no {g} MLP tensor in this {model_type_of(config)} checkpoint"
+        for g in chosen
+        if groups and all(r.group != g for r, _ in roles)
+    ]
+    selected = [(r, e) for r, e in roles if r.group in chosen]
+    if not selected:
+        raise OptionsError(
+            f"--pad-for-tp: no MLP tensor of the roles {', '.join(chosen)} in this checkpoint",
+            fix="convert without --pad-for-tp",
+        )
+    keys = {r.width.key for r, _ in selected}
+    for role, example in roles:
+        if role.group not in chosen and role.width.key in keys:
+            partner = next(r for r, _ in selected if r.width.key == role.width.key)
+            raise OptionsError(
+                f"--pad-roles: the {partner.group} MLP ({partner.width.label}) and the {role.group} MLP "
+                f"({role.width.label}, e.g. {example}) share config.json's {role.width.key}, so they are "
+                "padded together or not at all",
+                fix=f"add {role.group} to --pad-roles, or leave {partner.group} out",
+            )
+    unit = tp * math.lcm(*block)
+    padded = {}
+    for role, example in selected:
+        width = c.get(role.width.key)
+        if role.width.of(c) is None or not isinstance(width, int):
+            raise OptionsError(
+                f"--pad-for-tp needs {role.width.label} in config.json for the {role.group} MLP (e.g. {example})",
+                fix="add it to config.json, or convert without --pad-for-tp",
+            )
+        padded[role.width.key] = -(-width // unit) * unit
+    return MlpPadding(family, c, tuple(chosen), padded, warnings)
+
+
+def updated_widths_config(config: dict[str, Any], padding: MlpPadding) -> None:
+    """Write the padded widths back into the (text) config, in place; the planner then checks every
+    tensor of every role against them."""
+    c = text_config(config)
+    for key, value in padding.padded.items():
+        if key in c:
+            c[key] = value
+
+
+def tp_report(
+    config: dict[str, Any] | None,
+    block: tuple[int, int],
+    tps: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    names: Iterable[str] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    family: Family | None = None,
+) -> dict[str, list[str]]:
+    """For each TP size, the MLP widths whose per-rank slice is not whole blocks, as vLLM's
+    validate_fp8_block_shape checks them: gate/up rows (merged, column-parallel) by block_n at any TP,
+    down columns (row-parallel) by block_k once split across ranks. With `names`, a known family's widths
+    that no tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has)."""
+    family = family or family_of(config, shapes)
+    widths = mlp_widths(config, shapes, family)
+    if family is not None and names is not None:
+        used = {found[0].width.label for name in names for found in [role_of(family, name)] if found}
+        widths = {label: w for label, w in widths.items() if label in used}
+    group = {r.width.label: r.group for r in family.roles} if family else {}
+    report: dict[str, list[str]] = {}
+    for tp in tps:
+        bad = []
+        for label, w in widths.items():
+            per_rank = w / tp
+            whole = w % tp == 0 and (w // tp) % block[0] == 0 and (tp == 1 or (w // tp) % block[1] == 0)
+            if not whole:
+                bad.append(f"{group.get(label, 'mlp')} {label} {w} -> {per_rank:g}/rank")
+        report[str(tp)] = bad
+    return report

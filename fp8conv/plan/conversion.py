@@ -1,0 +1,741 @@
+"""Pure planning: checkpoint + classification + options -> every output file, tensor, dtype and shape.
+
+No tensor bytes are read here, so every refusal happens in seconds, before the long run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from typing import Any
+
+from ..dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
+from ..errors import CheckpointError, OptionsError
+from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
+from ..model.families import FUSED_EXPERTS, Family, family_of, fused_group, model_type_of, role_of, width_disagreements
+from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
+from ..model.mimo_kv import fused_qkv_problems
+from ..model.mlp_layout import (
+    MlpPadding,
+    Pad,
+    is_quantizable_linear,
+    plan_mlp_padding,
+    text_config,
+    updated_widths_config,
+)
+from ..model.packed_formats import packed_output_shape
+from ..options import DEFAULT_BLOCK, MXFP8_GROUP, UE8M0_BLOCK, ConvertOptions
+from ..source.checkpoint import Checkpoint
+from ..source.config import (
+    MISTRAL_PARAMS_NAME,
+    compressed_tensors_block,
+    find_quantization_config,
+    load_config,
+    rewrite_for_block,
+    rewrite_for_channel,
+    rewrite_for_dequantized,
+    rewrite_for_mxfp8,
+    rewrite_mistral_params,
+)
+from ..source.mistral_native import (
+    FAKE_QUANTIZER,
+    fake_quantizer_warning,
+    native_only,
+    native_params,
+    native_problems,
+    native_scale_name,
+)
+from ..storage.writer import TensorSpec
+
+SAFETENSORS_METADATA = {"format": "pt"}
+DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
+# an embedding table (transformers-5 FP8Embedding), not a Linear named after one (embed_vision.embedding_projection)
+_EMBEDDING = re.compile(
+    r"(?:^|\.)(?:embed_tokens|tok_embeddings|word_embeddings|wte|embeddings?|\w*_embedding)\.weight$"
+)
+
+
+def _maybe_embedding(name: str) -> bool:
+    """What every name _EMBEDDING matches contains: a test far cheaper than the regex, for 100k weights."""
+    return "emb" in name or "wte" in name
+
+
+class Action(str, Enum):
+    COPY = "copy"  # the bytes, unchanged (zero-padded along the MLP width with --pad-for-tp)
+    DEQUANTIZE = "dequantize"  # FP8 -> bf16/f16/f32
+    QUANTIZE = "quantize"  # FP8 (dequantized in float32) or float -> FP8 with new channel/block scales
+    KEEP_BLOCKS = "keep-blocks"  # block FP8 kept as is: weight bytes, scales widened to float32
+    QUANTIZE_POW2 = "quantize-pow2"  # FP8 with E8M0 scales (ue8m0 blocks, MXFP8): fp8conv.rewrite.pow2
+
+
+class Strategy(str, Enum):
+    """How a job executes, chosen once per run (fp8conv.plan.strategy) and read by the scheduler only."""
+
+    COPY_FILE = "copy-file"  # bytes go file to file, never held whole (an unpadded COPY)
+    KEEP_WEIGHT_BYTES = "keep-weight-bytes"  # KEEP_BLOCKS unpadded: weight file to file, scale rewritten
+    BANDED = "banded"  # a large 2-D FP8 weight rewritten band by band of rows
+    WHOLE = "whole"  # read whole, rewritten by rewrite.jobs.run_job
+
+
+@dataclass(frozen=True)
+class Job:
+    """One input weight (or plain tensor) and the output tensors it becomes: the weight first."""
+
+    source: str
+    action: Action
+    outputs: tuple[TensorSpec, ...]
+    fmt: WeightFormat | None = None  # how the source is quantized; None for a float tensor
+    out_block: tuple[int, int] | None = None  # QUANTIZE: output block; None means one scale per row
+    pad_parts: int = 1  # padded: the padded axis holds this many widths (fused gate_up), each padded
+
+    @property
+    def spec(self) -> TensorSpec:
+        return self.outputs[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunJob(Job):
+    """A planned job and how one run executes it: made from the plan's Job by fp8conv.strategy (the plan
+    itself is never rewritten), read by the scheduler."""
+
+    strategy: Strategy
+    band_rows: int = 0  # BANDED: rows per band
+
+    @classmethod
+    def of(cls, job: Job, strategy: Strategy, band_rows: int = 0) -> RunJob:
+        return cls(**{f.name: getattr(job, f.name) for f in fields(Job)}, strategy=strategy, band_rows=band_rows)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    name: str  # output file name, relative to the output directory
+    jobs: tuple[Job, ...]
+
+    def __post_init__(self) -> None:  # frozen all the way down: a list handed in is held as a tuple
+        object.__setattr__(self, "jobs", tuple(self.jobs))
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """Layout order. The order tensors are produced in (each weight, then its scale) when that keeps
+        every tensor aligned to its element size, as it does for real model shapes: the writer then
+        hashes the file as it goes and never reads it back. Otherwise larger elements first, which is
+        always aligned (what safetensors itself does); those files are hashed partly by reading back."""
+        specs = [o for j in self.jobs for o in j.outputs]
+        offset = 0
+        for spec in specs:
+            if offset % ELEMENT_BYTES[spec.dtype]:
+                return sorted(specs, key=lambda s: -ELEMENT_BYTES[s.dtype])
+            offset += spec.nbytes
+        return specs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(j.nbytes for j in self.jobs)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """A value, made once by plan_conversion: a run's strategies (fp8conv.plan.strategy) and warnings are
+    computed from it, never written into it. The config and JSON documents are dicts, for JSON."""
+
+    options: ConvertOptions
+    shards: tuple[ShardPlan, ...]
+    write_index: bool
+    config: dict[str, Any] | None
+    copy_files: tuple[str, ...]
+    skipped_files: tuple[tuple[str, str], ...]
+    claims_ue8m0: bool = False  # --to block: write scale_fmt ue8m0 if every output scale is a power of two
+    json_files: dict[str, dict[str, Any]] = field(default_factory=dict)  # other JSON files, rewritten
+    problems: tuple[CheckpointError, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:  # lists handed in are held as tuples
+        for name in ("shards", "copy_files", "skipped_files", "problems", "warnings"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def target(self) -> str:
+        return self.options.to
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def index_document(self) -> dict[str, Any]:
+        weight_map = {o.name: s.name for s in self.shards for j in s.jobs for o in j.outputs}
+        return {"metadata": {"total_size": self.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def plan_conversion(
+    ckpt: Checkpoint, cls: Classification, options: ConvertOptions, only: Collection[str] | None = None
+) -> ConversionPlan:
+    """Every output tensor and file. Refused inputs are planned as copies; the caller checks problems.
+    `only`: plan these tensors and no others (expert_fold's, for an estimate: not a plan to run)."""
+    planner = _Planner(ckpt, cls, options)
+    shards = _without_empty([ShardPlan(s.name, planner.jobs_for(s.name, only)) for s in ckpt.index.shards])
+    # the config before the problems and warnings are gathered: planning it adds to the planner's
+    config = planner.output_config()
+    problems = [*cls.problems, *planner.problems, *_fused_mismatches(shards, ckpt, planner.family)]
+    problems += _width_problems(ckpt, config, shards, cls, planner.family)
+    problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
+    warnings = [*cls.warnings, *planner.warnings]
+    if config is None:
+        warnings.append("the input has no config.json, so the output has none either")
+    native = _plan_mistral_native(ckpt, cls, planner, shards)
+    if native is None:
+        files, native_problems_, native_warnings = _plan_mistral_params(ckpt, config, options.to), (), ()
+    else:
+        files, shards, native_problems_, native_warnings = native.files, native.shards, native.problems, native.warnings
+    return ConversionPlan(
+        options=options,
+        shards=tuple(shards),
+        write_index=ckpt.index.index_file is not None or len(shards) > 1,
+        config=config,
+        copy_files=files.copy_files,
+        skipped_files=files.skipped_files,
+        # --scale-fmt ue8m0 writes scale_fmt itself; otherwise kept where every written scale is a power of two
+        claims_ue8m0=options.to == "block" and options.scale_fmt is None and cls.settings.scale_fmt == "ue8m0",
+        json_files=files.json_files,
+        problems=(*problems, *files.problems, *native_problems_),
+        warnings=(*warnings, *native_warnings),
+    )
+
+
+@dataclass(frozen=True)
+class _Native:
+    """A Mistral-native-only release as planned: its params.json rewritten, its scales renamed."""
+
+    files: _OtherFiles
+    shards: list[ShardPlan]
+    problems: tuple[CheckpointError, ...]
+    warnings: tuple[str, ...]
+
+
+def _plan_mistral_native(
+    ckpt: Checkpoint, cls: Classification, planner: _Planner, shards: list[ShardPlan]
+) -> _Native | None:
+    """A release of Mistral-native files only: converted in their own names, scales named as vLLM's Mistral
+    loader reads them, params.json's quantization rewritten (fp8conv.source.mistral_native). None: not one."""
+    shard_names = [s.name for s in ckpt.index.shards]
+    if not native_only(shard_names, ckpt.config is not None, ckpt.other_files):
+        return None
+    copied = tuple(name for name in ckpt.other_files if name != MISTRAL_PARAMS_NAME)
+    skipped = tuple(ckpt.skipped_files)
+    try:
+        params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
+    except CheckpointError as exc:
+        return _Native(_OtherFiles(copied, skipped, {}), shards, (exc,), ())
+    first = next(iter(cls.weights), None)
+    shard = ckpt.index.shard_of(first).name if first else shard_names[0]
+    to = planner.options.to
+    problems = tuple(native_problems(shard, first, to, params, planner.pow2, planner.out_block[0]))
+    fakes = [n for n in ckpt.index.locations if FAKE_QUANTIZER.search(n)]
+    warnings = (fake_quantizer_warning(fakes),) if fakes else ()
+    ignore = sorted(set(planner.unquantized_linears))
+    if to == "bf16":
+        rewritten = rewrite_mistral_params(params, None, to) or params
+        return _Native(_OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: rewritten}), shards, problems, warnings)
+    if to == "channel":
+        flavor = "float8_e4m3fnuz" if planner.options.fp8_max == FP8_MAX_GAUDI2 else None
+        quant = rewrite_for_channel({}, ignore, flavor)["quantization_config"]
+    else:
+        quant = compressed_tensors_block(planner.out_block, ignore)
+    files = _OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: native_params(params, quant, ignore)})
+    renamed = [
+        ShardPlan(
+            s.name,
+            [
+                replace(
+                    j, outputs=(j.outputs[0], *(replace(o, name=native_scale_name(o.name, to)) for o in j.outputs[1:]))
+                )
+                if j.action in (Action.QUANTIZE, Action.KEEP_BLOCKS)
+                else j
+                for j in s.jobs
+            ],
+        )
+        for s in shards
+    ]
+    return _Native(files, renamed, problems, warnings)
+
+
+@dataclass(frozen=True)
+class _OtherFiles:
+    """The input's other files: copied, skipped (and why), or rewritten JSON; a problem reading them."""
+
+    copy_files: tuple[str, ...]
+    skipped_files: tuple[tuple[str, str], ...]
+    json_files: dict[str, dict[str, Any]]
+    problems: tuple[CheckpointError, ...] = ()
+
+
+def _plan_mistral_params(ckpt: Checkpoint, config: dict[str, Any] | None, target: str) -> _OtherFiles:
+    """A copied params.json would still declare the input's FP8 to vLLM --config-format mistral."""
+    copied, skipped = tuple(ckpt.other_files), tuple(ckpt.skipped_files)
+    if MISTRAL_PARAMS_NAME not in copied:
+        return _OtherFiles(copied, skipped, {})
+    try:
+        params = load_config(ckpt.root / MISTRAL_PARAMS_NAME)
+    except CheckpointError as exc:
+        return _OtherFiles(copied, skipped, {}, (exc,))
+    copied = tuple(name for name in copied if name != MISTRAL_PARAMS_NAME)
+    rewritten = rewrite_mistral_params(params, config, target)
+    if rewritten is None:
+        why = "Mistral-format config with no spelling for block FP8; config.json describes the output"
+        return _OtherFiles(copied, (*skipped, (MISTRAL_PARAMS_NAME, why)), {})
+    return _OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: rewritten})
+
+
+class _Planner:
+    def __init__(self, ckpt: Checkpoint, cls: Classification, options: ConvertOptions) -> None:
+        self.ckpt, self.cls, self.options = ckpt, cls, options
+        self.problems: list[CheckpointError] = []
+        self.warnings: list[str] = []
+        self.unquantized_linears: list[str] = []
+        self.kept_fused_experts: list[str] = []  # bf16 fused experts a block run could not quantize
+        self.out_block = options.block_size or cls.block_size or DEFAULT_BLOCK
+        self.pow2 = options.to == "mxfp8" or options.scale_fmt == "ue8m0"  # scales written as E8M0
+        if options.to == "mxfp8":
+            self.out_block = MXFP8_GROUP
+        # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
+        self.quantize_floats = options.to != "bf16" and not any(
+            w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
+        )
+        # a model_type the table does not name has its roles found by rule from the tensors (roles.py)
+        self.family = input_family(ckpt, cls)
+        self.padding: MlpPadding | None = None
+        # transformers-5 FineGrainedFP8Config saves write quantization_config.expert_dtype "fp8" too
+        self.deepseek_v4 = cls.settings.expert_dtype is not None and model_type_of(ckpt.config) == "deepseek_v4"
+        if options.pad_for_tp:
+            if self.deepseek_v4 or any(w.kind in PACKED for w in cls.weights.values()):
+                # its MLP names (ffn.experts.E.w1, *_blocks, weight_packed) are not the ones padding knows:
+                # config.json would claim padded widths the tensors do not have
+                raise OptionsError(
+                    "--pad-for-tp does not know the MLP layout of DeepSeek-V4 or packed 4-bit checkpoints",
+                    fix="convert without --pad-for-tp",
+                )
+            self.padding = plan_mlp_padding(
+                ckpt.config,
+                options.pad_for_tp,
+                self.out_block,
+                role_examples(ckpt, cls),
+                options.pad_roles,
+                self.family,
+            )
+            self.warnings += self.padding.warnings
+        self.plain = set(cls.plain)
+        # FP8 outputs keep the KV-cache scales (vLLM applies them under an fp8 / compressed-tensors config);
+        # a bf16 output has no quantization_config, so it drops them
+        self.kv_scales = kv_scale_names(ckpt.index, cls.plain, cls.settings.method is not None)
+        if options.to == "bf16" and self.kv_scales:
+            self.plain -= set(self.kv_scales)
+            self.warnings.append(dropped_warning(self.kv_scales))
+            self.kv_scales = []
+        self.problems += per_head_kv_scales(ckpt.index, self.kv_scales, "block" if self.pow2 else options.to)
+        if options.scale_fmt == "ue8m0" and self.out_block != UE8M0_BLOCK:
+            self.problems.append(_ue8m0_block_problem(ckpt, cls, self.out_block))
+
+    def jobs_for(self, shard_name: str, only: Collection[str] | None = None) -> list[Job]:
+        shard = next(s for s in self.ckpt.index.shards if s.name == shard_name)
+        jobs = []
+        for name, entry in shard.header.tensors.items():
+            fmt = self.cls.weights.get(name)
+            if fmt is None and name not in self.plain:
+                continue  # a scale or companion, written with its weight
+            if only is not None and name not in only:
+                continue
+            try:
+                pad = self._padded(name, entry.shape, shard_name)
+            except CheckpointError as exc:
+                self.problems.append(exc)
+                pad = Pad(entry.shape)
+            if fmt is not None and fmt.kind in PACKED:
+                jobs.append(self._packed_job(fmt, shard_name))
+            elif fmt is not None and fmt.kind in CONVERTIBLE:
+                jobs.append(self._quantized_job(name, fmt, entry.shape, pad))
+            else:
+                jobs.append(self._plain_job(name, entry.dtype, entry.shape, pad))
+        return jobs
+
+    def _padded(self, name: str, shape: tuple[int, ...], shard: str) -> Pad:
+        if self.padding is None:
+            return Pad(shape)
+        return self.padding.padded_shape(name, shape, shard) or Pad(shape)
+
+    def _quantized_job(self, name: str, fmt: WeightFormat, shape: tuple[int, ...], pad: Pad) -> Job:
+        to, out_shape = self.options.to, pad.shape
+        if to == "bf16":
+            out_dtype = DEQUANT_TARGETS[self.options.dtype][0]
+            return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt)
+        if _maybe_embedding(name) and _EMBEDDING.search(name):  # no engine builds an FP8 embedding: dequantized
+            self.warnings.append(f"{name} is an FP8 embedding; written as bf16 (engines load embeddings unquantized)")
+            return Job(name, Action.DEQUANTIZE, (TensorSpec(name, "BF16", shape),), fmt)
+        base = module_of(name)
+        if self.pow2:
+            return self._pow2_job(name, base, out_shape, fmt, pad.parts)
+        if to == "channel":
+            if not name.endswith(".weight"):
+                self.problems.append(
+                    CheckpointError(
+                        "is a fused expert parameter as transformers 5 saves it; no engine reads channel FP8 "
+                        "(compressed-tensors) in that layout",
+                        tensor=name,
+                        shard=self.ckpt.index.shard_of(name).name,
+                        fix="convert with --to bf16, or --to block (transformers' fused FP8 layout)",
+                    )
+                )
+            return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape, name), fmt, None, pad.parts)
+        keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
+        keep = keep and fmt.row_scales is None  # scales in another unit (MiMo) are written on the plain grid
+        # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
+        # moves rows of one input block into two output blocks, so it is quantized afresh
+        keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
+        action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
+        return Job(
+            name,
+            action,
+            _block_outputs(base, out_shape, self.out_block, name, _block_scale_name(fmt, base)),
+            fmt,
+            self.out_block,
+            pad.parts,
+        )
+
+    def _packed_job(self, fmt: WeightFormat, shard_name: str) -> Job:
+        """A packed 4-bit weight: dequantized in float32, then rounded once or quantized to FP8."""
+        assert fmt.out_name is not None
+        shape = packed_output_shape(fmt)
+        if self.options.to == "bf16":
+            out_dtype = DEQUANTIZE_NAME[self.options.dtype]
+            return Job(fmt.weight, Action.DEQUANTIZE, (TensorSpec(fmt.out_name, out_dtype, shape),), fmt)
+        if fmt.kind is Kind.MXFP4_GPT_OSS:
+            self.problems.append(
+                CheckpointError(
+                    f"gpt-oss MXFP4 experts have no FP8 layout that transformers or vLLM load (--to {self.options.to})",
+                    tensor=fmt.weight,
+                    shard=shard_name,
+                    fix="convert gpt-oss with --to bf16",
+                )
+            )
+        base = module_of(fmt.out_name)  # never padded: --pad-for-tp refuses packed checkpoints
+        if self.pow2:
+            return replace(self._pow2_job(fmt.out_name, base, shape, fmt, 1), source=fmt.weight)
+        if self.options.to == "channel":
+            return Job(fmt.weight, Action.QUANTIZE, _channel_outputs(base, shape), fmt, None)
+        outputs = _block_outputs(base, shape, self.out_block, fmt.out_name, _block_scale_name(fmt, base))
+        return Job(fmt.weight, Action.QUANTIZE, outputs, fmt, self.out_block)
+
+    def _pow2_job(self, name: str, base: str, shape: tuple[int, ...], fmt: WeightFormat | None, parts: int) -> Job:
+        """E8M0 scales: MXFP8's uint8 [.., N, K/32] `weight_scale`, or ue8m0 blocks' float8_e8m0fnu grid."""
+        shard = self.ckpt.index.shard_of(fmt.weight if fmt is not None else name).name
+        if self.options.to == "mxfp8":
+            self.problems += mxfp8_shape_problems(name, shape, shard)
+            outputs = (TensorSpec(name, FP8_E4M3, shape), TensorSpec(name + "_scale", "U8", _grid(shape, MXFP8_GROUP)))
+        else:
+            scale_name = (_block_scale_name(fmt, base) if fmt is not None else None) or name + "_scale_inv"
+            scale = TensorSpec(scale_name, "F8_E8M0", _grid(shape, self.out_block))
+            outputs = (TensorSpec(name, FP8_E4M3, shape), scale)
+        return Job(name, Action.QUANTIZE_POW2, outputs, fmt, self.out_block, parts)
+
+    def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
+        out_shape = pad.shape
+        is_linear = is_quantizable_linear(name, dtype, len(shape), self.family)
+        listed = self.cls.settings.lists_as_not_converted(module_of(name))
+        if self.quantize_floats and is_linear and not listed:
+            base = module_of(name)
+            if self.pow2:
+                return self._pow2_job(name, base, out_shape, None, pad.parts)
+            if self.options.to == "channel":
+                return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None, pad.parts)
+            block = self.out_block
+            return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, block), None, block, pad.parts)
+        if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and not _embedding_table(name, shape):
+            self.unquantized_linears.append(module_of(name))
+        elif (m := FUSED_EXPERTS.match(name)) and len(shape) == 3 and dtype != FP8_E4M3:
+            if self._block_fused_experts(name, out_shape, listed):
+                block = self.out_block
+                return Job(name, Action.QUANTIZE, _block_outputs(name, out_shape, block, name), None, block, pad.parts)
+            # transformers swaps every `*.experts` module not listed for FP8 experts (and vLLM quantizes
+            # a FusedMoE not ignored): bf16 fused experts left as they are must be listed, or they load as garbage
+            self.unquantized_linears.append(m.group(1))
+            if (
+                self.options.to == "channel"
+                and self.family is not None
+                and not self.family.fused_experts_beside_channel
+            ):
+                self.problems.append(
+                    CheckpointError(
+                        f"is a fused 3-D expert parameter; transformers loads {self.family.name} experts under a "
+                        "compressed-tensors config one Linear per expert (experts.E.gate_proj ...), so it would not "
+                        "load beside channel FP8",
+                        tensor=name,
+                        shard=self.ckpt.index.shard_of(name).name,
+                        fix="convert with --to block or --to bf16",
+                    )
+                )
+        return Job(name, Action.COPY, (TensorSpec(name, dtype, out_shape),), pad_parts=pad.parts)
+
+    def _block_fused_experts(self, name: str, shape: tuple[int, ...], listed: bool) -> bool:
+        """A bf16 fused 3-D expert parameter quantized in place as 3-D block FP8 (--to block): where the
+        family's engine loads that layout (Family.block_fused_experts) and each gate / up half is whole
+        row blocks (vLLM splits gate_up_proj_scale_inv in two along its rows); else kept and listed."""
+        if not (self.quantize_floats and self.options.to == "block" and not self.pow2 and not listed):
+            return False
+        if self.family is None or not self.family.block_fused_experts:
+            return False
+        bn, gate_up = self.out_block[0], name.endswith("gate_up_proj")
+        if not (gate_up or name.endswith("down_proj")):
+            return False  # a fused up_proj alone (non-gated): no loader mapping for it was confirmed
+        hidden = text_config(self.ckpt.config or {}).get("hidden_size")
+        # [E, 2I, H] / [E, H, I], as transformers 5 saves them (not the transposed [E, H, 2I])
+        if shape[-1 if gate_up else -2] != hidden:
+            return False
+        width = shape[-2] // 2 if gate_up else shape[-1]
+        if width % bn == 0 and (not gate_up or shape[-2] % 2 == 0):
+            return True
+        if not self.kept_fused_experts:  # one line for every such tensor (a release has thousands)
+            self.warnings.append(
+                f"fused expert parameters ({name}, ...) kept bf16 and listed as not converted: their expert width "
+                f"{width} is not whole {bn}-row blocks, and vLLM splits the fused gate/up scale grid in halves; "
+                "--pad-for-tp pads them to whole blocks"
+            )
+        self.kept_fused_experts.append(name)
+        return False
+
+    def output_config(self) -> dict[str, Any] | None:
+        config = self.ckpt.config
+        if config is None:
+            return None
+        to = self.options.to
+        if to == "bf16":
+            return _with_expert_dtype(rewrite_for_dequantized(config, self.options.dtype), None)
+        ignore = sorted(set(self.unquantized_linears))
+        # DeepSeek-V4: every expert is FP8 now (block FP8 with float32 scales, as V4's Base model ships)
+        expert_dtype = "fp8" if self.deepseek_v4 else None
+        if to == "channel":
+            flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
+            out = _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
+        elif to == "mxfp8":
+            out = _with_expert_dtype(rewrite_for_mxfp8(config, ignore), expert_dtype)
+            if self.padding is not None:
+                updated_widths_config(out, self.padding)
+        else:
+            out = _with_expert_dtype(rewrite_for_block(config, self.out_block, ignore), expert_dtype)
+            if self.options.scale_fmt == "ue8m0":
+                # DeepSeek-V3.1's spelling: DeepGEMM takes the scales as they are
+                out["quantization_config"]["scale_fmt"] = "ue8m0"
+            if self.padding is not None:
+                updated_widths_config(out, self.padding)
+            if self.cls.settings.activation_scheme == "static":
+                self.warnings.append("activation_scheme was static; block FP8 is written with dynamic activations")
+        input_qconfig = find_quantization_config(config)[0]
+        # ModelOpt's config.json spelling reads compressed-tensors' kv_cache_scheme, as --to channel writes it
+        kv_target = "channel" if to == "mxfp8" else to
+        self.warnings += declare_kv_cache(out["quantization_config"], input_qconfig, self.kv_scales, kv_target)
+        return out
+
+
+# The last name part of an embedding table (embed_tokens, word_embeddings, pos_embed, wte): never a Linear
+_EMBEDDING_TABLE = re.compile(r"(?:embed|embedding|embeddings|emb|wte|wpe|tokens)$")
+
+
+def _embedding_table(name: str, shape: tuple[int, ...]) -> bool:
+    """An embedding (not listed in ignore); a 2-D `*embed*` module whose own name is a projection
+    (Gemma-4's embed_vision.embedding_projection, a patch_embedder.input_proj) is a Linear."""
+    if "embed" not in name:
+        return False
+    return len(shape) != 2 or bool(_EMBEDDING_TABLE.search(module_of(name)))
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def mxfp8_shape_problems(name: str, shape: tuple[int, ...], shard: str) -> list[CheckpointError]:
+    """MXFP8 holds a Linear's [N, K] weight (or fused experts' [E, N, K]) whose K is whole 1x32 groups."""
+    if not name.endswith(".weight"):
+        why = "is a fused expert parameter as transformers 5 saves it; no engine reads MXFP8 in that layout"
+        return [CheckpointError(why, tensor=name, shard=shard, fix="convert with --to bf16 or --to block")]
+    if len(shape) < 2 or shape[-1] % MXFP8_GROUP[1]:
+        return [
+            CheckpointError(
+                f"has K = {shape[-1] if shape else 0}, not a multiple of {MXFP8_GROUP[1]}: MXFP8 has one scale per "
+                f"1x{MXFP8_GROUP[1]} group along K",
+                tensor=name,
+                shard=shard,
+                fix="convert with --to block or --to channel",
+            )
+        ]
+    return []
+
+
+def _ue8m0_block_problem(ckpt: Checkpoint, cls: Classification, block: tuple[int, int]) -> CheckpointError:
+    """DeepGEMM's power-of-two scales come in 128x128 blocks only."""
+    blocks = [f.weight for f in cls.weights.values() if f.kind is Kind.BLOCK]
+    name = next(iter(blocks or cls.weights), None) or next(iter(cls.plain), "")
+    shard = ckpt.index.shard_of(name).name if name else None
+    return CheckpointError(
+        f"would be written in {block[0]}x{block[1]} blocks; --scale-fmt ue8m0 (DeepGEMM) takes 128x128 blocks only",
+        tensor=name or None,
+        shard=shard,
+        fix="add --block-size 128,128, or drop --scale-fmt ue8m0",
+    )
+
+
+def _channel_outputs(base: str, shape: tuple[int, ...], weight: str | None = None) -> tuple[TensorSpec, ...]:
+    # X.weight -> X.weight_scale; a bare fused parameter X (transformers 5) -> X_scale
+    weight = weight or base + ".weight"
+    return (
+        TensorSpec(weight, FP8_E4M3, shape),
+        TensorSpec(weight + "_scale", "F32", (*shape[:-1], 1)),
+    )
+
+
+def _block_outputs(
+    base: str,
+    shape: tuple[int, ...],
+    block: tuple[int, int],
+    weight: str | None = None,
+    scale_name: str | None = None,
+) -> tuple[TensorSpec, ...]:
+    weight = weight or base + ".weight"
+    grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+    return (
+        TensorSpec(weight, FP8_E4M3, shape),
+        TensorSpec(scale_name or weight + "_scale_inv", "F32", grid),
+    )
+
+
+def _block_scale_name(fmt: WeightFormat, base: str) -> str | None:
+    """DeepSeek-V4 names block scales `<module>.scale`; its output keeps that name (None: the default)."""
+    return base + V4_SCALE_SUFFIX if fmt.scale is not None and fmt.scale.endswith(V4_SCALE_SUFFIX) else None
+
+
+def _with_expert_dtype(config: dict[str, Any], value: str | None) -> dict[str, Any]:
+    """DeepSeek-V4's expert_dtype (top level, text_config, or inside quantization_config) set or dropped."""
+    sections = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    for section in sections:
+        if "expert_dtype" in section or (value is not None and section is config):
+            if value is None:
+                section.pop("expert_dtype", None)
+            else:
+                section["expert_dtype"] = value
+        qc = section.get("quantization_config")
+        if isinstance(qc, dict) and "expert_dtype" in qc:
+            qc["expert_dtype"] = value
+            if value is None:
+                qc.pop("expert_dtype")
+    return config
+
+
+def _parts_whole_blocks(shape: tuple[int, ...], out_shape: tuple[int, ...], parts: int, block: tuple[int, int]) -> bool:
+    if parts == 1 or shape == out_shape:
+        return True
+    axis = next(i for i in range(len(shape)) if shape[i] != out_shape[i]) - len(shape)
+    return (shape[axis] // parts) % block[axis] == 0
+
+
+_SHARD_NAME = re.compile(r"^(.*-)(\d+)-of-(\d+)(\.safetensors)$")
+
+
+def _without_empty(shards: list[ShardPlan]) -> list[ShardPlan]:
+    """No output shard for an input shard whose every tensor is dropped (one holding only scales, with
+    --to bf16). The rest are renumbered when the input is numbered PREFIX-i-of-N (what save_pretrained
+    and huggingface_hub write): the output then reads 1..M of M, as its own files are, instead of
+    'of-N' with gaps. Other names are kept as they are."""
+    kept = [s for s in shards if s.jobs]
+    if len(kept) == len(shards) or not kept:
+        return shards
+    matches = [_SHARD_NAME.match(s.name) for s in shards]
+    numbered = all(m and int(m.group(2)) == i + 1 and int(m.group(3)) == len(shards) for i, m in enumerate(matches))
+    if not numbered or len({(m.group(1), m.group(4), len(m.group(2))) for m in matches if m}) != 1:
+        return kept
+    first = matches[0]
+    assert first is not None
+    digits = len(first.group(2))
+    return [
+        ShardPlan(f"{first.group(1)}{i + 1:0{digits}d}-of-{len(kept):0{digits}d}{first.group(4)}", s.jobs)
+        for i, s in enumerate(kept)
+    ]
+
+
+INPUT_WIDTHS_FIX = "config.json and the tensors disagree: correct config.json (or the tensors)"
+
+
+def input_family(ckpt: Checkpoint, cls: Classification) -> Family | None:
+    """The input's family (for a model_type the table does not name, found by rule from its tensors)."""
+    if "family" not in cls.memo:
+        cls.memo["family"] = family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index)})
+    return cls.memo["family"]
+
+
+def role_examples(ckpt: Checkpoint, cls: Classification) -> list[str]:
+    """The first tensor (in file order) of each MLP role the input has: all that padding, its role choices
+    and the TP table read of the names, found in one pass instead of one per plan."""
+    if "role_examples" not in cls.memo:
+        family, first = input_family(ckpt, cls), {}
+        for name in ckpt.index.locations if family is not None else ():
+            found = role_of(family, name)
+            if found is not None:
+                first.setdefault(id(found[0]), name)
+        cls.memo["role_examples"] = list(first.values())
+    return cls.memo["role_examples"]
+
+
+def input_width_problems(ckpt: Checkpoint, cls: Classification, fix: str = INPUT_WIDTHS_FIX) -> list[CheckpointError]:
+    """config.json against the input's tensors, checked once whatever the number of plans."""
+    key = "widths:" + fix
+    if key not in cls.memo:
+        cls.memo[key] = width_disagreements(ckpt.config, cls.input_shapes(ckpt.index), fix, input_family(ckpt, cls))
+    return list(cls.memo[key])
+
+
+def _width_problems(
+    ckpt: Checkpoint,
+    config: dict[str, Any] | None,
+    shards: list[ShardPlan],
+    cls: Classification,
+    family: Family | None,
+) -> list[CheckpointError]:
+    """config.json and the tensors must agree on every MLP width, in the input and in the output (whose
+    roles are the input's: the same names, padded where --pad-for-tp pads them)."""
+    problems = input_width_problems(ckpt, cls)
+    if problems or config is None:
+        return problems
+    outputs = ((o.name, o.shape, s.name) for s in shards for j in s.jobs for o in j.outputs)
+    return width_disagreements(
+        config,
+        outputs,
+        "the output's config.json would disagree with its tensors (a bug: please report it)",
+        family,
+    )
+
+
+def _fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint, family: Family | None) -> list[CheckpointError]:
+    """Modules an engine fuses must all be quantized or all not, or vLLM refuses to load them."""
+    schemes: dict[str, dict[str, bool]] = {}
+    for shard in shards:
+        for job in shard.jobs:
+            group = fused_group(job.source, family)
+            if group is not None:
+                quantized = job.spec.dtype == FP8_E4M3
+                schemes.setdefault(group, {})[job.source] = quantized
+    problems = []
+    for members in schemes.values():
+        if len(set(members.values())) > 1:
+            fp8 = sorted(n for n, q in members.items() if q)
+            plain = sorted(n for n, q in members.items() if not q)
+            problems.append(
+                CheckpointError(
+                    f"would be FP8 while {plain[0]} stays unquantized, but engines fuse them into one layer",
+                    tensor=fp8[0],
+                    shard=ckpt.index.shard_of(fp8[0]).name,
+                    fix="quantize both or neither (check modules_to_not_convert / ignore lists)",
+                )
+            )
+    return problems

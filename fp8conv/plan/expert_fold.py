@@ -1,0 +1,81 @@
+"""Routed experts folded for estimates: inspect sizes eight plans (four targets, padded TP choices), and a
+release has 100k+ expert tensors that differ only by their index. The experts of one module whose
+tensors agree in everything a plan reads (names past the index, dtypes, shapes, formats, ignore-list
+listing) are planned once, by the lowest index, which then stands for all of them. Any disagreement
+(one expert listed in an ignore list, one shape off) leaves that module's experts unfolded.
+
+Only sizes and whether a plan has problems are read from a folded plan (a problem of one expert is one
+of each); a run plans every tensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..model.classify import Classification, WeightFormat, module_of
+from ..source.checkpoint import Checkpoint
+
+_EXPERTS = ".experts."
+
+
+def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
+    """Each tensor a folded plan keeps -> how many tensors it stands for (1 outside folded experts)."""
+    if "expert_fold" in cls.memo:
+        return cls.memo["expert_fold"]
+    planned = cls.weights.keys() | set(cls.plain)
+    keep: dict[str, int] = {}
+    # experts module prefix -> expert index -> [(name past the index, what a plan reads of it)]
+    modules: dict[str, dict[str, list[tuple[str, Any]]]] = {}
+    for name, (_, entry) in ckpt.index.locations.items():
+        at = name.rfind(_EXPERTS)
+        dot = name.find(".", at + len(_EXPERTS)) if at >= 0 else -1
+        index = name[at + len(_EXPERTS) : dot] if dot > 0 else ""
+        if not index.isdigit():
+            if name in planned:
+                keep[name] = 1
+            continue
+        prefix, rest = name[: at + len(_EXPERTS)], name[dot:]
+        modules.setdefault(prefix, {}).setdefault(index, []).append((rest, _reads(ckpt, cls, name, entry, planned)))
+    for prefix, experts in modules.items():
+        signatures = {index: sorted(tensors) for index, tensors in experts.items()}
+        first = min(experts, key=int)
+        folded = all(sig == signatures[first] for sig in signatures.values())
+        for index, tensors in experts.items():
+            if folded and index != first:
+                continue
+            for rest, _ in tensors:
+                name = f"{prefix}{index}{rest}"
+                if name in planned:
+                    keep[name] = len(experts) if folded else 1
+    cls.memo["expert_fold"] = keep
+    return keep
+
+
+def _reads(ckpt: Checkpoint, cls: Classification, name: str, entry: Any, planned: Any) -> tuple[Any, ...]:
+    """What a plan reads of one tensor, its own name left out."""
+    fmt = cls.weights.get(name)
+    listed = cls.settings.lists_as_not_converted(module_of(name)) if name in planned else None
+    return (entry.dtype, entry.shape, name in planned, listed, _format(fmt, name) if fmt is not None else None)
+
+
+def _format(fmt: WeightFormat, name: str) -> tuple[Any, ...]:
+    """A weight's format with its own module's names made relative (scales, companions, outputs)."""
+    module = name[: name.rfind(".") + 1]
+    return (
+        fmt.kind,
+        fmt.block,
+        fmt.group,
+        fmt.shape,
+        fmt.row_scales,
+        fmt.reason,
+        fmt.fix,
+        _relative(fmt.scale, module),
+        tuple(_relative(c, module) for c in fmt.companions) if fmt.companions else (),
+        _relative(fmt.global_scale, module),
+        _relative(fmt.shape_tensor, module),
+        _relative(fmt.out_name, module),
+    )
+
+
+def _relative(other: str | None, module: str) -> str | None:
+    """A name under `module` by the rest of it; any other kept whole (it then differs between experts)."""
+    return other[len(module) :] if other is not None and module and other.startswith(module) else other

@@ -1,0 +1,184 @@
+"""The one validator of safetensors headers, pure (bytes in, a ShardHeader or one CheckpointError out),
+for a shard's own header, one read remotely from the Hub and one an interrupted --stream run saved.
+
+As strict as safetensors' own reader (safetensors/src/tensor.rs, read_metadata and Metadata::validate):
+a header of at most 100,000,000 bytes; every entry a dtype name, a shape of sizes and two offsets;
+sorted by offset the tensors are contiguous from 0 with no gap and no overlap, each spanning exactly
+its shape times its element size, and the data region ends where the file does. Types are JSON's:
+`true` is not a size. A tensor count cap refuses a header of a million empty tensors before it is
+parsed (the largest real release has ~100k tensors per checkpoint, far fewer per shard)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import ELEMENT_BYTES
+from ..errors import CheckpointError
+from .json_file import SURROGATE_ESCAPE, parse_json
+from .json_file import is_text as _is_text
+from .safetensors_file import MAX_HEADER_BYTES, ShardHeader, TensorEntry
+
+MAX_TENSORS = 300_000
+MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
+MAX_SIZE = 2**64 - 1  # safetensors' usize: offsets, sizes and their products
+FIX = "the shard is corrupt; re-download it"
+
+
+def parse_header(raw: bytes, file_size: int | None, shard: str, *, path: Path | None = None) -> ShardHeader:
+    """`raw`: the header's JSON text (the bytes after the 8-byte length). `file_size`: the whole file's
+    size, or None when only the header is known (read remotely, or saved by an interrupted run): the
+    header then keeps offsets relative to the data (data_start 0) and the data ends with the last tensor."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(f"header is {len(raw)} bytes, more than safetensors' {MAX_HEADER_BYTES}", shard=shard)
+    if raw.count(b'"data_offsets"') > MAX_TENSORS:  # one per tensor: a bound, counted before parsing
+        raise _too_many(raw.count(b'"data_offsets"'), shard)
+    doc = parse_json(
+        raw,
+        label=shard,
+        fix="re-download this shard",
+        field="shard",
+        allow_constants=False,
+        check_tree=False,
+        bound_integers=False,  # every number is checked to be a size below 2^64
+    )
+    if not isinstance(doc, dict):
+        raise CheckpointError("header is not a JSON object", shard=shard, fix="re-download this shard")
+    metadata = _metadata(doc.pop("__metadata__", None), shard)
+    if len(doc) > MAX_TENSORS:
+        raise _too_many(len(doc), shard)
+    data_start = 0 if file_size is None else 8 + len(raw)
+    # a lone surrogate can only come from a \ud8xx escape: without one every name is text
+    names_are_text = SURROGATE_ESCAPE.search(raw) is None
+    entries = [
+        _plain_entry(name, spec, data_start, names_are_text) or _entry(name, spec, shard, data_start)
+        for name, spec in doc.items()
+    ]
+    entries.sort(key=lambda e: (e.start, e.nbytes))
+    end = _check_contiguous(entries, shard, data_start)
+    if file_size is not None:
+        _check_covers_file(entries, end, file_size, shard)
+    return ShardHeader(
+        path=path if path is not None else Path(shard),
+        file_size=file_size if file_size is not None else end,
+        data_start=data_start,
+        tensors={e.name: e for e in entries},
+        metadata=metadata,
+    )
+
+
+def _too_many(count: int, shard: str) -> CheckpointError:
+    return CheckpointError(
+        f"header lists {count} tensors, more than the {MAX_TENSORS} fp8conv reads from one shard",
+        shard=shard,
+        fix="the shard is damaged or hostile; re-download it",
+    )
+
+
+def _metadata(value: Any, shard: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) and _is_text(v) for v in value.values()):
+        raise CheckpointError("__metadata__ is not an object of strings", shard=shard, fix=FIX)
+    if not all(_is_text(k) for k in value):
+        raise CheckpointError("__metadata__ has a key that is not text", shard=shard, fix=FIX)
+    return value
+
+
+def _is_size(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_SIZE  # bool is an int subclass: refused
+
+
+def _plain_entry(name: str, spec: Any, data_start: int, names_are_text: bool) -> TensorEntry | None:
+    """The entry of a well-formed spec, checked as _entry checks it but in one pass of cheap tests (a
+    release has 200k); None for anything else, which _entry then refuses with its one-line reason."""
+    if type(spec) is not dict or not names_are_text:
+        return None
+    try:
+        size, shape, (start, end) = ELEMENT_BYTES.get(spec["dtype"]), spec["shape"], spec["data_offsets"]
+    except (KeyError, TypeError, ValueError):  # a key missing, an unhashable dtype, not two offsets
+        return None
+    if size is None or type(shape) is not list or len(shape) > MAX_DIMS or type(spec["data_offsets"]) is not list:
+        return None
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_SIZE:
+            return None
+        size *= d
+    if type(start) is not int or type(end) is not int or not 0 <= start <= end <= MAX_SIZE or size > MAX_SIZE:
+        return None
+    if end - start != size:
+        return None
+    return TensorEntry(name, spec["dtype"], tuple(shape), data_start + start, size)
+
+
+def _entry(name: str, spec: Any, shard: str, data_start: int) -> TensorEntry:
+    if not _is_text(name):
+        raise CheckpointError(f"a tensor name {name!r} holds a lone UTF-16 surrogate, which is not text", shard=shard)
+    if not isinstance(spec, dict):
+        raise CheckpointError("header entry is not an object", tensor=name, shard=shard)
+    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"dtype {dtype!r} is not a dtype name", tensor=name, shard=shard, fix=FIX)
+    if dtype not in ELEMENT_BYTES:
+        raise CheckpointError(
+            f"dtype {dtype!r} is not one fp8conv knows",
+            tensor=name,
+            shard=shard,
+            fix="this tensor's format is unsupported",
+        )
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_size(d) for d in shape):
+        raise CheckpointError(f"shape {_short(shape)} is not a list of sizes", tensor=name, shard=shard, fix=FIX)
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_size, offsets)) or offsets[1] < offsets[0]:
+        raise CheckpointError(f"data_offsets {_short(offsets)} are invalid", tensor=name, shard=shard, fix=FIX)
+    nbytes = math.prod(shape) * ELEMENT_BYTES[dtype]
+    if nbytes > MAX_SIZE:
+        raise CheckpointError(f"{dtype}{shape} overflows 64 bits of bytes", tensor=name, shard=shard, fix=FIX)
+    if offsets[1] - offsets[0] != nbytes:
+        raise CheckpointError(
+            f"data_offsets span {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs {nbytes}",
+            tensor=name,
+            shard=shard,
+            fix=FIX,
+        )
+    return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], nbytes)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_contiguous(entries: list[TensorEntry], shard: str, data_start: int) -> int:
+    """The end of the data (absolute): each tensor starts where the one before it ends."""
+    cursor = data_start
+    for e in entries:
+        if e.start < cursor:
+            raise CheckpointError("its bytes overlap the previous tensor's", tensor=e.name, shard=shard, fix=FIX)
+        if e.start > cursor:
+            raise CheckpointError(
+                f"its bytes start {e.start - cursor} bytes after the previous tensor's end (a gap safetensors refuses)",
+                tensor=e.name,
+                shard=shard,
+                fix=FIX,
+            )
+        cursor = e.start + e.nbytes
+    return cursor
+
+
+def _check_covers_file(entries: list[TensorEntry], end: int, file_size: int, shard: str) -> None:
+    if end > file_size:
+        raise CheckpointError(
+            f"data runs to byte {end} but the file has {file_size} (truncated)",
+            tensor=entries[-1].name,
+            shard=shard,
+            fix="re-download this shard",
+        )
+    if end < file_size:
+        where = {"tensor": entries[-1].name} if entries else {}
+        raise CheckpointError(
+            f"the file has {file_size - end} bytes after the last tensor's data, which safetensors refuses",
+            **where,
+            shard=shard,
+            fix="the file is damaged or not what the header describes; re-download it",
+        )

@@ -1,0 +1,143 @@
+"""Read safetensors headers (no tensor bytes) and single tensors by offset; validate as we go.
+
+The format: 8-byte little-endian header length, a JSON object header, then the raw bytes of every
+tensor, contiguous, at the offsets the header names (relative to the end of the header).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..dtypes import torch_dtype
+from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+# A real header is a few MB at most (DeepSeek-V3: ~100 KB per shard); refuse absurd ones before reading.
+# safetensors' own cap (MAX_HEADER_SIZE in safetensors/src/tensor.rs).
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: its dtype, shape and absolute byte range in its shard."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    path: Path
+    file_size: int
+    data_start: int
+    tensors: dict[str, TensorEntry]  # in file order
+    metadata: dict[str, str]
+    identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read; None: read remotely
+
+
+def read_header(
+    path: Path, display_name: str | None = None, *, fd: int | None = None, file_size: int | None = None
+) -> ShardHeader:
+    """Parse and validate one shard's header (header.parse_header). Reads only the header bytes, from
+    `fd` when given (opened by input_files with no link followed out of the checkpoint; not closed
+    here), else from `path`, which must be a regular file: a FIFO is refused, never waited on."""
+    from .header import parse_header  # header.py builds on this module's records
+
+    shard = display_name or path.name
+    own = fd is None
+    try:
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError("is not a regular file", shard=shard, fix="point at the checkpoint's real shards")
+            size = st.st_size if file_size is None else file_size
+            os.lseek(fd, 0, os.SEEK_SET)  # read(), not pread(): tests trace that only the header is read
+            prefix = _read_exactly(fd, 8)
+            if len(prefix) < 8:
+                raise CheckpointError("file is too short to be safetensors", shard=shard, fix="re-download this shard")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(
+                    f"header length {header_len} is impossible for a {size}-byte file",
+                    shard=shard,
+                    fix="the file is truncated or not safetensors; re-download it",
+                )
+            raw = _read_exactly(fd, header_len)
+        finally:
+            if own:
+                os.close(fd)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read: {exc.strerror}", shard=shard) from exc
+    header = parse_header(raw, size, shard, path=path)
+    return dataclasses.replace(header, identity=(st.st_dev, st.st_ino))
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        chunk = os.read(fd, n - done)
+        if not chunk:
+            break
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+def tensor_buffer(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 tensor to read into."""
+    import torch  # here, not at the top: reading headers never loads torch
+
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def as_writable_memoryview(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (torch has no buffer protocol)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("tensor must be contiguous and on the CPU")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def pread_into(fd: int, view: memoryview, offset: int, entry: TensorEntry, shard: str) -> None:
+    """Fill `view` from `offset`; a file that ends first is the shard's fault, named as such."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise file_ended(entry, shard)
+        done += n
+
+
+def file_ended(entry: TensorEntry, shard: str) -> CheckpointError:
+    """The error for a shard that ends before `entry`'s bytes do."""
+    return CheckpointError(
+        "file ended before this tensor's bytes", tensor=entry.name, shard=shard, fix="re-download the shard"
+    )
+
+
+def read_tensor(fd: int, entry: TensorEntry, shard: str) -> torch.Tensor:
+    """Read one tensor's bytes with pread and view them as its dtype and shape."""
+    raw = tensor_buffer(entry.nbytes)
+    pread_into(fd, as_writable_memoryview(raw), entry.start, entry, shard)
+    return raw.view(torch_dtype(entry.dtype)).reshape(entry.shape)

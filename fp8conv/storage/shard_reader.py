@@ -1,0 +1,92 @@
+"""Reading tensor bytes from an input shard: large reads with direct I/O, small ones through the page cache.
+
+Large reads (weight bands, whole weights, raw copies) bypass the page cache (see direct_io). Small ones
+(scales, norms, biases) stay buffered: the kernel's readahead batches them, where each direct read would
+wait for the disk on its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..dtypes import ELEMENT_BYTES, torch_dtype
+from . import preread
+from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
+from .input_files import reopen
+from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, pread_into
+
+if TYPE_CHECKING:
+    import torch
+
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def read_capacity(nbytes: int) -> int:
+    """Bytes a buffer for ShardReader.read of `nbytes` must hold: direct reads cover whole aligned pages."""
+    return nbytes + 2 * ALIGN
+
+
+class ShardReader:
+    def __init__(self, path: Path, direct: bool = True, identity: tuple[int, int] | None = None) -> None:
+        """`identity`: the (st_dev, st_ino) the plan's header was read from (input_files.reopen refuses
+        any other file, such as a link swapped in since)."""
+        self.name = path.name
+        self.fd = reopen(path, identity, where={"shard": path.name})
+        self.direct_fd = open_direct(path, os.O_RDONLY) if direct else None
+        if self.direct_fd is not None and os.fstat(self.direct_fd).st_ino != os.fstat(self.fd).st_ino:
+            os.close(self.direct_fd)  # replaced between the two opens: read only what was checked
+            self.direct_fd = None
+        self.direct = self.direct_fd is not None  # False once the filesystem turns a direct read down
+        self.key = preread.file_key(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            preread.forget(self.key)
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self.direct_fd, self.direct = -1, None, False
+
+    def read(self, entry: TensorEntry, offset: int, nbytes: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """`nbytes` bytes of this shard from `offset` (inside `entry`'s data), as a uint8 tensor: a view into
+        `buffer` when given, which must be aligned_empty() and hold read_capacity(nbytes) bytes."""
+        if buffer is None:
+            buffer = aligned_empty(read_capacity(nbytes))
+        if buffer.numel() < read_capacity(nbytes) or buffer.data_ptr() % ALIGN:
+            raise ValueError("read buffer is too small or not aligned")
+        if preread.holds(self.key) and preread.take(self.key, offset, as_writable_memoryview(buffer[:nbytes])):
+            return buffer[:nbytes]  # read while torch was loading
+        if not self.direct or nbytes < DIRECT_MIN_BYTES:
+            out = buffer[:nbytes]
+            pread_into(self.fd, as_writable_memoryview(out), offset, entry, self.name)
+            return out
+        try:
+            return self._read_direct(entry, offset, nbytes, buffer)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # the filesystem wants more alignment: the page cache from now on
+                raise
+            self.direct = False
+            return self.read(entry, offset, nbytes, buffer)
+
+    def _read_direct(self, entry: TensorEntry, offset: int, nbytes: int, buffer: torch.Tensor) -> torch.Tensor:
+        assert self.direct_fd is not None
+        start = round_down(offset)
+        head, need = offset - start, offset + nbytes - start
+        view = as_writable_memoryview(buffer[: round_up(offset + nbytes) - start])
+        done = 0
+        while done < need:
+            n = os.preadv(self.direct_fd, [view[done:]], start + done)
+            done += n
+            if n == 0 or (n % ALIGN and done < need):  # a short direct read is the end of the file
+                raise file_ended(entry, self.name)
+        return buffer[head : head + nbytes]
+
+    def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        """One whole tensor, viewed as its dtype and shape."""
+        raw = self.read(entry, entry.start, entry.nbytes)
+        if raw.data_ptr() % ELEMENT_BYTES[entry.dtype]:  # a misaligned tensor in the file
+            raw = raw.clone()
+        return raw.view(torch_dtype(entry.dtype)).reshape(entry.shape)

@@ -1,0 +1,1 @@
+"""Code the tests and `make bench` share: checkpoint builders, references, stand-ins."""
