@@ -152,8 +152,8 @@ def test_a_link_planted_during_the_run_is_never_written_through_or_shipped(make_
     outside.write_text("secret")
     real = manifest_module.Manifest.record_shard
 
-    def plant(self, out_path, name, sha256):
-        real(self, out_path, name, sha256)
+    def plant(self, out_path, name, sha256, extra=None):
+        real(self, out_path, name, sha256, extra)
         if not (out / "evil").is_symlink():
             (out / "evil").symlink_to(outside)
             (out / ".fp8conv" / "manifest.json").unlink()

@@ -14,8 +14,24 @@ import pytest
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.errors import OptionsError
+from fp8conv.output.manifest import Manifest
 
 from .helpers import dir_snapshot
+from .synthetic import TinyModelShape
+
+# 128-wide everywhere: every weight whole 128x128 blocks, ~0.7 MB, so a ue8m0 run takes a fraction of a second
+SMALL = TinyModelShape(
+    vocab_size=16,
+    hidden_size=128,
+    intermediate_size=128,
+    moe_intermediate_size=128,
+    n_routed_experts=2,
+    kv_lora_rank=128,
+    q_lora_rank=128,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+)
 
 SLOW_CONVERT = """
 import sys, time
@@ -97,3 +113,87 @@ def test_verify_checks_the_manifest_hashes(tiny, tmp_path):
     result = fp8conv.verify(tiny.path, out, sample=0.1)
     assert not result.ok and any("sha256 differs" in f for f in result.failures)
     assert os.path.exists(out / tiny.shards[0])
+
+
+class _Interrupted(Exception):
+    """Raised where the run would be killed: after the first shard is recorded, before the second is."""
+
+
+def _interrupt_after_first_shard(monkeypatch) -> None:
+    real = Manifest.record_shard
+
+    def record_shard(self, out, name, sha256, extra=None):
+        if self.shards:
+            raise _Interrupted(name)
+        real(self, out, name, sha256, extra)
+
+    monkeypatch.setattr(Manifest, "record_shard", record_shard)
+
+
+def _requantization(out, record=".fp8conv/manifest.json") -> dict:
+    return json.loads((out / record).read_text()).get("requantization", {})
+
+
+@pytest.mark.parametrize(
+    ("options", "part"),
+    [
+        (ConvertOptions(to="block", scale_fmt="ue8m0"), None),
+        (ConvertOptions(to="mxfp8"), None),
+        (ConvertOptions(to="block", scale_fmt="ue8m0"), (1, 2)),  # a part retried with --resume
+    ],
+)
+def test_a_resumed_run_reports_the_kept_shards_requantization(make_tiny, tmp_path, monkeypatch, options, part):
+    """The manifest's requantization record after an interrupted run and --resume holds the kept shards'
+    tensors too: the bytes an uninterrupted run writes (the error figures are deterministic)."""
+    ckpt = make_tiny(num_shards=4 if part else 2, shape=SMALL)  # float32 block scales: every block searched
+    single = fp8conv.convert(ckpt.path, tmp_path / "single", options)
+    out = tmp_path / "out"
+    record = f".fp8conv/part-{part[0]}-of-{part[1]}.json" if part else ".fp8conv/manifest.json"
+    with monkeypatch.context() as patched:
+        _interrupt_after_first_shard(patched)
+        with pytest.raises(_Interrupted):
+            fp8conv.convert(ckpt.path, out, options, run=RunOptions(part=part))
+    (first,) = json.loads((out / record).read_text())["shards"]
+    saved = _requantization(out, record)["tensors"]  # saved with the shard's entry, before the end
+    assert saved and set(saved) == {n for n in single.requantization["tensors"] if n in _names_in(out / first)}
+    resumed = fp8conv.convert(ckpt.path, out, options, run=RunOptions(part=part, resume=True))
+    assert resumed.shards_kept == [first]
+    if part:
+        mine = set().union(*(_names_in(out / name) for name in resumed.shards))  # this part's tensors, kept ones too
+        assert set(resumed.requantization["tensors"]) == mine & set(single.requantization["tensors"])
+        fp8conv.convert(ckpt.path, out, options, run=RunOptions(part=(2, 2)))
+    else:
+        assert resumed.requantization == single.requantization
+    assert _requantization(out) == single.requantization
+    snapshot = {k: v for k, v in dir_snapshot(out).items() if not k.startswith(".fp8conv/part-")}
+    assert snapshot == dir_snapshot(tmp_path / "single")  # the manifest's bytes included
+
+
+def _names_in(shard) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(shard), "pt") as f:
+        return set(f.keys())
+
+
+def test_resume_redoes_a_kept_shard_without_its_reports_and_refuses_a_damaged_record(make_tiny, tmp_path):
+    ckpt = make_tiny(num_shards=2, shape=SMALL)
+    options = ConvertOptions(to="block", scale_fmt="ue8m0")
+    out = tmp_path / "out"
+    fp8conv.convert(ckpt.path, out, options)
+    expected = dir_snapshot(out)
+    manifest = out / ".fp8conv" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    tensors = doc["requantization"]["tensors"]
+    dropped = next(iter(tensors))  # one shard's report lost (a record cut by hand): that shard is redone
+    cut = {k: v for k, v in tensors.items() if k != dropped}
+    manifest.write_text(json.dumps({**doc, "requantization": {**doc["requantization"], "tensors": cut}}))
+    (out / "config.json").unlink()  # as if interrupted before the end
+    resumed = fp8conv.convert(ckpt.path, out, options, run=RunOptions(resume=True))
+    assert len(resumed.shards_kept) == 1 and dropped not in _names_in(out / resumed.shards_kept[0])
+    assert dir_snapshot(out) == expected
+    damaged = {**tensors, dropped: {**tensors[dropped], "saturated": -1}}
+    manifest.write_text(json.dumps({**doc, "requantization": {"tensors": damaged}}))
+    with pytest.raises(OptionsError, match="is damaged: requantization is not a requantization record") as exc:
+        fp8conv.convert(ckpt.path, out, options, run=RunOptions(resume=True))
+    assert str(manifest) in str(exc.value) and "requantization" in str(exc.value) and "\n" not in str(exc.value)

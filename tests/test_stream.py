@@ -183,8 +183,8 @@ def recorded_commits(monkeypatch):
     events: list = []
     real = Manifest.record_shard
 
-    def record(self, out, name, sha256):
-        real(self, out, name, sha256)
+    def record(self, out, name, sha256, extra=None):
+        real(self, out, name, sha256, extra)
         events.append(("commit", name))
 
     monkeypatch.setattr(Manifest, "record_shard", record)

@@ -24,6 +24,7 @@ from ..storage.input_files import plain_relative, read_contained, reopen
 from ..storage.json_file import read_json_object
 from ..storage.out_dir import OutDir
 from ..storage.writer import write_file_atomic
+from .requant_report import errors_of_record
 
 MANIFEST = Path(".fp8conv") / "manifest.json"
 
@@ -120,8 +121,9 @@ class Manifest:
         }
         write_file_atomic(out / self.path, (json.dumps(doc, indent=2) + "\n").encode(), self.within)
 
-    def record_shard(self, out: Path, name: str, sha256: str) -> None:
-        """Called once a shard is fsynced and renamed: its size and hash (taken as it was written), saved at once."""
+    def record_shard(self, out: Path, name: str, sha256: str, extra: dict[str, Any] | None = None) -> None:
+        """Called once a shard is fsynced and renamed: its size and hash (taken as it was written), saved at
+        once; `extra`: keys of the record that change with it (the requantization reports), in the same save."""
         st = self.within.lstat(name) if self.within is not None else os.lstat(out / name)
         assert st is not None, f"{name} was committed"
         entry: dict[str, Any] = {"size": st.st_size, "sha256": sha256}
@@ -129,6 +131,7 @@ class Manifest:
             entry |= {"mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
         with self._lock:
             self.shards[name] = entry
+            self.extra.update(extra or {})
             self.save(out)
 
     def shard_intact(self, out: Path, name: str, trust_unchanged: bool = False) -> bool:
@@ -157,7 +160,8 @@ def load_manifest(out: Path, rel: Path = MANIFEST) -> Manifest:
     if missing:
         raise OptionsError(f"lacks {', '.join(missing)}", file=str(path), fix=fix)
     check_record(doc, str(path), fix, OptionsError)
-    return Manifest(doc["fp8conv_version"], doc["options"], doc["input"], doc.get("shards", {}))
+    kept = {k: doc[k] for k in ("requantization",) if k in doc}  # the finished shards' reports, for --resume
+    return Manifest(doc["fp8conv_version"], doc["options"], doc["input"], doc.get("shards", {}), extra=kept)
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -193,6 +197,9 @@ def check_record(doc: dict[str, Any], label: str, fix: str, error: type[Fp8ConvE
             raise bad(f"{key}.sha256", "a sha256 in hex")
         if any(k in entry and not _is_size(entry[k]) for k in ("mtime_ns", "inode")):
             raise bad(key, "an object whose mtime_ns and inode are integers")
+    # the finished shards' requantization reports: --resume carries them, finalize merges them
+    if "requantization" in doc and errors_of_record(doc["requantization"]) is None:
+        raise bad("requantization", "a requantization record (tensors and their error reports)")
 
 
 def _is_size(value: object) -> bool:

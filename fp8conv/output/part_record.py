@@ -20,13 +20,13 @@ from ..source.index import INDEX_NAME
 from ..storage.input_files import plain_relative
 from .manifest import MANIFEST, check_record, stream_sha256
 from .provenance import hub_snapshot_of
-from .requant_report import errors_of_record
 
 _RESERVED = {INDEX_NAME, CONFIG_NAME}
 
 
 def check_part_record(doc: dict[str, Any], label: str, fix: str) -> None:
-    """The record's shared keys (manifest.check_record) and, once complete, its finalize payload."""
+    """The record's shared keys (manifest.check_record, the requantization record included) and, once
+    complete, its finalize payload."""
     check_record(doc, label, fix, OutputError)
 
     def bad(key: str, what: str) -> Fp8ConvError:
@@ -36,8 +36,6 @@ def check_part_record(doc: dict[str, Any], label: str, fix: str) -> None:
         raise bad("all_scales_pow2", "true or false")
     if "source" in doc and not isinstance(doc["source"], dict):
         raise bad("source", "an object")
-    if "requantization" in doc and errors_of_record(doc["requantization"]) is None:
-        raise bad("requantization", "a requantization record (tensors and their error reports)")
     if not doc.get("complete"):
         return
     fin = doc["finalize"]

@@ -102,7 +102,7 @@ class Job:
 
 @dataclass(frozen=True, kw_only=True)
 class RunJob(Job):
-    """A planned job and how one run executes it: made from the plan's Job by fp8conv.strategy (the plan
+    """A planned job and how one run executes it: made from the plan's Job by fp8conv.plan.strategy (the plan
     itself is never rewritten), read by the scheduler."""
 
     strategy: Strategy

@@ -18,6 +18,7 @@ from ..model.classify import classify
 from ..options import ConvertOptions, RunOptions
 from ..output.finish import drop_other_splits, finalize, finish, with_scale_fmt
 from ..output.manifest import MANIFEST, Manifest
+from ..output.requant_ledger import Ledger
 from ..output.requant_report import requant_record
 from ..plan.conversion import ConversionPlan
 from ..plan.preflight import check_scales
@@ -83,7 +84,7 @@ def convert(
         warnings = list(prep.warnings)  # the plan's and the scales', then what the run finds, in order
         totals, streamed = _execute(prep, backend, how, stream_check, within, warnings)
         warnings += _exactness_warning(prep.plan, totals.exactness)
-        requantization = requant_record(totals.requant_errors)
+        requantization = requant_record({**prep.kept_reports, **totals.requant_errors})  # kept shards' too
         if requantization is not None:  # in the manifest, which the files written last save
             prep.manifest.extra["requantization"] = requantization
         finalized = _finish_output(prep, totals.all_scales_pow2, how.part, within, warnings)
@@ -147,9 +148,9 @@ def _execute(
             stack.callback(feed.close)
             feed.start()
         scheduler = Scheduler(ckpt.index, prep.run, backend, readers, how.direct_io, how.progress, how.max_memory)
-        totals = scheduler.run(
-            out, prep.keep | prep.others, feed.wait_for if feed else None, _on_commit(out, prep.manifest, feed), within
-        )
+        ledger = Ledger(plan, prep.kept_reports, scheduler.totals.requant_errors)
+        committed = _on_commit(out, prep.manifest, feed, ledger)
+        totals = scheduler.run(out, prep.keep | prep.others, feed.wait_for if feed else None, committed, within)
         if feed is not None:
             feed.finish()
             streamed = {"fetched": feed.fetched, "evicted": feed.evicted, "waited_s": feed.waited_s}
@@ -285,11 +286,13 @@ def _stream_feed(
     )
 
 
-def _on_commit(out: Path, manifest: Manifest, feed: StreamFeed | None) -> Callable[[str, str], None]:
-    """What follows a shard's commit: the manifest records it; --stream may evict its inputs."""
+def _on_commit(out: Path, manifest: Manifest, feed: StreamFeed | None, ledger: Ledger) -> Callable[[str, str], None]:
+    """What follows a shard's commit: the manifest records it, with its tensors' requantization reports
+    in the same save (what --resume carries for a kept shard); --stream may evict its inputs."""
 
     def committed(name: str, sha256: str) -> None:
-        manifest.record_shard(out, name, sha256)
+        record = ledger.committed(name)
+        manifest.record_shard(out, name, sha256, None if record is None else {"requantization": record})
         if feed is not None:
             feed.committed(name)
 

@@ -6,7 +6,7 @@ values (check_scales, skipped by a dry run) needs it."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from ..options import ConvertOptions, RunOptions
 from ..output.finish import assign_parts, check_part, part_path
 from ..output.manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from ..output.provenance import model_card_note, source_record
+from ..output.requant_ledger import kept_reports
+from ..output.requant_report import TensorError, errors_of_record, requant_record
 from ..output.sizes import output_bytes
 from ..plan.bands import band_buffer_bytes, band_elements_for, bands_held, fixed_bytes, held_bytes, lowest_max_memory
 from ..plan.conversion import ConversionPlan, Strategy, plan_conversion
@@ -48,6 +50,8 @@ class PreparedRun:
     keep: set[str]  # --resume: shards an interrupted run finished that still check out
     others: set[str]  # --part: shards other parts of a fan-out convert
     band_elements: int  # a BANDED job's band size, from --max-memory
+    # --resume: the kept shards' requantization reports, from the interrupted run's record
+    kept_reports: dict[str, TensorError] = field(default_factory=dict)
 
 
 def prepare(
@@ -75,13 +79,26 @@ def prepare(
     manifest.extra["source"] = record
     card_note = None if options.keep_model_card else model_card_note(record, plan)
     others = _other_parts(out, plan, manifest, how) if how.part is not None else set()
-    keep = _resumable_shards(out, plan, manifest, how.part) if how.resume else set()
+    keep, kept = _resumable_shards(out, plan, manifest, how.part) if how.resume else (set(), {})
     _check_output(ckpt, out, how.overwrite or how.resume or how.part is not None)
     schedule = make_schedule(ckpt.index, plan, keep) if feed_source is not None else None
     if how.space_check:
         _check_space(ckpt, plan, manifest, card_note, out, keep, others, feed_source, schedule, how)
     return PreparedRun(
-        ckpt, plan, run, warnings, out, manifest, record, card_note, feed_source, schedule, keep, others, band_elements
+        ckpt,
+        plan,
+        run,
+        warnings,
+        out,
+        manifest,
+        record,
+        card_note,
+        feed_source,
+        schedule,
+        keep,
+        others,
+        band_elements,
+        kept,
     )
 
 
@@ -250,9 +267,12 @@ def _check_memory_cap(ckpt: Checkpoint, run: RunPlan, max_memory: int | None) ->
         )
 
 
-def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None) -> set[str]:
-    """Shards an interrupted run finished that still check out; refuses other options or input. A part
-    resumes from its own record only: the other parts may not have started, or be running."""
+def _resumable_shards(
+    out: Path, plan: ConversionPlan, manifest: Manifest, part: tuple[int, int] | None
+) -> tuple[set[str], dict[str, TensorError]]:
+    """Shards an interrupted run finished that still check out, with their requantization reports;
+    refuses other options or input. A part resumes from its own record only: the other parts may not
+    have started, or be running."""
     if not (out / manifest.path).is_file():
         if part is None and out.is_dir() and any(out.iterdir()):
             fanout = any((out / MANIFEST.parent).glob("part-*-of-*.json"))
@@ -262,11 +282,15 @@ def _resumable_shards(out: Path, plan: ConversionPlan, manifest: Manifest, part:
                 if fanout
                 else "convert into an empty directory, or use --overwrite",
             )
-        return set()
+        return set(), {}
     old = load_manifest(out, manifest.path)
     mismatch = resume_mismatch(old, manifest)
     if mismatch:
         raise OptionsError(f"cannot resume {out}: {mismatch}", fix="convert again with --overwrite")
-    keep = {s.name for s in plan.shards if old.shard_intact(out, s.name)}
+    intact = {s.name for s in plan.shards if old.shard_intact(out, s.name)}
+    keep, reports = kept_reports(plan, intact, errors_of_record(old.extra.get("requantization")) or {})
     manifest.shards = {name: old.shards[name] for name in keep}
-    return keep
+    record = requant_record(reports)
+    if record is not None:  # saved with the kept shards' entries from the run's first save on
+        manifest.extra["requantization"] = record
+    return keep, reports
