@@ -24,12 +24,15 @@ from .parts import drop_other_splits, finalize, finish, with_scale_fmt
 from .plan import ConversionPlan
 from .preflight import check_scales
 from .prepare import PreparedRun, check_locked_output, prepare
+from .preread import Preread
 from .requant_report import requant_record
 from .scheduler import InputReaders, RunTotals, Scheduler
 from .shard_source import ShardSource
 from .source import Checkpoint
 from .streaming import HEADERS_FILE, Schedule, StreamFeed, adopt_local_header, save_input_headers
+from .threads import RunThreads
 from .verify import OutputCheck, VerifyResult, verify
+from .warm_start import WarmStart
 from .writer import TEMP_SUFFIX, temp_owner_alive, temp_target
 
 
@@ -65,9 +68,25 @@ def convert(
     options: ConvertOptions | None = None,
     *,
     run: RunOptions | None = None,
+    warm: WarmStart | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`: `options` say what the output is (the default:
-    bf16), `run` how this run goes (see options.py). Raises Fp8ConvError subclasses on bad input."""
+    bf16), `run` how this run goes (see options.py). Raises Fp8ConvError subclasses on bad input.
+    `warm`: what the CLI started before torch loaded (warm_start.py); its threads become the run's,
+    cancelled and joined when convert() returns or raises."""
+    threads = warm.threads if warm is not None else RunThreads()
+    with threads:  # no thread of the run outlives it
+        return _convert(source, output, options, run, threads, warm.preread if warm is not None else None)
+
+
+def _convert(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    options: ConvertOptions | None,
+    run: RunOptions | None,
+    threads: RunThreads,
+    preread: Preread | None,
+) -> ConvertResult:
     started = time.monotonic()
     options = options or ConvertOptions()
     how = run or RunOptions()  # both checked themselves when made
@@ -80,7 +99,7 @@ def convert(
         stream_check = None
         if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
             stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
-        totals, streamed = _execute(prep, backend, how, stream_check, within)
+        totals, streamed = _execute(prep, backend, how, stream_check, within, threads, preread)
         _exactness_warning(prep.plan, totals.exactness)
         requantization = requant_record(totals.requant_errors)
         if requantization is not None:  # in the manifest, which the files written last save
@@ -125,21 +144,30 @@ def _start_output(prep: PreparedRun, how: RunOptions, within: OutDir) -> None:
 
 
 def _execute(
-    prep: PreparedRun, backend: Backend, how: RunOptions, stream_check: OutputCheck | None, within: OutDir
+    prep: PreparedRun,
+    backend: Backend,
+    how: RunOptions,
+    stream_check: OutputCheck | None,
+    within: OutDir,
+    threads: RunThreads,
+    preread: Preread | None,
 ) -> tuple[RunTotals, dict[str, Any] | None]:
     """The scheduler's run of the plan (with --stream, inside the feed that fetches and evicts shards);
-    its totals and, streaming, what was fetched, evicted and waited for."""
+    its totals and, streaming, what was fetched, evicted and waited for. Every thread is stopped and
+    joined before it returns or raises: nothing runs while the output is finished or the lock let go."""
     ckpt, plan, out = prep.ckpt, prep.plan, prep.out
-    readers = InputReaders(ckpt.index, how.direct_io)
+    readers = InputReaders(ckpt.index, how.direct_io, preread)
     streamed: dict[str, Any] | None = None
     with ExitStack() as stack:
         stack.callback(readers.close_all)
+        stack.callback(threads.close)  # before the readers close: no read is running then
         feed: StreamFeed | None = None
         if prep.feed_source is not None and prep.schedule is not None:
-            feed = _stream_feed(ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check)
-            stack.callback(feed.close)
+            feed = _stream_feed(ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check, threads)
             feed.start()
-        scheduler = Scheduler(ckpt.index, plan, backend, readers, how.direct_io, how.progress, how.max_memory)
+        scheduler = Scheduler(
+            ckpt.index, plan, backend, readers, how.direct_io, how.progress, how.max_memory, threads=threads
+        )
         totals = scheduler.run(
             out, prep.keep | prep.others, feed.wait_for if feed else None, _on_commit(out, prep.manifest, feed), within
         )
@@ -240,6 +268,7 @@ def _stream_feed(
     schedule: Schedule,
     how: RunOptions,
     check: OutputCheck | None,
+    threads: RunThreads,
 ) -> StreamFeed:
     """The hooks --stream adds to a run: a shard's arrival (its own header checked and adopted), an
     output shard's scales checked once its inputs are there (before it is converted), the per-shard
@@ -264,6 +293,7 @@ def _stream_feed(
     return StreamFeed(
         source,
         schedule,
+        threads,
         ahead=how.prefetch,
         evict=how.evict_input,
         arrived=arrived,

@@ -25,6 +25,7 @@ from .errors import OutputError
 from .out_dir import OutDir, TempFile
 from .safetensors_file import TensorEntry, as_writable_memoryview
 from .shard_reader import ShardReader, read_capacity
+from .threads import settle
 
 if TYPE_CHECKING:
     import torch
@@ -429,13 +430,9 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Let this shard's running writes and hashes finish (queued ones are dropped), remove the file."""
+        # after the scheduler's RunThreads.cancel() none is left; after a failed commit, this shard's own are
         futures = [f for _, fs in self._inflight for f in fs]
-        futures += [w for _, w in self.hash.waiting.values() if w is not None]
-        for future in futures:
-            future.cancel()
-        for future in futures:
-            if not future.cancelled():
-                future.exception()
+        settle(futures + [w for _, w in self.hash.waiting.values() if w is not None])
         self._release_all()
         self.file.abort()
 
