@@ -163,7 +163,9 @@ class Scheduler:
         try:
             self._read_pool, self._write_pool = threads.pool("read"), threads.pool("write")
             self._compute_pool = threads.pool("band", BAND_WORKERS)
-            self._io_pool, self._hash_pool = threads.pool("io"), threads.pool("hash")
+            # a shard's segments: its writer drops its own on abort, the one being committed keeps its own
+            self._io_pool = threads.pool("io", cancellable=False)
+            self._hash_pool = threads.pool("hash", cancellable=False)
             commits: deque[Future[None]] = deque()  # at most one shard's commit overlaps the next shard
             for shard in self.plan.shards:
                 if shard.name in skip:  # finished by an interrupted run, size and hash checked

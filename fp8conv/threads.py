@@ -5,7 +5,9 @@ all and close() leaves none running when the run returns.
 
 cancel() drops what is queued and waits for what runs: nothing writes into a buffer or a file that is
 going away. Work submitted with submit_always (a shard's commit, the steps after it) is never dropped:
-its shard is complete, and close() waits for it. A thread whose work cannot be interrupted (a Hub
+its shard is complete, and close() waits for it. Nor is a pool's made with cancellable=False: the io and
+hash pools hold the segments of a shard being committed as well as of the one that failed, whose
+writer drops its own (ShardWriter.abort, with settle()). A thread whose work cannot be interrupted (a Hub
 download in flight) is a daemon, waited for JOIN_TIMEOUT_S at most; every other one is joined.
 """
 
@@ -34,14 +36,17 @@ def settle(futures: Iterable[Future[Any]]) -> None:
 class RunPool(Executor):
     """A named thread pool of a run; remembers the futures not done yet, so RunThreads.cancel() can drop them."""
 
-    def __init__(self, name: str, workers: int, cancelled: threading.Event) -> None:
+    def __init__(self, name: str, workers: int, cancelled: threading.Event, cancellable: bool = True) -> None:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"fp8conv-{name}")
         self._cancelled = cancelled
+        self.cancellable = cancellable
         self._lock = threading.Lock()
         self._pending: set[Future[Any]] = set()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Work cancel() may drop; once cancelled, whatever is submitted is dropped at once."""
+        if not self.cancellable:
+            return self._executor.submit(fn, *args, **kwargs)
         future = self._executor.submit(fn, *args, **kwargs)
         with self._lock:
             self._pending.add(future)
@@ -76,13 +81,14 @@ class RunThreads:
         self._on_cancel: list[Callable[[], None]] = []
         self._closed = False
 
-    def pool(self, name: str, workers: int = 1) -> RunPool:
-        """The pool `name` (threads fp8conv-<name>_<i>), started when first asked for."""
+    def pool(self, name: str, workers: int = 1, *, cancellable: bool = True) -> RunPool:
+        """The pool `name` (threads fp8conv-<name>_<i>), started when first asked for. cancellable=False:
+        cancel() leaves its work alone (its submitter drops its own), close() waits for it."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"pool {name!r} asked for after the run's threads were closed")
             if name not in self._pools:
-                self._pools[name] = RunPool(name, workers, self.cancelled)
+                self._pools[name] = RunPool(name, workers, self.cancelled, cancellable)
             return self._pools[name]
 
     def start(self, name: str, fn: Callable[..., None], *args: Any, interruptible: bool = True) -> threading.Thread:

@@ -430,7 +430,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Let this shard's running writes and hashes finish (queued ones are dropped), remove the file."""
-        # after the scheduler's RunThreads.cancel() none is left; after a failed commit, this shard's own are
+        # the io and hash pools are shared with the shard being committed: only this shard's own are dropped
         futures = [f for _, fs in self._inflight for f in fs]
         settle(futures + [w for _, w in self.hash.waiting.values() if w is not None])
         self._release_all()

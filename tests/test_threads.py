@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import fp8conv
 from fp8conv.cli import main
 from fp8conv.errors import OutputError
-from fp8conv.options import ConvertOptions
+from fp8conv.options import ConvertOptions, RunOptions
 from fp8conv.preread import Preread
 from fp8conv.threads import RunThreads
 from fp8conv.writer import TEMP_SUFFIX, ShardWriter
@@ -207,3 +207,36 @@ def test_warm_start_is_cancelled_and_joined_when_the_run_ends(make_tiny, tmp_pat
     assert waiting.is_set(), "warm start never began"
     assert not _fp8conv_threads(), [t.name for t in _fp8conv_threads()]
     assert time.monotonic() - began < 25
+
+
+def test_an_error_in_a_shard_leaves_the_shard_before_it_to_commit(make_tiny, tmp_path, monkeypatch):
+    """Shard 1 is interrupted while shard 0's commit still waits for its segments on the io thread: those
+    are shard 0's, not dropped by the cancel, and shard 0 is committed whole."""
+    import fp8conv.writer as writer_module
+    from fp8conv.writer import ShardFile
+
+    tiny = make_tiny()
+    fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="bf16"))
+    raw = (tmp_path / "whole" / tiny.shards[0]).read_bytes()
+    first = len(raw) - 8 - int.from_bytes(raw[:8], "little")  # shard 0's tensor bytes
+    monkeypatch.setattr(writer_module, "SEGMENT_BYTES", 8192)  # shard 0 in several segments
+    real_segment = ShardFile.write_segment
+    slow = threading.Event()
+
+    def write_segment(self, *args):
+        if slow.is_set():
+            time.sleep(0.05)  # shard 0's last segments still queued when shard 1 is interrupted
+        real_segment(self, *args)
+
+    def progress(done: int, total: int) -> None:
+        if done == first:
+            slow.set()
+        if done > first:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ShardFile, "write_segment", write_segment)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(progress=progress))
+    assert (out / tiny.shards[0]).read_bytes() == raw
+    assert not (out / tiny.shards[1]).exists() and not _fp8conv_threads()
