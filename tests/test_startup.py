@@ -59,16 +59,24 @@ def test_reading_classifying_and_planning_do_not_import_torch(tmp_path: Path) ->
 def test_the_read_ahead_while_torch_loads_needs_no_torch(tmp_path: Path) -> None:
     ckpt = build_tiny_deepseek(tmp_path / "ckpt")
     _fresh(
-        "from fp8conv import preread, warm_start\n"
+        "from fp8conv.run import warm_start\n"
         "from fp8conv.plan.conversion import ConvertOptions\n"
-        f"warm_start.begin({str(ckpt.path)!r}, ConvertOptions('bf16')).join()\n"
-        "assert preread.held_bytes() > 0\n"
+        "warm = warm_start.WarmStart()\n"
+        f"warm.begin({str(ckpt.path)!r}, ConvertOptions('bf16')).join()\n"
+        "assert warm.preread.held_bytes() > 0\n"
     )
 
 
 def test_torch_files_are_hinted_without_importing_torch() -> None:
     _fresh(
-        "from fp8conv import warm_start\nthread = warm_start.warm_torch()\nassert thread is not None\nthread.join()\n"
+        "from fp8conv.run import warm_start\n"
+        "warm = warm_start.WarmStart()\n"
+        "thread = warm.torch(even_if_cached=True)\n"  # the test's page cache holds torch already
+        "assert thread is not None\n"
+        "thread.join()\n"
+        "warm.close()\n"
+        "hinted = [p for p in warm.hinted if '/torch/' in p]\n"
+        "assert len(hinted) > 100 and any(p.endswith('.pyc') for p in hinted), warm.hinted[:5]\n"
     )
 
 

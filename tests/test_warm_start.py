@@ -15,6 +15,7 @@ from fp8conv.plan.conversion import ConvertOptions, plan_conversion
 from fp8conv.run import warm_start
 from fp8conv.source.checkpoint import open_checkpoint
 from fp8conv.storage import preread
+from fp8conv.storage.preread import Preread
 from fp8conv.storage.shard_reader import ShardReader
 
 from .synthetic import build_tiny_deepseek
@@ -22,17 +23,14 @@ from .synthetic import build_tiny_deepseek
 PIECE = 4096
 
 
-@pytest.fixture(autouse=True)
-def _nothing_held():
-    preread.forget_all()
-    yield
-    preread.forget_all()
-
-
-def _fetch(path: Path, limit: int) -> None:
-    thread = warm_start.begin(str(path), ConvertOptions("bf16"), limit=limit)
+def _fetch(path: Path, limit: int) -> Preread:
+    """What warm start reads ahead for a bf16 run of `path`, in a store of its own."""
+    warm = warm_start.WarmStart()
+    thread = warm.begin(str(path), ConvertOptions("bf16"), limit=limit)
     assert thread is not None
     thread.join()
+    warm.close()
+    return warm.preread
 
 
 def _first_shard_reads(path: Path) -> list[tuple[Path, object, int, int]]:
@@ -53,13 +51,13 @@ def _first_shard_reads(path: Path) -> list[tuple[Path, object, int, int]]:
 def _count_takes(monkeypatch) -> list[bool]:
     """What each take() answered (True: served from memory)."""
     answers: list[bool] = []
-    real_take = preread.take
+    real_take = Preread.take
 
     def take(*args) -> bool:
         answers.append(real_take(*args))
         return answers[-1]
 
-    monkeypatch.setattr(preread, "take", take)
+    monkeypatch.setattr(Preread, "take", take)
     return answers
 
 
@@ -67,47 +65,67 @@ def test_reads_inside_the_fetched_bytes_come_from_memory_and_are_the_files(tmp_p
     monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
     monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
-    _fetch(ckpt, limit=6 * PIECE)
-    held = preread.held_bytes()
+    store = _fetch(ckpt, limit=6 * PIECE)
+    held = store.held_bytes()
     assert 0 < held <= 6 * PIECE
     served = _count_takes(monkeypatch)
     readers: dict[Path, ShardReader] = {}
     for shard, entry, offset, n in _first_shard_reads(ckpt):
-        reader = readers.setdefault(shard, ShardReader(shard, direct=True))
+        reader = readers.setdefault(shard, ShardReader(shard, direct=True, preread=store))
         with open(shard, "rb") as f:
             f.seek(offset)
             expected = f.read(n)
         assert bytes(reader.read(entry, offset, n).numpy()) == expected, (shard.name, entry.name, offset)
     assert sum(served) * 1000 >= held - 2 * PIECE  # nearly every fetched byte was taken from memory
-    assert preread.held_bytes() == 0  # each piece dropped once its bytes were taken
+    assert store.held_bytes() == 0  # each piece dropped once its bytes were taken
     for reader in readers.values():
         reader.close()
 
 
-def test_a_read_is_served_from_memory_not_the_disk(tmp_path, monkeypatch):
+def _overwrite_keeping_identity(shard: Path, offset: int, n: int) -> bytes:
+    """Put other bytes at [offset, offset + n) of `shard`, its size and mtime as before (the store's key
+    for it unchanged); the bytes it held there."""
+    st = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        before = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in before))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return before
+
+
+def test_a_read_is_served_from_the_runs_store_not_the_disk_nor_another_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
     monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
-    _fetch(ckpt, limit=2 * PIECE)
+    store = _fetch(ckpt, limit=2 * PIECE)
     shard, entry, offset, n = _first_shard_reads(ckpt)[0]
-    piece = next(iter(next(iter(preread._pieces.values())).values()))
-    piece.data[:] = b"\xab" * len(piece.data)  # what the disk holds differs from this now
-    reader = ShardReader(shard)
-    assert set(bytes(reader.read(entry, offset, n).numpy())) == {0xAB}
+    fetched = _overwrite_keeping_identity(shard, offset, n)  # what the disk holds differs from the store now
+    on_disk = bytes(b ^ 0xFF for b in fetched)
+    other = ShardReader(shard, preread=Preread())  # another run's store: empty, whatever this one holds
+    assert bytes(other.read(entry, offset, n).numpy()) == on_disk
+    other.close()
+    alone = ShardReader(shard)  # a reader handed no store reads the disk
+    assert bytes(alone.read(entry, offset, n).numpy()) == on_disk
+    alone.close()
+    assert store.held_bytes() > 0  # neither took from this run's store
+    reader = ShardReader(shard, preread=store)
+    assert bytes(reader.read(entry, offset, n).numpy()) == fetched
     reader.close()
-    assert preread.held_bytes() == 0  # a closed reader's file is forgotten
+    assert store.held_bytes() == 0  # a closed reader's file is forgotten
 
 
 def test_a_file_changed_since_is_read_from_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
     monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
-    _fetch(ckpt, limit=2 * PIECE)
+    store = _fetch(ckpt, limit=2 * PIECE)
     shard = _first_shard_reads(ckpt)[0][0]
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    reader = ShardReader(shard)
-    assert not preread.holds(reader.key)
+    reader = ShardReader(shard, preread=store)
+    assert store.held_bytes() > 0 and not store.holds(reader.key)
     reader.close()
 
 
@@ -119,7 +137,6 @@ def test_convert_cli_output_is_the_same_with_the_bytes_fetched_ahead(tmp_path, m
     r = CliRunner().invoke(main, ["convert", str(ckpt), "--to", target, "-o", str(cli_out), "-q"])
     assert r.exit_code == 0, r.output
     assert any(served), "the CLI run took nothing from what was fetched ahead"
-    assert preread.held_bytes() == 0
     served.clear()
     convert(ckpt, lib_out, ConvertOptions(to=target))  # the library alone fetches nothing ahead
     assert not any(served)
@@ -130,7 +147,7 @@ def test_convert_cli_output_is_the_same_with_the_bytes_fetched_ahead(tmp_path, m
 
 
 def test_nothing_is_fetched_for_a_missing_path(tmp_path):
-    assert warm_start.begin(str(tmp_path / "nope"), ConvertOptions("bf16")) is None
+    assert warm_start.WarmStart().begin(str(tmp_path / "nope"), ConvertOptions("bf16")) is None
 
 
 def test_the_page_cache_probe_tells_cached_from_not(tmp_path):

@@ -423,17 +423,19 @@ def _convert_here(
     quiet: bool,
     as_json: bool = False,
 ) -> None:
-    warm_start.warm_torch()  # torch's import below then reads its files from the page cache
+    warm = warm_start.WarmStart()  # its threads and the bytes they read become the run's (convert closes them)
+    warm.torch()  # torch's import below then reads its files from the page cache
     if not (run.stream or run.part or run.resume or run.max_memory):  # the first input is read while torch loads
-        warm_start.begin(checkpoint, options, direct=run.direct_io)
+        warm.begin(checkpoint, options, direct=run.direct_io)
     from ..run.convert import convert
 
     _set_threads(threads)
     progress, close = _progress_bar(quiet or as_json)
     try:
-        result = convert(checkpoint, output, options, run=replace(run, progress=progress))
+        result = convert(checkpoint, output, options, run=replace(run, progress=progress), warm=warm)
     finally:
         close()
+        warm.close()  # convert() closed it already; a no-op then
     if as_json:  # the result, the requantization error report included, as one object
         click.echo(json.dumps(asdict(result), indent=2, default=str))
         return

@@ -28,10 +28,13 @@ from ..source.index import INDEX_NAME
 from ..source.shard_fetch import ShardSource
 from ..storage.lock import OutputLock
 from ..storage.out_dir import OutDir
+from ..storage.preread import Preread
 from ..storage.writer import TEMP_SUFFIX, temp_owner_alive, temp_target
+from ..threads import RunThreads
 from .prepare import PreparedRun, check_locked_output, prepare
 from .scheduler import InputReaders, RunTotals, Scheduler
 from .streaming import HEADERS_FILE, Schedule, StreamFeed, adopt_local_header, save_input_headers
+from .warm_start import WarmStart
 
 
 @dataclass
@@ -66,9 +69,25 @@ def convert(
     options: ConvertOptions | None = None,
     *,
     run: RunOptions | None = None,
+    warm: WarmStart | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at `source` into `output`: `options` say what the output is (the default:
-    bf16), `run` how this run goes (see options.py). Raises Fp8ConvError subclasses on bad input."""
+    bf16), `run` how this run goes (see options.py). Raises Fp8ConvError subclasses on bad input.
+    `warm`: what the CLI started before torch loaded (warm_start.py); its threads become the run's,
+    cancelled and joined when convert() returns or raises."""
+    threads = warm.threads if warm is not None else RunThreads()
+    with threads:  # no thread of the run outlives it
+        return _convert(source, output, options, run, threads, warm.preread if warm is not None else None)
+
+
+def _convert(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    options: ConvertOptions | None,
+    run: RunOptions | None,
+    threads: RunThreads,
+    preread: Preread | None,
+) -> ConvertResult:
     started = time.monotonic()
     options = options or ConvertOptions()
     how = run or RunOptions()  # both checked themselves when made
@@ -82,7 +101,7 @@ def convert(
         if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
             stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
         warnings = list(prep.warnings)  # the plan's and the scales', then what the run finds, in order
-        totals, streamed = _execute(prep, backend, how, stream_check, within, warnings)
+        totals, streamed = _execute(prep, backend, how, stream_check, within, warnings, threads, preread)
         warnings += _exactness_warning(prep.plan, totals.exactness)
         requantization = requant_record({**prep.kept_reports, **totals.requant_errors})  # kept shards' too
         if requantization is not None:  # in the manifest, which the files written last save
@@ -133,21 +152,28 @@ def _execute(
     stream_check: OutputCheck | None,
     within: OutDir,
     warnings: list[str],
+    threads: RunThreads,
+    preread: Preread | None,
 ) -> tuple[RunTotals, dict[str, Any] | None]:
     """The scheduler's run of the plan (with --stream, inside the feed that fetches and evicts shards);
     its totals and, streaming, what was fetched, evicted and waited for. The feed's scale checks add
-    their warnings to `warnings`, the run's own list (never the plan's)."""
+    their warnings to `warnings`, the run's own list (never the plan's). Every thread is stopped and
+    joined before it returns or raises: nothing runs while the output is finished or the lock let go."""
     ckpt, plan, out = prep.ckpt, prep.plan, prep.out
-    readers = InputReaders(ckpt.index, how.direct_io)
+    readers = InputReaders(ckpt.index, how.direct_io, preread)
     streamed: dict[str, Any] | None = None
     with ExitStack() as stack:
         stack.callback(readers.close_all)
+        stack.callback(threads.close)  # before the readers close: no read is running then
         feed: StreamFeed | None = None
         if prep.feed_source is not None and prep.schedule is not None:
-            feed = _stream_feed(ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check, warnings)
-            stack.callback(feed.close)
+            feed = _stream_feed(
+                ckpt, plan, readers, prep.feed_source, prep.schedule, how, stream_check, warnings, threads
+            )
             feed.start()
-        scheduler = Scheduler(ckpt.index, prep.run, backend, readers, how.direct_io, how.progress, how.max_memory)
+        scheduler = Scheduler(
+            ckpt.index, prep.run, backend, readers, how.direct_io, how.progress, how.max_memory, threads=threads
+        )
         ledger = Ledger(plan, prep.kept_reports, scheduler.totals.requant_errors)
         committed = _on_commit(out, prep.manifest, feed, ledger)
         totals = scheduler.run(out, prep.keep | prep.others, feed.wait_for if feed else None, committed, within)
@@ -253,6 +279,7 @@ def _stream_feed(
     how: RunOptions,
     check: OutputCheck | None,
     warnings: list[str],
+    threads: RunThreads,
 ) -> StreamFeed:
     """The hooks --stream adds to a run: a shard's arrival (its own header checked and adopted), an
     output shard's scales checked once its inputs are there (before it is converted), the per-shard
@@ -277,6 +304,7 @@ def _stream_feed(
     return StreamFeed(
         source,
         schedule,
+        threads,
         ahead=how.prefetch,
         evict=how.evict_input,
         arrived=arrived,

@@ -1,5 +1,5 @@
-"""Runs a planned conversion, shard after shard, on the strategy the plan chose for each job. This one
-object owns every thread of a run and the limits on what may wait between them:
+"""Runs a planned conversion, shard after shard, on the strategy the plan chose for each job. Its threads
+are pools of the run's RunThreads (threads.py); this object sets the limits on what may wait between them:
 
   read      1 thread: each job's inputs and a BANDED job's bands, in the order the jobs use them, a
             bounded window ahead (READ_AHEAD bands, one whole job's tensors)
@@ -10,7 +10,8 @@ object owns every thread of a run and the limits on what may wait between them:
 
 At most a few tensors or bands are in memory at once, whatever the checkpoint's size. The first error
 cancels what is queued for the shard, waits for what is running (nothing writes into a buffer or file
-that is going away), removes the partial shard and is raised.
+that is going away; RunThreads.cancel), removes the partial shard and is raised. An earlier shard's commit,
+ahead of this shard's writes on the write thread, is not cancelled: that shard is complete.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,10 @@ from ..rewrite.jobs import run_job
 from ..source.index import CheckpointIndex
 from ..storage.direct_io import aligned_empty, round_up
 from ..storage.out_dir import OutDir
+from ..storage.preread import Preread
 from ..storage.shard_reader import ShardReader, read_capacity
 from ..storage.writer import ShardWriter
+from ..threads import RunPool, RunThreads
 
 WRITE_BEHIND = 2  # jobs whose output may wait for the write thread
 WHOLE_AHEAD = 1  # jobs whose whole tensors may be read ahead of the one being computed
@@ -75,8 +77,9 @@ class RunTotals:
 class InputReaders:
     """A reader per input shard, opened when first needed; closed one by one (--stream evicts) or all."""
 
-    def __init__(self, index: CheckpointIndex, direct: bool) -> None:
-        self.index, self.direct = index, direct
+    def __init__(self, index: CheckpointIndex, direct: bool, preread: Preread | None = None) -> None:
+        """`preread`: bytes warm start read ahead for this run (warm_start.py), handed to every reader."""
+        self.index, self.direct, self.preread = index, direct, preread
         self._open: dict[str, ShardReader] = {}
         self._lock = threading.Lock()  # the read and write threads both open shards
 
@@ -85,7 +88,7 @@ class InputReaders:
         with self._lock:
             if shard_name not in self._open:
                 identity = self.index.shard_of(tensor).header.identity  # the file the plan read
-                self._open[shard_name] = ShardReader(self.index.root / shard_name, self.direct, identity)
+                self._open[shard_name] = ShardReader(self.index.root / shard_name, self.direct, identity, self.preread)
             return self._open[shard_name]
 
     def close(self, shard_name: str) -> None:
@@ -132,8 +135,11 @@ class Scheduler:
         direct_io: bool,
         progress: ProgressCallback | None = None,
         max_memory: int | None = None,
+        threads: RunThreads | None = None,
     ) -> None:
+        """`threads`: the run's (its owner closes them); None: run() starts its own and closes them."""
         self.index, self.plan, self.backend, self.readers = index, plan, backend, readers
+        self.threads = threads
         self.direct_io, self.progress = direct_io, progress
         self.limits = write_limits(max_memory)  # the writer's segments and copy chunk, counted under a cap
         self.fp8_max = plan.options.fp8_max
@@ -144,15 +150,14 @@ class Scheduler:
         self._out_slots = [_OutSlot() for _ in range(OUT_SLOTS)]
         self._bands_computed = 0  # bands handed to compute; a band's output buffer is that % OUT_SLOTS
         self._bands_read = 0  # band reads submitted; a read's input buffer is that % IN_SLOTS
-        # the shard being converted: reads to submit and submitted, writes waiting, all futures issued
+        # the shard being converted: reads to submit and submitted, writes waiting
         self._to_read: deque[tuple[Job, Band | None]] = deque()
         self._reads: deque[_Read] = deque()
         self._writes: deque[Future[None]] = deque()
         self._scale_writes: list[Future[None]] = []
-        self._issued: list[Future[Any]] = []
-        self._read_pool: ThreadPoolExecutor  # the threads, while run() runs
-        self._write_pool: ThreadPoolExecutor
-        self._compute_pool: ThreadPoolExecutor
+        self._read_pool: RunPool  # the pools, while run() runs
+        self._write_pool: RunPool
+        self._compute_pool: RunPool
 
     def run(
         self,
@@ -165,14 +170,13 @@ class Scheduler:
         """Convert every planned shard not in `skip` into `out` (`within`: out opened once, see out_dir).
         before_shard(name): called before a shard starts (--stream waits for its inputs);
         committed(name, sha256): on the write thread, once a shard has its final name."""
-        with ExitStack() as stack:
-            self._read_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-read"))
-            self._write_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-write"))
-            self._compute_pool = stack.enter_context(
-                ThreadPoolExecutor(BAND_WORKERS, thread_name_prefix="fp8conv-band")
-            )
-            self._io_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-io"))
-            self._hash_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fp8conv-hash"))
+        threads = self.threads or RunThreads()
+        try:
+            self._read_pool, self._write_pool = threads.pool("read"), threads.pool("write")
+            self._compute_pool = threads.pool("band", BAND_WORKERS)
+            # a shard's segments: its writer drops its own on abort, the one being committed keeps its own
+            self._io_pool = threads.pool("io", cancellable=False)
+            self._hash_pool = threads.pool("hash", cancellable=False)
             commits: deque[Future[None]] = deque()  # at most one shard's commit overlaps the next shard
             for shard in self.plan.shards:
                 if shard.name in skip:  # finished by an interrupted run, size and hash checked
@@ -192,9 +196,11 @@ class Scheduler:
                 )
                 try:
                     self._shard(shard, writer)
-                    commits.append(self._write_pool.submit(self._commit, writer, shard.name, committed))
-                except BaseException:
-                    self._cancel()
+                    commits.append(self._write_pool.submit_always(self._commit, writer, shard.name, committed))
+                except BaseException as exc:
+                    threads.failed(exc)
+                    threads.cancel()
+                    self._forget_shard()
                     writer.abort()
                     raise
                 finally:
@@ -202,6 +208,9 @@ class Scheduler:
                         commits.popleft().result()
             while commits:
                 commits.popleft().result()
+        finally:
+            if self.threads is None:
+                threads.close()
         return self.totals
 
     @staticmethod
@@ -217,9 +226,6 @@ class Scheduler:
             inputs = self._take(job, None)
             self.totals.count(job, self._execute(job, inputs, writer))
             del inputs  # a whole job's tensors: not held while the next job runs
-            # no compute is running now (a job returns once its bands are computed): the futures done
-            # can go, or a shard's whole-job reads (results included) would stay until its end
-            self._issued = [f for f in self._issued if not f.done()]
             self.done += job.nbytes
             if self.progress:
                 self.progress(self.done, self.plan.output_bytes)
@@ -229,7 +235,6 @@ class Scheduler:
             future.result()
         self._writes.clear()
         self._scale_writes.clear()
-        self._issued.clear()
 
     def _execute(self, job: Job, inputs: dict[str, torch.Tensor], writer: ShardWriter) -> torch.Tensor | None:
         """Run one job on its strategy; the scale it writes, if any."""
@@ -264,14 +269,9 @@ class Scheduler:
             writer.write_tensor(spec.name, tensor)
 
     def _write_behind(self, fn: Callable[..., None], *args: Any) -> None:
-        self._writes.append(self._submit(self._write_pool, fn, *args))
+        self._writes.append(self._write_pool.submit(fn, *args))
         while len(self._writes) > WRITE_BEHIND:
             self._writes.popleft().result()
-
-    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        future = pool.submit(fn, *args)
-        self._issued.append(future)  # list.append: atomic, and compute threads submit writes too
-        return future
 
     def _banded(self, job: Job, inputs: dict[str, torch.Tensor], writer: ShardWriter) -> torch.Tensor | None:
         """Hand each band to the compute threads as its read arrives (bands of one gpt-oss expert share
@@ -300,14 +300,14 @@ class Scheduler:
             slot.wait()  # the band that last used this buffer: computed and written
             out = self._buffer("out", index, rows * k * banded.out_size).view(banded.out_dtype).view(1, rows, k)
             slot.write = None
-            slot.compute = self._submit(self._compute_pool, self._band, banded, w, r0, out, writer, slot)
+            slot.compute = self._compute_pool.submit(self._band, banded, w, r0, out, writer, slot)
             computing.append(slot.compute)
         while computing:  # every band's arithmetic, before the new scale is read
             computing.popleft().result()
         banded.add_exactness(self.totals.exactness)
         if banded.new_scale is not None:  # after the bands, in the write thread's order
             scale_name = job.outputs[1].name
-            self._scale_writes.append(self._submit(self._write_pool, writer.write_tensor, scale_name, banded.new_scale))
+            self._scale_writes.append(self._write_pool.submit(writer.write_tensor, scale_name, banded.new_scale))
         return banded.new_scale
 
     def _band(
@@ -316,7 +316,7 @@ class Scheduler:
         """On a compute thread: one band's arithmetic, then its write handed to the write thread."""
         banded.compute(w, r0, out)
         offset = r0 * banded.row_elements * banded.out_size
-        slot.write = self._submit(self._write_pool, writer.write_part, banded.job.spec.name, offset, out)
+        slot.write = self._write_pool.submit(writer.write_part, banded.job.spec.name, offset, out)
 
     def _reads_of(self, jobs: list[Job]) -> Iterator[tuple[Job, Band | None]]:
         """Every read of a shard, in the order the jobs use them."""
@@ -339,13 +339,13 @@ class Scheduler:
                 return
             self._to_read.popleft()
             if band is None:
-                future = self._submit(self._read_pool, self._read_inputs, job)
+                future = self._read_pool.submit(self._read_inputs, job)
             else:
                 assert band.read is not None
                 room = round_up(read_capacity(band.read.nbytes))
                 buffer = self._buffer("in", self._bands_read % IN_SLOTS, room + read_capacity(band.read.scale_nbytes))
                 self._bands_read += 1
-                future = self._submit(self._read_pool, self._read_band, job, band.read, buffer, room)
+                future = self._read_pool.submit(self._read_band, job, band.read, buffer, room)
             self._reads.append(_Read(job, None if band is None else band.r0, future, whole))
 
     def _take(self, job: Job, r0: int | None) -> Any:
@@ -388,19 +388,10 @@ class Scheduler:
             self._buffers[(kind, slot)] = buf
         return buf[:nbytes]
 
-    def _cancel(self) -> None:
-        """After an error: drop what is queued for the shard and wait for what runs. Two passes: a band
-        computing during the first hands its write on, which the second catches."""
-        for _ in range(2):
-            issued = list(self._issued)
-            for future in issued:
-                future.cancel()
-            for future in issued:
-                if not future.cancelled():
-                    future.exception()
+    def _forget_shard(self) -> None:
+        """After an error, once RunThreads.cancel() has dropped or waited for every task: the shard's state."""
         self._to_read.clear()
         self._reads.clear()
         self._writes.clear()
         self._scale_writes.clear()
-        self._issued.clear()
         self._out_slots = [_OutSlot() for _ in range(OUT_SLOTS)]

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from ..storage.json_file import read_json_object
 from ..storage.out_dir import OutDir
 from ..storage.safetensors_file import ShardHeader
 from ..storage.writer import write_file_atomic
+from ..threads import RunThreads
 
 HEADERS_FILE = Path(".fp8conv") / "input-headers.json"
 SINGLE_FILE = "model.safetensors"
@@ -236,12 +237,14 @@ def adopt_local_header(index: CheckpointIndex, name: str, path: Path) -> None:
 
 class StreamFeed:
     """The prefetch thread, and the after-commit thread (verify a shard, then evict what no output
-    still needs). The conversion calls wait_for(output) before a shard and committed(output) after it."""
+    still needs), both the run's (`threads`: its cancel token stops the fetching, its first error is
+    the feed's). The conversion calls wait_for(output) before a shard and committed(output) after it."""
 
     def __init__(
         self,
         source: ShardSource,
         schedule: Schedule,
+        threads: RunThreads,
         *,
         ahead: int,
         evict: bool,
@@ -260,13 +263,12 @@ class StreamFeed:
         for inputs in schedule.needs.values():
             for name in inputs:
                 self.readers_left[name] += 1
-        self.error: BaseException | None = None
-        self.cancel = threading.Event()
+        self.threads = threads
+        threads.on_cancel(self._wake)
         self.fetched: list[str] = []  # shards actually fetched (not on disk when asked for)
         self.evicted: list[str] = []
         self.waited_s = 0.0  # time the conversion spent waiting for shards
-        self.thread = threading.Thread(target=self._prefetch, name="fp8conv-fetch", daemon=True)
-        self.post = ThreadPoolExecutor(1, thread_name_prefix="fp8conv-after-commit")
+        self.thread: threading.Thread | None = None
         self.posted: list[Future[None]] = []
 
     def start(self) -> None:
@@ -275,17 +277,19 @@ class StreamFeed:
                 if self.source.present(name):
                     self.source.evict(name)
                     self.evicted.append(name)
-        self.thread.start()
+        # a Hub download in flight cannot be interrupted: not waited for past threads.JOIN_TIMEOUT_S
+        self.thread = self.threads.start("fetch", self._prefetch, interruptible=False)
 
     def _prefetch(self) -> None:
+        cancel = self.threads.cancelled
         try:
             for name, first in self.schedule.fetches:
                 with self.cond:
-                    self.cond.wait_for(lambda f=first: self.released >= f - self.ahead or self.cancel.is_set())
-                if self.cancel.is_set():
+                    self.cond.wait_for(lambda f=first: self.released >= f - self.ahead or cancel.is_set())
+                if cancel.is_set():
                     return
                 was_there = self.source.present(name)
-                path = self.source.fetch(name, self.cancel)
+                path = self.source.fetch(name, cancel)
                 if not was_there:
                     self.fetched.append(name)
                 self.arrived(name, path)
@@ -296,9 +300,11 @@ class StreamFeed:
             self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
+        self.threads.failed(exc)
+        self._wake()
+
+    def _wake(self) -> None:
         with self.cond:
-            if self.error is None:
-                self.error = exc
             self.cond.notify_all()
 
     def wait_for(self, output: str) -> None:
@@ -306,16 +312,16 @@ class StreamFeed:
         started = time.monotonic()
         needed = self.schedule.needs[output]
         with self.cond:
-            self.cond.wait_for(lambda: self.error is not None or all(n in self.present for n in needed))
+            self.cond.wait_for(lambda: self.threads.error is not None or all(n in self.present for n in needed))
             self.waited_s += time.monotonic() - started
-            if self.error is not None:
-                raise self.error
+            self.threads.check()
         if self.ready is not None:
             self.ready(output)
 
     def committed(self, output: str) -> None:
         """The output shard is fsynced, renamed and in the manifest (called on the writer thread)."""
-        self.posted.append(self.post.submit(self._release, output))
+        # never cancelled: the shard is complete, its verify and evictions follow (close() waits for them)
+        self.posted.append(self.threads.pool("after-commit").submit_always(self._release, output))
 
     def _release(self, output: str) -> None:
         try:
@@ -335,16 +341,9 @@ class StreamFeed:
             raise
 
     def finish(self) -> None:
-        """Every after-commit step done; raises the first error of either thread."""
+        """Every after-commit step done; raises the run's first error (either thread's)."""
         for future in self.posted:
             future.result()
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        self.cancel.set()
-        with self.cond:
-            self.cond.notify_all()
-        self.post.shutdown(wait=True)
-        self.thread.join(timeout=10)  # a Hub download in flight cannot be interrupted; it is a daemon
+        if self.thread is not None:
+            self.thread.join()
+        self.threads.check()

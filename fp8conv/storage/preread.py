@@ -1,10 +1,10 @@
 """Input bytes read ahead of the run, held in memory until the run's reader asks for them.
 
-warm_start fills this store while torch loads (read()); ShardReader.read hands a read that lies inside
-what was fetched to take(), which copies it from memory; the bytes are the file's, so the output is the
-same. Each piece is dropped as soon as its bytes have been taken, the rest when the run's reader of that
-file closes (forget()). A module of its own so that the reader depends on this store only, not on the
-planning warm_start does.
+warm_start fills a run's store while torch loads (Preread.read()); the run's readers (handed the store:
+InputReaders, ShardReader) give a read that lies inside what was fetched to take(), which copies it from
+memory; the bytes are the file's, so the output is the same. Each piece is dropped as soon as its bytes
+have been taken, the rest when the run's reader of that file closes (forget()). A module of its own so
+that the reader depends on this store only, not on the planning warm_start does.
 """
 
 from __future__ import annotations
@@ -36,86 +36,85 @@ class _Piece:
     taken: int = 0
 
 
-_lock = threading.Lock()
-_pieces: dict[FileKey, dict[int, _Piece]] = {}  # by file, by piece index (offset // PIECE_BYTES)
+class Preread:
+    """One run's store: warm start fills it (read()) while torch loads, the run's readers take from it."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pieces: dict[FileKey, dict[int, _Piece]] = {}  # by file, by piece index (offset // PIECE_BYTES)
 
-def holds(key: FileKey) -> bool:
-    """Anything fetched of this file (a cheap check before take())."""
-    return bool(_pieces.get(key))
+    def holds(self, key: FileKey) -> bool:
+        """Anything fetched of this file (a cheap check before take())."""
+        return bool(self._pieces.get(key))
 
-
-def take(key: FileKey, offset: int, out: memoryview) -> bool:
-    """Fill `out` with the file's bytes from `offset` if they were all fetched; False leaves it to the disk."""
-    end = offset + len(out)
-    if end <= offset:
-        return False
-    spans = range(offset // PIECE_BYTES, (end - 1) // PIECE_BYTES + 1)
-    with _lock:
-        pieces = _pieces.get(key, {})
-        found = [pieces.get(i) for i in spans]
-    whole = all(p is not None for p in found)
-    for piece in found:  # a piece still being read is waited for: its bytes are on their way
-        if piece is not None:
-            piece.ready.wait()
-            data = piece.data
-            whole = whole and data is not None and piece.start + len(data) >= min(end, piece.start + PIECE_BYTES)
-    if whole:
-        for piece in found:
-            assert piece is not None and piece.data is not None
-            lo, hi = max(offset, piece.start), min(end, piece.start + PIECE_BYTES)
-            out[lo - offset : hi - offset] = piece.data[lo - piece.start : hi - piece.start]
-    with _lock:  # bytes read from the disk instead are not asked for again either
-        for i, piece in zip(spans, found, strict=True):
+    def take(self, key: FileKey, offset: int, out: memoryview) -> bool:
+        """Fill `out` with the file's bytes from `offset` if they were all fetched; False leaves it to the disk."""
+        end = offset + len(out)
+        if end <= offset:
+            return False
+        spans = range(offset // PIECE_BYTES, (end - 1) // PIECE_BYTES + 1)
+        with self._lock:
+            pieces = self._pieces.get(key, {})
+            found = [pieces.get(i) for i in spans]
+        whole = all(p is not None for p in found)
+        for piece in found:  # a piece still being read is waited for: its bytes are on their way
             if piece is not None:
-                piece.taken += min(end, piece.start + PIECE_BYTES) - max(offset, piece.start)
-                if piece.taken >= piece.want:
-                    _pieces.get(key, {}).pop(i, None)
-    return whole
+                piece.ready.wait()
+                data = piece.data
+                whole = whole and data is not None and piece.start + len(data) >= min(end, piece.start + PIECE_BYTES)
+        if whole:
+            for piece in found:
+                assert piece is not None and piece.data is not None
+                lo, hi = max(offset, piece.start), min(end, piece.start + PIECE_BYTES)
+                out[lo - offset : hi - offset] = piece.data[lo - piece.start : hi - piece.start]
+        with self._lock:  # bytes read from the disk instead are not asked for again either
+            for i, piece in zip(spans, found, strict=True):
+                if piece is not None:
+                    piece.taken += min(end, piece.start + PIECE_BYTES) - max(offset, piece.start)
+                    if piece.taken >= piece.want:
+                        self._pieces.get(key, {}).pop(i, None)
+        return whole
 
+    def forget(self, key: FileKey) -> None:
+        """The run is done with this file: drop whatever of it is still held."""
+        with self._lock:
+            self._pieces.pop(key, None)
 
-def forget(key: FileKey) -> None:
-    """The run is done with this file: drop whatever of it is still held."""
-    with _lock:
-        _pieces.pop(key, None)
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(len(p.data or b"") for pieces in self._pieces.values() for p in pieces.values())
 
-
-def forget_all() -> None:
-    with _lock:
-        _pieces.clear()
-
-
-def held_bytes() -> int:
-    with _lock:
-        return sum(len(p.data or b"") for pieces in _pieces.values() for p in pieces.values())
-
-
-def read(path: Path, ranges: list[tuple[int, int]], direct: bool) -> None:
-    """Register the pieces of `ranges` first (take() waits for one being read), then read them in order."""
-    fd = os.open(path, os.O_RDONLY)
-    direct_fd = open_direct(path, os.O_RDONLY) if direct else None
-    dfd = -1 if direct_fd is None else direct_fd
-    todo: list[_Piece] = []
-    try:
-        key = file_key(fd)
-        with _lock:
-            pieces = _pieces.setdefault(key, {})
-            for offset, nbytes in ranges:
-                for i in range(offset // PIECE_BYTES, (offset + nbytes - 1) // PIECE_BYTES + 1):
-                    lo, hi = max(offset, i * PIECE_BYTES), min(offset + nbytes, (i + 1) * PIECE_BYTES)
-                    if i not in pieces:
-                        pieces[i] = _Piece(start=i * PIECE_BYTES, want=0)
-                        todo.append(pieces[i])
-                    pieces[i].want += hi - lo
-        for piece in todo:
-            piece.data, dfd = _read_piece(fd, dfd, piece.start)
-            piece.ready.set()
-    finally:
-        for piece in todo:
-            piece.ready.set()  # after a failed read: take() finds no data and leaves it to the disk
-        os.close(fd)
-        if direct_fd is not None:
-            os.close(direct_fd)
+    def read(
+        self, path: Path, ranges: list[tuple[int, int]], direct: bool, cancelled: threading.Event | None = None
+    ) -> None:
+        """Register the pieces of `ranges` first (take() waits for one being read), then read them in
+        order; once `cancelled` is set the rest are left to the disk."""
+        fd = os.open(path, os.O_RDONLY)
+        direct_fd = open_direct(path, os.O_RDONLY) if direct else None
+        dfd = -1 if direct_fd is None else direct_fd
+        todo: list[_Piece] = []
+        try:
+            key = file_key(fd)
+            with self._lock:
+                pieces = self._pieces.setdefault(key, {})
+                for offset, nbytes in ranges:
+                    for i in range(offset // PIECE_BYTES, (offset + nbytes - 1) // PIECE_BYTES + 1):
+                        lo, hi = max(offset, i * PIECE_BYTES), min(offset + nbytes, (i + 1) * PIECE_BYTES)
+                        if i not in pieces:
+                            pieces[i] = _Piece(start=i * PIECE_BYTES, want=0)
+                            todo.append(pieces[i])
+                        pieces[i].want += hi - lo
+            for piece in todo:
+                if cancelled is not None and cancelled.is_set():
+                    break
+                piece.data, dfd = _read_piece(fd, dfd, piece.start)
+                piece.ready.set()
+        finally:
+            for piece in todo:
+                piece.ready.set()  # after a failed or cancelled read: take() finds no data, the disk serves it
+            os.close(fd)
+            if direct_fd is not None:
+                os.close(direct_fd)
 
 
 def _read_piece(fd: int, dfd: int, start: int) -> tuple[memoryview, int]:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..dtypes import ELEMENT_BYTES, torch_dtype
-from . import preread
 from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
 from .input_files import reopen
+from .preread import Preread, file_key
 from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, pread_into
 
 if TYPE_CHECKING:
@@ -30,9 +30,15 @@ def read_capacity(nbytes: int) -> int:
 
 
 class ShardReader:
-    def __init__(self, path: Path, direct: bool = True, identity: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        direct: bool = True,
+        identity: tuple[int, int] | None = None,
+        preread: Preread | None = None,
+    ) -> None:
         """`identity`: the (st_dev, st_ino) the plan's header was read from (input_files.reopen refuses
-        any other file, such as a link swapped in since)."""
+        any other file, such as a link swapped in since). `preread`: the run's bytes read ahead, if any."""
         self.name = path.name
         self.fd = reopen(path, identity, where={"shard": path.name})
         self.direct_fd = open_direct(path, os.O_RDONLY) if direct else None
@@ -40,11 +46,12 @@ class ShardReader:
             os.close(self.direct_fd)  # replaced between the two opens: read only what was checked
             self.direct_fd = None
         self.direct = self.direct_fd is not None  # False once the filesystem turns a direct read down
-        self.key = preread.file_key(self.fd)
+        self.key = file_key(self.fd)
+        self.preread = preread
 
     def close(self) -> None:
-        if self.fd >= 0:
-            preread.forget(self.key)
+        if self.fd >= 0 and self.preread is not None:
+            self.preread.forget(self.key)
         for fd in (self.fd, self.direct_fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
@@ -57,7 +64,12 @@ class ShardReader:
             buffer = aligned_empty(read_capacity(nbytes))
         if buffer.numel() < read_capacity(nbytes) or buffer.data_ptr() % ALIGN:
             raise ValueError("read buffer is too small or not aligned")
-        if preread.holds(self.key) and preread.take(self.key, offset, as_writable_memoryview(buffer[:nbytes])):
+        store = self.preread
+        if (
+            store is not None
+            and store.holds(self.key)
+            and store.take(self.key, offset, as_writable_memoryview(buffer[:nbytes]))
+        ):
             return buffer[:nbytes]  # read while torch was loading
         if not self.direct or nbytes < DIRECT_MIN_BYTES:
             out = buffer[:nbytes]

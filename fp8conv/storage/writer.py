@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
 
 from ..dtypes import ELEMENT_BYTES
 from ..errors import OutputError
+from ..threads import settle
 from .direct_io import ALIGN, aligned_empty, open_direct, round_up
 from .out_dir import OutDir, TempFile
 from .safetensors_file import TensorEntry, as_writable_memoryview
@@ -429,13 +430,9 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Let this shard's running writes and hashes finish (queued ones are dropped), remove the file."""
+        # the io and hash pools are shared with the shard being committed: only this shard's own are dropped
         futures = [f for _, fs in self._inflight for f in fs]
-        futures += [w for _, w in self.hash.waiting.values() if w is not None]
-        for future in futures:
-            future.cancel()
-        for future in futures:
-            if not future.cancelled():
-                future.exception()
+        settle(futures + [w for _, w in self.hash.waiting.values() if w is not None])
         self._release_all()
         self.file.abort()
 
