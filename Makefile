@@ -56,11 +56,11 @@ engine-test: setup $(ENGINE_STAMP)
 # models, the CPU backend's parity with the reference, vLLM's CPU FP8 kernels. AVX2_TESTS=tests AVX2_K= runs
 # the whole main suite so.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FP8CONV_VLLM_CPU=avx2
-AVX2_TESTS ?= tests/test_engines.py tests/test_padding_families.py tests/test_families_independent.py
+AVX2_TESTS ?= tests/cli/test_engines.py tests/plan/test_padding_families.py tests/model/test_families_independent.py
 AVX2_K ?= not test_families_independent or test_block_padded and 4]
 test-avx2: setup $(ENGINE_STAMP)
 	$(AVX2_ENV) $(PY) -c "import sys, torch; c = torch.backends.cpu.get_cpu_capability(); sys.exit(0 if c == 'AVX2' else f'torch runs {c} kernels here, not AVX2')"
-	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_backend.py -k cpu
+	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/backends/test_backend.py -k cpu
 	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS) -k '$(AVX2_K)'
 	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests_engine -k 'load_only or computed_by_vllm_where'
 
@@ -80,7 +80,7 @@ kernel: setup
 GPU_PY ?= python3
 gpu-check:
 	$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_backend.py
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/backends/test_backend.py
 	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/kernel.py --json bench/kernel-cuda.json
 	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/bench.py --sizes 1 --reps 2 --no-baselines --device cuda --work /tmp/fp8conv-bench
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .synthetic import TinyCheckpoint, build_tiny_deepseek
+from tests.support.synthetic import TinyCheckpoint, build_tiny_deepseek
 
 _counter = itertools.count()
 

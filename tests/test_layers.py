@@ -155,3 +155,21 @@ def test_docs_layout_names_every_package_in_layer_order() -> None:
     positions = [text.find(f"\n  {p}/ ") for p in packages]  # the tree, one package a line
     assert -1 not in positions, [p for p, at in zip(packages, positions, strict=True) if at == -1]
     assert positions == sorted(positions)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_tests_mirror_the_packages_and_share_only_through_support() -> None:
+    """Each test folder is a package of fp8conv (or support/); code shared between tests lives in
+    tests/support, and no test module imports another test module."""
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders - {"support"} <= {names[0] for names in LAYERS} and "support" in folders
+    loose = [p.name for p in TESTS.rglob("*.py") if not p.name.startswith(("test_", "__init__", "conftest"))]
+    assert sorted(n for n in loose if not (TESTS / "support" / n).exists()) == []
+    imports_tests = []
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1].startswith("test_"):
+                imports_tests.append(f"{path.relative_to(TESTS)}:{node.lineno} imports {node.module}")
+    assert imports_tests == []

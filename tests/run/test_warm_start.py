@@ -1,0 +1,163 @@
+"""warm_start: the CLI reads the run's first input bytes while torch loads; the run takes them from memory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fp8conv import convert
+from fp8conv.cli.commands import main
+from fp8conv.model.classify import classify
+from fp8conv.plan.conversion import ConvertOptions, plan_conversion
+from fp8conv.run import warm_start
+from fp8conv.source.checkpoint import open_checkpoint
+from fp8conv.storage import preread
+from fp8conv.storage.preread import Preread
+from fp8conv.storage.shard_reader import ShardReader
+from tests.support.synthetic import build_tiny_deepseek
+
+PIECE = 4096
+
+
+def _fetch(path: Path, limit: int) -> Preread:
+    """What warm start reads ahead for a bf16 run of `path`, in a store of its own."""
+    warm = warm_start.WarmStart()
+    thread = warm.begin(str(path), ConvertOptions("bf16"), limit=limit)
+    assert thread is not None
+    thread.join()
+    warm.close()
+    return warm.preread
+
+
+def _first_shard_reads(path: Path) -> list[tuple[Path, object, int, int]]:
+    """The reads a run makes of its first output shard's inputs, in 1000-byte steps (across pieces)."""
+    ckpt = open_checkpoint(path)
+    plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config), ConvertOptions("bf16"))
+    reads = []
+    for job in plan.shards[0].jobs:
+        entry = ckpt.index.entry(job.source)
+        shard = ckpt.index.root / ckpt.index.shard_of(job.source).name
+        reads += [
+            (shard, entry, o, min(1000, entry.start + entry.nbytes - o))
+            for o in range(entry.start, entry.start + entry.nbytes, 1000)
+        ]
+    return reads
+
+
+def _count_takes(monkeypatch) -> list[bool]:
+    """What each take() answered (True: served from memory)."""
+    answers: list[bool] = []
+    real_take = Preread.take
+
+    def take(*args) -> bool:
+        answers.append(real_take(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(Preread, "take", take)
+    return answers
+
+
+def test_reads_inside_the_fetched_bytes_come_from_memory_and_are_the_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    store = _fetch(ckpt, limit=6 * PIECE)
+    held = store.held_bytes()
+    assert 0 < held <= 6 * PIECE
+    served = _count_takes(monkeypatch)
+    readers: dict[Path, ShardReader] = {}
+    for shard, entry, offset, n in _first_shard_reads(ckpt):
+        reader = readers.setdefault(shard, ShardReader(shard, direct=True, preread=store))
+        with open(shard, "rb") as f:
+            f.seek(offset)
+            expected = f.read(n)
+        assert bytes(reader.read(entry, offset, n).numpy()) == expected, (shard.name, entry.name, offset)
+    assert sum(served) * 1000 >= held - 2 * PIECE  # nearly every fetched byte was taken from memory
+    assert store.held_bytes() == 0  # each piece dropped once its bytes were taken
+    for reader in readers.values():
+        reader.close()
+
+
+def _overwrite_keeping_identity(shard: Path, offset: int, n: int) -> bytes:
+    """Put other bytes at [offset, offset + n) of `shard`, its size and mtime as before (the store's key
+    for it unchanged); the bytes it held there."""
+    st = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        before = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in before))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return before
+
+
+def test_a_read_is_served_from_the_runs_store_not_the_disk_nor_another_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    store = _fetch(ckpt, limit=2 * PIECE)
+    shard, entry, offset, n = _first_shard_reads(ckpt)[0]
+    fetched = _overwrite_keeping_identity(shard, offset, n)  # what the disk holds differs from the store now
+    on_disk = bytes(b ^ 0xFF for b in fetched)
+    other = ShardReader(shard, preread=Preread())  # another run's store: empty, whatever this one holds
+    assert bytes(other.read(entry, offset, n).numpy()) == on_disk
+    other.close()
+    alone = ShardReader(shard)  # a reader handed no store reads the disk
+    assert bytes(alone.read(entry, offset, n).numpy()) == on_disk
+    alone.close()
+    assert store.held_bytes() > 0  # neither took from this run's store
+    reader = ShardReader(shard, preread=store)
+    assert bytes(reader.read(entry, offset, n).numpy()) == fetched
+    reader.close()
+    assert store.held_bytes() == 0  # a closed reader's file is forgotten
+
+
+def test_a_file_changed_since_is_read_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    store = _fetch(ckpt, limit=2 * PIECE)
+    shard = _first_shard_reads(ckpt)[0][0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    reader = ShardReader(shard, preread=store)
+    assert store.held_bytes() > 0 and not store.holds(reader.key)
+    reader.close()
+
+
+@pytest.mark.parametrize("target", ["bf16", "channel"])
+def test_convert_cli_output_is_the_same_with_the_bytes_fetched_ahead(tmp_path, monkeypatch, target):
+    ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
+    served = _count_takes(monkeypatch)
+    cli_out, lib_out = tmp_path / "cli", tmp_path / "lib"
+    r = CliRunner().invoke(main, ["convert", str(ckpt), "--to", target, "-o", str(cli_out), "-q"])
+    assert r.exit_code == 0, r.output
+    assert any(served), "the CLI run took nothing from what was fetched ahead"
+    served.clear()
+    convert(ckpt, lib_out, ConvertOptions(to=target))  # the library alone fetches nothing ahead
+    assert not any(served)
+    names = sorted(p.name for p in lib_out.glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in cli_out.glob("*.safetensors"))
+    for name in names:
+        assert (cli_out / name).read_bytes() == (lib_out / name).read_bytes(), name
+
+
+def test_nothing_is_fetched_for_a_missing_path(tmp_path):
+    assert warm_start.WarmStart().begin(str(tmp_path / "nope"), ConvertOptions("bf16")) is None
+
+
+def test_the_page_cache_probe_tells_cached_from_not(tmp_path):
+    """warm_torch hints nothing when torch's files are cached; the probe must see the difference."""
+    path = tmp_path / "file"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages, written back: dropped
+    os.close(fd)
+    assert not warm_start._cached(path)
+    path.read_bytes()
+    assert warm_start._cached(path)
+    assert not warm_start._cached(tmp_path / "missing")
