@@ -173,3 +173,27 @@ def test_tests_mirror_the_packages_and_share_only_through_support() -> None:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1].startswith("test_"):
                 imports_tests.append(f"{path.relative_to(TESTS)}:{node.lineno} imports {node.module}")
     assert imports_tests == []
+
+
+def _private_uses(path: Path) -> list[str]:
+    """fp8conv's private names a test takes: imported by name, or read off a module it imported."""
+    tree = ast.parse(path.read_text())
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp8conv"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{path.name}:{node.lineno} imports {a.name}")
+                elif (PACKAGE.joinpath(*node.module.split(".")[1:]) / f"{a.name}.py").exists():
+                    modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name.startswith("fp8conv.") and a.asname}
+    for node in ast.walk(tree):
+        named = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+        if named and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_test_takes_a_private_name_of_the_package() -> None:
+    assert [u for path in TESTS.rglob("*.py") for u in _private_uses(path)] == []

@@ -60,7 +60,7 @@ def open_stream(
         )
     root = hub.snapshot(location, revision, weights=False)
     source = HubShardSource(location, revision, root)
-    saved = _saved_headers(resume_from, source) if resume_from is not None else {}
+    saved = saved_headers(resume_from, source) if resume_from is not None else {}
     return open_with_headers(root, _hub_headers(location, root, source, saved)), source
 
 
@@ -86,7 +86,7 @@ def header_document(h: ShardHeader) -> dict[str, Any]:
     return doc
 
 
-def _saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
+def saved_headers(out: Path, source: HubShardSource) -> dict[str, ShardHeader]:
     """Headers an interrupted run of the same repo and commit saved, validated as a shard's own are
     (header.parse_header); every fetched shard is still checked against them. Missing, or of another
     repo, commit or fp8conv version: read again. A damaged one (fp8conv wrote it) is refused by name."""

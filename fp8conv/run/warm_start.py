@@ -77,7 +77,7 @@ class WarmStart:
         GIL). The walk stops when the run is cancelled."""
         tag = f".{sys.implementation.cache_tag}."
         probes = (f"__pycache__/__init__{tag}pyc", f"_decomp/__pycache__/decompositions{tag}pyc")
-        if not even_if_cached and all(_cached(root / p) for p in probes):
+        if not even_if_cached and all(page_cached(root / p) for p in probes):
             return
         found: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         for _ in range(TORCH_HINT_THREADS):
@@ -102,7 +102,7 @@ class WarmStart:
                 self.preread.read(path, ranges, direct, self.threads.cancelled)
 
 
-def _cached(path: Path) -> bool:
+def page_cached(path: Path) -> bool:
     """Whether the first byte of `path` is in the page cache: a read that may not wait for the disk."""
     try:
         fd = os.open(path, os.O_RDONLY)

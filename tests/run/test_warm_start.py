@@ -157,7 +157,7 @@ def test_the_page_cache_probe_tells_cached_from_not(tmp_path):
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages, written back: dropped
     os.close(fd)
-    assert not warm_start._cached(path)
+    assert not warm_start.page_cached(path)
     path.read_bytes()
-    assert warm_start._cached(path)
-    assert not warm_start._cached(tmp_path / "missing")
+    assert warm_start.page_cached(path)
+    assert not warm_start.page_cached(tmp_path / "missing")

@@ -333,7 +333,7 @@ def test_every_lie_is_refused_on_the_saved_path(tmp_path, header, size, match):
     """--stream --resume's saved headers: validated as a shard's own, refused in one line naming the file."""
     from types import SimpleNamespace
 
-    from fp8conv.run.streaming import HEADERS_FILE, _saved_headers
+    from fp8conv.run.streaming import HEADERS_FILE, saved_headers
 
     out = tmp_path / "out"
     (out / HEADERS_FILE).parent.mkdir(parents=True)
@@ -341,17 +341,17 @@ def test_every_lie_is_refused_on_the_saved_path(tmp_path, header, size, match):
     (out / HEADERS_FILE).write_text(json.dumps(doc))
     source = SimpleNamespace(repo_id=REPO, commit=COMMIT)
     with pytest.raises(OutputError, match=match) as refused:
-        _saved_headers(out, source)
+        saved_headers(out, source)
     line = refused.value.one_line()
     assert "input-headers.json: holds a" in line and len(line.splitlines()) == 1
     assert "damaged saved header (tensor 'w' in model.safetensors" in line or "surrogate" in line  # JSON-level
     doc["headers"] = {"../x.safetensors": GOOD}
     (out / HEADERS_FILE).write_text(json.dumps(doc))
     with pytest.raises(OutputError, match=r"not a \.safetensors file inside the checkpoint"):
-        _saved_headers(out, source)
+        saved_headers(out, source)
     doc["headers"] = {"model.safetensors": GOOD}
     (out / HEADERS_FILE).write_text(json.dumps(doc))
-    assert _saved_headers(out, source)["model.safetensors"].tensors["w"].nbytes == 16
+    assert saved_headers(out, source)["model.safetensors"].tensors["w"].nbytes == 16
 
 
 # --- nothing to write; scales that overflow -----------------------------------------------------------
