@@ -707,7 +707,8 @@ def _width_problems(
     problems = input_width_problems(ckpt, cls)
     if problems or config is None:
         return problems
-    outputs = ((o.name, o.shape, s.name) for s in shards for j in s.jobs for o in j.outputs)
+    # each job's weight: its scales and companions are no MLP role's tensors (their grids are no widths)
+    outputs = ((j.spec.name, j.spec.shape, s.name) for s in shards for j in s.jobs)
     return width_disagreements(
         config,
         outputs,

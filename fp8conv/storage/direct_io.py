@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,3 +50,31 @@ def open_direct(path: Path, flags: int) -> int | None:
         if exc.errno == errno.EINVAL:  # the filesystem has no direct I/O
             return None
         raise
+
+
+def read_into(fd: int, view: memoryview, offset: int) -> int:
+    """One pread into `view`: direct_transfer's op for reads."""
+    return os.preadv(fd, [view], offset)
+
+
+def direct_transfer(
+    op: Callable[[int, memoryview, int], int], fd: int, view: memoryview, offset: int
+) -> tuple[int, bool]:
+    """The one direct-I/O loop: all of `view` (whole ALIGN units) moved by `op` (read_into, or os.pwrite)
+    between it and the O_DIRECT descriptor `fd` at the aligned `offset`. It stops early at a transfer of 0
+    or of part of an ALIGN unit: for a read the end of the file (the caller says whether that is an
+    error), for a write the rest goes through the page cache. Returns (bytes moved, direct I/O still
+    usable): False when the filesystem turned it down (EINVAL: it wants more alignment), and the caller
+    then sends this and every later transfer through the page cache."""
+    done = 0
+    try:
+        while done < len(view):
+            n = op(fd, view[done:], offset + done)
+            done += n
+            if n == 0 or n % ALIGN:
+                break
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return done, False
+    return done, True

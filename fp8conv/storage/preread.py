@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .direct_io import ALIGN, open_direct
+from .direct_io import direct_transfer, open_direct, read_into
 
 PIECE_BYTES = 4 * 2**20  # unit of fetching and of release; ALIGN-aligned file offsets
 
@@ -122,16 +122,11 @@ def _read_piece(fd: int, dfd: int, start: int) -> tuple[memoryview, int]:
     descriptor to use next (-1 once the filesystem turned a direct read down)."""
     buf = memoryview(mmap.mmap(-1, PIECE_BYTES))  # anonymous maps are page-aligned, as O_DIRECT wants
     done = 0
-    while done < PIECE_BYTES:
-        try:
-            n = os.preadv(dfd if dfd >= 0 else fd, [buf[done:]], start + done)
-        except OSError:
-            if dfd < 0:
-                raise
-            dfd = -1  # the filesystem wants more alignment of a direct read: the page cache from here
-            continue
-        if n == 0 or (dfd >= 0 and n % ALIGN):  # a short direct read ends at the end of the file
-            done += n
-            break
+    if dfd >= 0:
+        done, usable = direct_transfer(read_into, dfd, buf, start)
+        if usable:  # all of it, or a short read: the end of the file
+            return buf[:done], dfd
+        dfd = -1  # the filesystem wants more alignment of a direct read: the page cache from here
+    while done < PIECE_BYTES and (n := os.preadv(fd, [buf[done:]], start + done)):
         done += n
     return buf[:done], dfd

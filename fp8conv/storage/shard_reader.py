@@ -7,13 +7,12 @@ wait for the disk on its own.
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..dtypes import ELEMENT_BYTES, torch_dtype
-from .direct_io import ALIGN, aligned_empty, open_direct, round_down, round_up
+from .direct_io import ALIGN, aligned_empty, direct_transfer, open_direct, read_into, round_down, round_up
 from .input_files import reopen
 from .preread import Preread, file_key
 from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, pread_into
@@ -75,25 +74,18 @@ class ShardReader:
             out = buffer[:nbytes]
             pread_into(self.fd, as_writable_memoryview(out), offset, entry, self.name)
             return out
-        try:
-            return self._read_direct(entry, offset, nbytes, buffer)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # the filesystem wants more alignment: the page cache from now on
-                raise
-            self.direct = False
-            return self.read(entry, offset, nbytes, buffer)
+        return self._read_direct(entry, offset, nbytes, buffer)
 
     def _read_direct(self, entry: TensorEntry, offset: int, nbytes: int, buffer: torch.Tensor) -> torch.Tensor:
         assert self.direct_fd is not None
         start = round_down(offset)
         head, need = offset - start, offset + nbytes - start
         view = as_writable_memoryview(buffer[: round_up(offset + nbytes) - start])
-        done = 0
-        while done < need:
-            n = os.preadv(self.direct_fd, [view[done:]], start + done)
-            done += n
-            if n == 0 or (n % ALIGN and done < need):  # a short direct read is the end of the file
-                raise file_ended(entry, self.name)
+        done, self.direct = direct_transfer(read_into, self.direct_fd, view, start)
+        if not self.direct:  # the filesystem wants more alignment: the page cache from now on
+            return self.read(entry, offset, nbytes, buffer)
+        if done < need:  # a short direct read is the end of the file
+            raise file_ended(entry, self.name)
         return buffer[head : head + nbytes]
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:

@@ -6,7 +6,6 @@ reader never sees a half-written file under its final name.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
 from ..dtypes import ELEMENT_BYTES
 from ..errors import OutputError
 from ..threads import settle
-from .direct_io import ALIGN, aligned_empty, open_direct, round_up
+from .direct_io import aligned_empty, direct_transfer, open_direct, round_up
 from .out_dir import OutDir, TempFile
 from .safetensors_file import TensorEntry, as_writable_memoryview
 from .shard_reader import ShardReader, read_capacity
@@ -274,17 +273,10 @@ class ShardFile:
         page cache."""
         done = 0
         if self.direct_fd is not None and self.direct:
-            padded = round_up(length)
-            try:
-                while done < padded:
-                    n = os.pwrite(self.direct_fd, view[done:padded], offset + done)
-                    done += n
-                    if n % ALIGN:  # an unaligned short write: the rest through the page cache
-                        break
+            try:  # a short write leaves the rest to the page cache; EINVAL, every later write too
+                done, self.direct = direct_transfer(os.pwrite, self.direct_fd, view[: round_up(length)], offset)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise _output_error(exc, self.final_path) from exc
-                self.direct = False
+                raise _output_error(exc, self.final_path) from exc
             done = min(done, length)
         self.write(view[done:length], offset + done)
 
