@@ -110,7 +110,10 @@ class RunJob(Job):
 
     @classmethod
     def of(cls, job: Job, strategy: Strategy, band_rows: int = 0) -> RunJob:
-        return cls(**{f.name: getattr(job, f.name) for f in fields(Job)}, strategy=strategy, band_rows=band_rows)
+        return cls(**{name: getattr(job, name) for name in _JOB_FIELDS}, strategy=strategy, band_rows=band_rows)
+
+
+_JOB_FIELDS = tuple(f.name for f in fields(Job))  # once: a release has 100k jobs
 
 
 @dataclass(frozen=True)
