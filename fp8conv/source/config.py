@@ -85,31 +85,7 @@ def _without_quantization(config: dict[str, Any]) -> dict[str, Any]:
 def rewrite_for_channel(config: dict[str, Any], ignore: list[str], fp8_dtype_flavor: str | None) -> dict[str, Any]:
     """compressed-tensors FP8_DYNAMIC: channel-wise FP8 weights, dynamic per-token FP8 activations."""
     out = _without_quantization(config)
-    quant: dict[str, Any] = {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": "channel",
-                    "symmetric": True,
-                    "dynamic": False,
-                },
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": "token",
-                    "symmetric": True,
-                    "dynamic": True,
-                },
-            }
-        },
-        "ignore": ignore,
-    }
+    quant = _compressed_tensors_fp8({"strategy": "channel"}, {"strategy": "token"}, {}, ignore)
     if fp8_dtype_flavor:
         # vllm-gaudi reads this and does not rescale 240-range weights a second time on Gaudi2
         quant["fp8_dtype_flavor"] = fp8_dtype_flavor
@@ -120,6 +96,16 @@ def rewrite_for_channel(config: dict[str, Any], ignore: list[str], fp8_dtype_fla
 def compressed_tensors_block(block: tuple[int, int], ignore: list[str]) -> dict[str, Any]:
     """compressed-tensors FP8_BLOCK (llm-compressor's preset): block FP8 weights with `weight_scale`
     grids, dynamic per-group activations; what a Mistral-native params.json can say for block FP8."""
+    weights, activations = {"strategy": "block"}, {"strategy": "group", "group_size": block[1]}
+    return _compressed_tensors_fp8(weights, activations, {"block_structure": list(block)}, ignore)
+
+
+def _compressed_tensors_fp8(
+    weights: dict[str, Any], activations: dict[str, Any], weights_after: dict[str, Any], ignore: list[str]
+) -> dict[str, Any]:
+    """One compressed-tensors float-quantized group of FP8 Linears; the keys in llm-compressor's order
+    (strategy fields before symmetric/dynamic, `weights_after` last)."""
+    fp8 = {"num_bits": 8, "type": "float"}
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -127,22 +113,8 @@ def compressed_tensors_block(block: tuple[int, int], ignore: list[str]) -> dict[
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": "block",
-                    "symmetric": True,
-                    "dynamic": False,
-                    "block_structure": list(block),
-                },
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": "group",
-                    "group_size": block[1],
-                    "symmetric": True,
-                    "dynamic": True,
-                },
+                "weights": {**fp8, **weights, "symmetric": True, "dynamic": False, **weights_after},
+                "input_activations": {**fp8, **activations, "symmetric": True, "dynamic": True},
             }
         },
         "ignore": ignore,
