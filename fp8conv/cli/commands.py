@@ -6,22 +6,19 @@ import json
 import os
 import re
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from ..backends import DEVICES
-from ..check.inspect_report import InspectReport, inspect
+from ..check.inspect_report import inspect
 from ..dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from ..errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
 from ..options import (
-    DEFAULT_BLOCK,
     DEFAULT_DEVICE,
     DEFAULT_DTYPE,
     DEFAULT_PREFETCH,
@@ -34,17 +31,12 @@ from ..options import (
 from ..output.finish import finalize, parse_part
 from ..output.requant_report import summary_line
 from ..run import warm_start
-from ..run.prepare import check_locked_output, check_output_empty
-from ..storage.lock import LOCK_DIR, OutputLock
-from ..storage.out_dir import OutDir, check_output_path
-from .workers import WORKER_COMMAND, bind_to_parent, failure_line, start_worker
+from .render import convert_summary, render_plan, render_report
+from .workers import WORKER_COMMAND, bind_to_parent, run_workers
 
 if TYPE_CHECKING:
     from ..check.verify import VerifyResult
     from ..run.convert import ConvertResult
-    from ..run.dry_run import PlanSummary
-
-PARTIAL_LINES = 12  # a real checkpoint has hundreds; --json has them all
 
 
 def _parse_block_size(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
@@ -119,61 +111,7 @@ def inspect_command(
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        click.echo(_render_report(report))
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def _render_report(r: InspectReport) -> str:
-    block = f"{r.block_size[0]}x{r.block_size[1]} (from {r.block_size_from})" if r.block_size else "none"
-    if r.mxfp8_groups:  # MXFP8 has scale groups, not blocks: "none" alone would read as unquantized
-        groups = ", ".join(f"{g[0]}x{g[1]}" for g in r.mxfp8_groups)
-        mx = f"{groups} groups (MXFP8: one E8M0 scale per {r.mxfp8_groups[0][1]} values of a row)"
-        block = f"{block}; MXFP8 weights in {mx}" if r.block_size else mx
-    lines = [
-        f"checkpoint:    {r.source}",
-        f"format:        {r.format}",
-        f"quant_method:  {r.quant_method or 'none'}",
-        f"block size:    {block}",
-        f"shards:        {r.shards}   tensors: {r.tensors}   size: {_gib(r.total_bytes)} ({r.total_bytes} bytes)",
-        "formats:       " + ", ".join(f"{k} {v}" for k, v in r.formats.items()),
-        "dtypes:        " + ", ".join(f"{k} {v}" for k, v in r.dtypes.items()),
-        "output size:   " + ", ".join(f"--to {k} ~{_gib(v)}" for k, v in r.estimated_output_bytes.items()),
-    ]
-    mtp = ", ".join([str(i) for i in r.mtp_layers] + r.mtp_modules) or "none"
-    lines.append(
-        f"MTP layers:    {mtp}" + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
-    )
-    lines.append(f"partial blocks: {len(r.partial_block_tensors)} tensor(s)")
-    for t in r.partial_block_tensors[:PARTIAL_LINES]:
-        lines.append(f"  {t.name} {t.shape} -> grid {t.grid} of {t.block[0]}x{t.block[1]} blocks")
-    if len(r.partial_block_tensors) > PARTIAL_LINES:
-        lines.append(f"  ... and {len(r.partial_block_tensors) - PARTIAL_LINES} more (--json lists them all)")
-    block = f"{r.block_size[0]}x{r.block_size[1]}" if r.block_size else "{}x{}".format(*DEFAULT_BLOCK)
-    lines.append(f"tensor parallel: MLP widths that do not split into whole {block} blocks per rank")
-    for tp, bad in r.tp_indivisible.items():
-        lines.append(f"  TP={tp:<3} " + ("ok" if not bad else "not divisible: " + "; ".join(bad)))
-        for roles, size in r.padded_output_bytes.get(tp, {}).items():
-            lines.append(f"          --pad-for-tp {tp} --pad-roles {roles}: --to block ~{_gib(size)}")
-    if any(r.tp_indivisible.values()):
-        lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
-    if r.deepgemm_ready is not None:
-        lines.append(f"DeepGEMM-ready: {r.deepgemm_ready}")
-    if r.not_converted_unmatched:
-        lines.append(
-            f"not converted: {r.not_converted_entries} entries listed, "
-            f"{len(r.not_converted_unmatched)} match no tensor:"
-        )
-        lines += [f"  {e}" for e in r.not_converted_unmatched[:PARTIAL_LINES]]
-        if len(r.not_converted_unmatched) > PARTIAL_LINES:
-            lines.append(f"  ... and {len(r.not_converted_unmatched) - PARTIAL_LINES} more (--json lists them all)")
-    read = "" if r.scales_read else " (from the headers; --scales reads the scale tensors too)"
-    lines.append(f"problems:      {len(r.problems) or 'none'}{read}")
-    lines += [f"  {p}" for p in r.problems]
-    lines += [f"warning: {w}" for w in r.warnings]
-    return "\n".join(lines)
+        click.echo(render_report(report))
 
 
 def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
@@ -407,7 +345,7 @@ def _convert_with_workers(
     quiet: bool,
     verify_after: bool,
 ) -> None:
-    _run_workers(checkpoint, output, options, workers, threads or 1, quiet)
+    run_workers(checkpoint, output, options, workers, threads or 1, quiet)
     if verify_after:
         from ..check.verify import verify
 
@@ -453,41 +391,7 @@ def _print_plan(
         click.echo(json.dumps(summary.to_dict(), indent=2))
         return
     _echo_warnings(summary.warnings, summary.files_skipped, "would not be")
-    click.echo(_render_plan(summary))
-
-
-def _strategy_text(counts: dict[str, int]) -> str:
-    return ", ".join(f"{name} {n}" for name, n in counts.items()) or "no jobs"
-
-
-def _render_plan(p: PlanSummary) -> str:
-    converted = [s for s in p.shards if s.state == "convert"]
-    lines = [
-        f"plan for {p.output} (--to {p.target}), nothing written (--dry-run): {len(converted)} shard(s) to write, "
-        f"{p.tensors} tensor(s), {_gib(p.nbytes)} ({p.nbytes} bytes)"
-    ]
-    width = max((len(s.name) for s in p.shards), default=0)
-    for s in p.shards:
-        where = f"  part {s.part}" if s.part is not None else ""
-        state = "" if s.state == "convert" else f"  ({s.state}, not written by this run)"
-        jobs = _strategy_text(s.strategies)
-        lines.append(f"  {s.name:<{width}}  {s.tensors} tensor(s)  {_gib(s.nbytes)}  {jobs}{where}{state}")
-    lines.append(f"jobs by strategy: {_strategy_text(p.strategies)}")
-    memory = [f"~{_gib(p.process_bytes)} for the process", f"~{_gib(p.writer_bytes)} for the writer's buffers"]
-    if p.band_bytes:
-        memory.append(f"~{_gib(p.band_bytes)} of bands of {p.band_elements} elements")
-    if p.largest_held:
-        name, why, nbytes = p.largest_held
-        memory.append(f"~{_gib(nbytes)} for {name}, which {why}")
-    cap = f"; --max-memory {_gib(p.max_memory)}" if p.max_memory else ""
-    lines.append("memory (what --max-memory is checked against, not a peak): " + ", ".join(memory) + cap)
-    last = [name for name, yes in (("config.json", p.writes_config), ("the index", p.writes_index)) if yes]
-    lines.append(
-        f"other files: {len(p.files_copied)} copied, {len(p.files_rewritten)} rewritten, "
-        f"{len(p.files_skipped)} not copied" + (f"; {' and '.join(last)} written last" if last else "")
-    )
-    lines.append("not checked by --dry-run: " + "; ".join(p.not_checked))
-    return "\n".join(lines)
+    click.echo(render_plan(summary))
 
 
 def _set_threads(threads: int | None) -> None:
@@ -509,7 +413,7 @@ def _echo_warnings(warnings: list[str], files_skipped: list[tuple[str, str]], ve
 def _report_convert(result: ConvertResult, quiet: bool) -> None:
     _echo_warnings(result.warnings, result.files_skipped, "was not")
     if not quiet:
-        click.echo(_summary(result))
+        click.echo(convert_summary(result))
         requantized = summary_line(result.requantization)
         if requantized:
             click.echo(requantized)
@@ -522,22 +426,6 @@ def _report_convert(result: ConvertResult, quiet: bool) -> None:
         _report_verify(result.verified)
 
 
-def _summary(result: ConvertResult) -> str:
-    """What this process did: a part reports its own shards, tensors, bytes and rate, not the run's."""
-    rate = result.bytes_written / max(result.seconds, 1e-9) / 2**20
-    kept = f" ({len(result.shards_kept)} kept from an earlier run)" if result.shards_kept else ""
-    work = (
-        f"{len(result.shards)} shard(s){kept}, {result.tensors_converted} tensor(s) converted, "
-        f"{result.tensors_copied} copied"
-    )
-    written = f"{_gib(result.bytes_written)} written in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
-    if result.part is None:
-        return f"wrote {result.output}: {work}, {len(result.files_copied)} other file(s) copied, {written}"
-    i, n = result.part
-    state = "all parts done, finalized" if result.finalized else "other parts unfinished; the last to finish finalizes"
-    return f"wrote part {i}/{n} of {result.output}: {work}, {written}; {state}"
-
-
 def parse_size(text: str) -> int:
     units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), flags=re.IGNORECASE)
@@ -546,54 +434,10 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2).upper()])
 
 
-def _run_workers(
-    checkpoint: str, output: str, options: ConvertOptions, parts: list[RunOptions], threads: int, quiet: bool
-) -> None:
-    """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure.
-
-    Each is a fresh `python -I -m fp8conv part-worker JOB` (workers.py: nothing importable from the
-    working directory, dies with this process), JOB the two values as JSON (the manifest's own record of
-    ConvertOptions): an option added to either value reaches the workers with no code here. This
-    process holds OUT's lock for the whole run; the workers lock only their own parts."""
-    out = check_output_path(output)
-    if not (parts[0].overwrite or parts[0].resume):
-        check_output_empty(out)
-    started = time.monotonic()
-    made = not out.exists()
-    with OutDir.open(out) as within, OutputLock.for_run(within, None, f"convert -j {len(parts)}"):
-        check_locked_output(within, parts[0].overwrite or parts[0].resume)
-        jobs = [(run.part, start_worker(_worker_job(checkpoint, output, options, run, threads))) for run in parts]
-        errors = []
-        for part, proc in jobs:
-            stderr = proc.communicate()[1]
-            if proc.returncode != 0 and part is not None:
-                errors.append(failure_line(stderr, part, proc.returncode))
-    if errors:
-        if made:  # refused before anything was written: leave no directory behind
-            _remove_if_empty(out)
-        click.echo(errors[0], err=True)
-        sys.exit(1)
-    if not quiet:
-        click.echo(f"wrote {output} with {len(parts)} worker processes in {time.monotonic() - started:.1f} s")
-
-
-def _remove_if_empty(out: Path) -> None:
-    """OUT as -j's parent made it, with nothing in it but the (now removed) lock's directory: removed again."""
-    lock_dir = out / LOCK_DIR
-    if [p.name for p in out.iterdir()] == [LOCK_DIR.name] and not any(lock_dir.iterdir()):
-        lock_dir.rmdir()
-        out.rmdir()
-
-
-def _worker_job(checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int) -> str:
-    doc = {"source": checkpoint, "output": output, "options": options.to_dict(), "run": run.to_dict()}
-    return json.dumps(doc | {"threads": threads})
-
-
 @main.command(WORKER_COMMAND, hidden=True)
 @click.argument("job")
 def part_worker_command(job: str) -> None:
-    """One part of `convert -j N`: JOB is the JSON _worker_job writes. Reports as `convert -q` does."""
+    """One part of `convert -j N`: JOB is the JSON worker_job writes. Reports as `convert -q` does."""
     bind_to_parent()
     doc = json.loads(job)
     options, run = ConvertOptions.from_dict(doc["options"]), RunOptions.from_dict(doc["run"])

@@ -11,13 +11,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import click
 
 from ..errors import OutputError
-from ..storage.lock import HELD_BY_PARENT_ENV
+from ..options import ConvertOptions, RunOptions
+from ..run.prepare import check_locked_output, check_output_empty
+from ..storage.lock import HELD_BY_PARENT_ENV, LOCK_DIR, OutputLock
+from ..storage.out_dir import OutDir, check_output_path
 
 WORKER_COMMAND = "part-worker"
 _PR_SET_PDEATHSIG = 1
@@ -59,3 +67,47 @@ def failure_line(stderr: str, part: tuple[int, int], status: int) -> str:
     how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
     last = f": {lines[-1].strip()}" if lines else ""
     return f"error: the worker for part {part[0]}/{part[1]} {how}{last}"
+
+
+def run_workers(
+    checkpoint: str, output: str, options: ConvertOptions, parts: list[RunOptions], threads: int, quiet: bool
+) -> None:
+    """-j N: N processes, one part each; the last to finish finalizes. One line for the first failure.
+
+    Each is a fresh `python -I -m fp8conv part-worker JOB` (workers.py: nothing importable from the
+    working directory, dies with this process), JOB the two values as JSON (the manifest's own record of
+    ConvertOptions): an option added to either value reaches the workers with no code here. This
+    process holds OUT's lock for the whole run; the workers lock only their own parts."""
+    out = check_output_path(output)
+    if not (parts[0].overwrite or parts[0].resume):
+        check_output_empty(out)
+    started = time.monotonic()
+    made = not out.exists()
+    with OutDir.open(out) as within, OutputLock.for_run(within, None, f"convert -j {len(parts)}"):
+        check_locked_output(within, parts[0].overwrite or parts[0].resume)
+        jobs = [(run.part, start_worker(worker_job(checkpoint, output, options, run, threads))) for run in parts]
+        errors = []
+        for part, proc in jobs:
+            stderr = proc.communicate()[1]
+            if proc.returncode != 0 and part is not None:
+                errors.append(failure_line(stderr, part, proc.returncode))
+    if errors:
+        if made:  # refused before anything was written: leave no directory behind
+            remove_if_empty(out)
+        click.echo(errors[0], err=True)
+        sys.exit(1)
+    if not quiet:
+        click.echo(f"wrote {output} with {len(parts)} worker processes in {time.monotonic() - started:.1f} s")
+
+
+def remove_if_empty(out: Path) -> None:
+    """OUT as -j's parent made it, with nothing in it but the (now removed) lock's directory: removed again."""
+    lock_dir = out / LOCK_DIR
+    if [p.name for p in out.iterdir()] == [LOCK_DIR.name] and not any(lock_dir.iterdir()):
+        lock_dir.rmdir()
+        out.rmdir()
+
+
+def worker_job(checkpoint: str, output: str, options: ConvertOptions, run: RunOptions, threads: int) -> str:
+    doc = {"source": checkpoint, "output": output, "options": options.to_dict(), "run": run.to_dict()}
+    return json.dumps(doc | {"threads": threads})
