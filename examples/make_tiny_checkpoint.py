@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for tests.synthetic
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for tests.support.synthetic
 
-from tests.synthetic import build_tiny_deepseek
+from tests.support.synthetic import build_tiny_deepseek
 
 
 def main() -> None:

@@ -103,7 +103,7 @@ say "one node up: $(sinfo -h -o '%N %c CPUs %m MB %T')"
 
 # the input, and the reference: one process
 export SRC=$WORK/tiny-fp8 OUT=$WORK/out N
-PYTHONPATH="$REPO" "$PY" -c "import sys; from tests.synthetic import build_tiny_deepseek; build_tiny_deepseek(sys.argv[1], num_shards=4)" "$SRC"
+PYTHONPATH="$REPO" "$PY" -c "import sys; from tests.support.synthetic import build_tiny_deepseek; build_tiny_deepseek(sys.argv[1], num_shards=4)" "$SRC"
 "$REPO/.venv/bin/fp8conv" convert "$SRC" --to bf16 -o "$WORK/single" --quiet
 
 # fp8conv as the example expects it: a venv's bin/fp8conv. This one is the repo's .venv, except that the
