@@ -34,7 +34,7 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
                 keep[name] = 1
             continue
         prefix, rest = name[: at + len(_EXPERTS)], name[dot:]
-        modules.setdefault(prefix, {}).setdefault(index, []).append((rest, _reads(ckpt, cls, name, entry, planned)))
+        modules.setdefault(prefix, {}).setdefault(index, []).append((rest, _reads(cls, name, entry, planned)))
     for prefix, experts in modules.items():
         signatures = {index: sorted(tensors) for index, tensors in experts.items()}
         first = min(experts, key=int)
@@ -50,7 +50,7 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
     return keep
 
 
-def _reads(ckpt: Checkpoint, cls: Classification, name: str, entry: Any, planned: Any) -> tuple[Any, ...]:
+def _reads(cls: Classification, name: str, entry: Any, planned: Any) -> tuple[Any, ...]:
     """What a plan reads of one tensor, its own name left out."""
     fmt = cls.weights.get(name)
     listed = cls.settings.lists_as_not_converted(module_of(name)) if name in planned else None
