@@ -24,7 +24,7 @@ from fp8conv.cli.commands import main
 from fp8conv.errors import CheckpointError, OptionsError, OutputError, PlanRefused
 from fp8conv.source.shard_fetch import evict_cached_file
 from tests.support.helpers import dir_snapshot
-from tests.support.hf_cache import COMMIT, lay_out_hf_cache
+from tests.support.hf_cache import COMMIT, lay_out_hf_cache, remote_metadata
 from tests.support.local_shards import LocalShardSource
 
 REPO = "acme/tiny-fp8"
@@ -104,24 +104,11 @@ def test_stream_plans_from_remote_headers_before_any_download(tiny, tmp_path, hf
     relative to the data), and a refusal happens before any shard is downloaded."""
     import huggingface_hub
 
-    from fp8conv.storage.safetensors_file import read_header
-
     snap = lay_out_hf_cache(tiny.path, hf_cache, REPO)
     for name in tiny.shards:  # only the small files are cached
         (snap / name).resolve().unlink()
         (snap / name).unlink()
-    files = {}
-    for shard in tiny.shards:
-        header = read_header(tiny.path / shard)
-        tensors = {
-            n: SimpleNamespace(
-                dtype=e.dtype,
-                shape=list(e.shape),
-                data_offsets=(e.start - header.data_start, e.start - header.data_start + e.nbytes),
-            )
-            for n, e in header.tensors.items()
-        }
-        files[shard] = SimpleNamespace(tensors=tensors, metadata={"format": "pt"})
+    files = remote_metadata(tiny.path, tiny.shards)
     monkeypatch.setattr(
         huggingface_hub.HfApi,
         "get_safetensors_metadata",

@@ -16,7 +16,7 @@ import fp8conv
 from fp8conv import ConvertOptions
 from fp8conv.errors import CheckpointError
 from tests.support.helpers import dir_snapshot
-from tests.support.hf_cache import COMMIT, lay_out_hf_cache
+from tests.support.hf_cache import COMMIT, lay_out_hf_cache, remote_metadata
 
 
 def _cli(args: list[str], cache: Path) -> subprocess.CompletedProcess:
@@ -79,20 +79,8 @@ def test_inspect_of_an_uncached_hub_id_reads_remote_headers_only(tiny, tmp_path,
     import huggingface_hub
 
     from fp8conv.source import hub
-    from fp8conv.storage.safetensors_file import read_header
 
-    files = {}
-    for shard in tiny.shards:
-        header = read_header(tiny.path / shard)
-        tensors = {
-            n: SimpleNamespace(
-                dtype=e.dtype,
-                shape=list(e.shape),
-                data_offsets=(e.start - header.data_start, e.start - header.data_start + e.nbytes),
-            )
-            for n, e in header.tensors.items()
-        }
-        files[shard] = SimpleNamespace(tensors=tensors, metadata={"format": "pt"})
+    files = remote_metadata(tiny.path, tiny.shards)
     jsons = tmp_path / "json-only"
     jsons.mkdir()
     for name in ("config.json", "model.safetensors.index.json"):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from types import SimpleNamespace
+
+from fp8conv.storage.safetensors_file import read_header
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -24,3 +27,21 @@ def lay_out_hf_cache(ckpt: Path, cache: Path, repo_id: str) -> Path:
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(repo / "blobs" / blob, link.parent))
     return snap
+
+
+def remote_metadata(ckpt: Path, shards: list[str]) -> dict[str, SimpleNamespace]:
+    """Each shard's header as huggingface_hub's get_safetensors_metadata returns it (offsets relative to the
+    data), for tests that stand in for reading headers remotely."""
+    files = {}
+    for shard in shards:
+        header = read_header(ckpt / shard)
+        tensors = {
+            n: SimpleNamespace(
+                dtype=e.dtype,
+                shape=list(e.shape),
+                data_offsets=(e.start - header.data_start, e.start - header.data_start + e.nbytes),
+            )
+            for n, e in header.tensors.items()
+        }
+        files[shard] = SimpleNamespace(tensors=tensors, metadata={"format": "pt"})
+    return files
