@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "fp8conv"
 # lowest first; a module's layer is its sub-package, or its own name for the top-level modules
 LAYERS = [
-    ("errors", "version", "dtypes", "threads"),
+    ("errors", "version", "dtypes", "threads", "records"),
     ("backends",),
     ("storage",),
     ("source",),

@@ -16,6 +16,7 @@ from ..model.mlp_layout import tp_report
 from ..options import DEFAULT_BLOCK, TARGETS, ConvertOptions
 from ..plan.conversion import input_family, input_width_problems, plan_conversion, role_examples
 from ..plan.expert_fold import expert_fold
+from ..records import collector_paused
 from ..source.checkpoint import Checkpoint, open_checkpoint
 from .deepgemm_ready import deepgemm_readiness
 
@@ -66,6 +67,7 @@ class InspectReport:
         return asdict(self)
 
 
+@collector_paused()
 def inspect(
     source: str | os.PathLike[str],
     block_size: tuple[int, int] | None = None,

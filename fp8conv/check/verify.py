@@ -30,6 +30,7 @@ from ..model.families import width_disagreements
 from ..options import ConvertOptions
 from ..output.manifest import MANIFEST, Manifest, load_manifest
 from ..plan.conversion import Action, ConversionPlan, Job, ShardPlan, plan_conversion
+from ..records import collector_paused
 from ..rewrite.dequant import dequantize, stored_scale
 from ..rewrite.jobs import run_job
 from ..rewrite.pad import pad_to
@@ -71,8 +72,9 @@ def verify(
             within.refuse_links()
     manifest = load_manifest(out) if options is None or (out / MANIFEST).is_file() else None
     options = options or manifest.convert_options()
-    ckpt = open_checkpoint(source)
-    plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, options.block_size), options)
+    with collector_paused():
+        ckpt = open_checkpoint(source)
+        plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, options.block_size), options)
     check = OutputCheck(ckpt.index, plan, out, sample, max_failures)
     check.documents()
     for shard in plan.shards:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..dtypes import FP8_E4M3, SCALE_DTYPES
 from ..errors import CheckpointError
+from ..records import like
 from ..source.config import CONFIG_NAME
 from ..source.index import CheckpointIndex
 from ..source.mistral_native import FAKE_QUANTIZER, NATIVE_ACTIVATION_SUFFIX, NATIVE_SCALE_SUFFIX
@@ -92,6 +93,8 @@ class _Context:
     problems: list[CheckpointError] = field(default_factory=list)
     settings: QuantSettings | None = None
     _sorted_names: list[str] | None = None
+    # (weight shape, scale shape, scale dtype, a fused gate_up) -> the WeightFormat those make (_classify_scaled)
+    verdicts: dict[tuple[Any, ...], WeightFormat] = field(default_factory=dict)
 
     def shard(self, name: str) -> str:
         return self.index.shard_of(name).name
@@ -111,8 +114,9 @@ def classify(
     problems: list[CheckpointError] = list(settings.problems)  # every step below adds to this one list
     block, block_source = _block_size(settings, block_size, problems)
     ctx = _Context(index, block, block_source, problems, settings)
+    modules = {module_of(n) for n in index.locations} if settings.not_converted else set()
     if settings.not_converted:  # every module's listing found at once: classify, plans and folds ask it
-        settings.ignore_list().prime({module_of(n) for n in index.locations})
+        settings.ignore_list().prime(modules)
     weights, consumed = _classify_weights(ctx)
     reread = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
     consumed.update(n for name, fmt in reread.items() if fmt is not weights.get(name) for n in fmt.consumed)
@@ -136,7 +140,7 @@ def classify(
             warnings.append(f"{fmt.weight} is {what} although {settings.where} lists its module as not converted")
     if settings.method is not None and not weights:
         warnings.append(f"{settings.where} declares quant_method {settings.method!r} but no tensor is FP8")
-    unmatched = _unmatched_not_converted(index, settings, warnings)
+    unmatched = _unmatched_not_converted(modules, settings, warnings)
     return Classification(
         weights=weights,
         plain=plain,
@@ -152,11 +156,11 @@ def classify(
 UNMATCHED_NAMED = 3  # entries a warning names; inspect --json lists them all
 
 
-def _unmatched_not_converted(index: CheckpointIndex, settings: QuantSettings, warnings: list[str]) -> list[str]:
+def _unmatched_not_converted(modules: set[str], settings: QuantSettings, warnings: list[str]) -> list[str]:
     """The ignore list's entries that match no tensor's module, warned about once with a count."""
     if not settings.not_converted:
         return []
-    unmatched = settings.ignore_list().unmatched({module_of(n) for n in index.locations})
+    unmatched = settings.ignore_list().unmatched(modules)
     if unmatched:
         named = ", ".join(repr(e) for e in unmatched[:UNMATCHED_NAMED])
         more = f" and {len(unmatched) - UNMATCHED_NAMED} more" if len(unmatched) > UNMATCHED_NAMED else ""
@@ -202,9 +206,9 @@ def _orphan_scales(ctx: _Context, weights: dict[str, WeightFormat], consumed: se
     """Scales no weight consumes: the shard holding their weight is missing."""
     problems = []
     for name in ctx.index.locations:
-        if name in weights or name in consumed or FAKE_QUANTIZER.search(name):  # Mistral's have no weight
+        if not name.endswith(_SCALE_NAMES) or name in weights or name in consumed:
             continue
-        if name.endswith(_SCALE_NAMES):
+        if not FAKE_QUANTIZER.search(name):  # Mistral's have no weight
             problems.append(
                 CheckpointError(
                     f"is a scale but there is no FP8 weight {_weight_of(name)!r} for it",
@@ -344,6 +348,21 @@ def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
 
 
 def _classify_scaled(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tuple[str, ...]) -> WeightFormat:
+    """The layout the scale's shape says. A release has 100k weights in a few dozen (shape, scale)
+    pairs: a verdict with no reason (it names no tensor) is made once per pair and copied with the names."""
+    settings = ctx.settings
+    key = (w.shape, s.shape, s.dtype, w.name.endswith("gate_up_proj"))
+    memo = ctx.verdicts if settings is None or settings.mxfp8_group is None else None  # MXFP8: not memoized
+    verdict = memo.get(key) if memo is not None else None
+    if verdict is not None:
+        return like(verdict, weight=w.name, scale=s.name, companions=companions)
+    fmt = _scaled_format(ctx, w, s, companions)
+    if memo is not None and fmt.reason is None and fmt.fix is None:
+        memo[key] = fmt
+    return fmt
+
+
+def _scaled_format(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tuple[str, ...]) -> WeightFormat:
     def make(kind: Kind, reason: str | None = None, fix: str | None = None, block=None) -> WeightFormat:
         return WeightFormat(w.name, kind, s.name, companions, block=block, reason=reason, fix=fix)
 

@@ -156,9 +156,8 @@ class IgnoreList:
         for name in self._names:
             hits.update(found.named(name))
         for parent, group in self._by_parent.items():
-            hits.update(m for m in found.under(parent) if any(p.match(m) for p in group))
-        if self._root:
-            hits.update(m for m in found.forward if any(p.match(m) for p in self._root))
+            hits.update(_matching(group, found.under(parent)))
+        hits.update(_matching(self._root, found.forward))
         self._primed, self._hits = found, frozenset(hits)
 
     def matches(self, module: str) -> bool:
@@ -198,8 +197,12 @@ class IgnoreList:
 
     def unmatched(self, modules: Iterable[str]) -> list[str]:
         """The entries (refused ones aside) that match none of `modules`, in list order."""
-        modules = modules if isinstance(modules, (set, frozenset)) else set(modules)
-        found = self._primed if self._primed is not None and self._primed.exact == modules else _Modules(modules)
+        primed = self._primed
+        if primed is not None and primed.given is modules:  # the very set prime() had: not compared again
+            found = primed
+        else:
+            modules = modules if isinstance(modules, (set, frozenset)) else set(modules)
+            found = primed if primed is not None and primed.exact == modules else _Modules(modules)
         return [e for e in dict.fromkeys(self.entries) if e not in self.refused and not found.has_match(e)]
 
 
@@ -207,6 +210,7 @@ class _Modules:
     """Module names sorted forwards and reversed: "is there a module under X / ending in .X" by bisection."""
 
     def __init__(self, modules: Iterable[str]) -> None:
+        self.given = modules
         self.exact = set(modules)
         self.forward = sorted(self.exact)
         self.backward = sorted(m[::-1] for m in self.exact)
@@ -214,12 +218,10 @@ class _Modules:
     def has_match(self, entry: str) -> bool:
         if is_regex(entry):
             pattern = re.compile(entry[len(REGEX_PREFIX) :])
-            return any(pattern.match(m) for m in self.forward)
-        if is_wildcard(entry):
-            parent = _literal_parent(entry)
-            return any(
-                fnmatch.fnmatchcase(m, entry) or fnmatch.fnmatchcase(m, entry + ".*") for m in self.under(parent)
-            )
+            return any(map(pattern.match, self.forward))
+        if is_wildcard(entry):  # fnmatchcase(m, entry) or fnmatchcase(m, entry + ".*"), each run in C
+            under = self.under(_literal_parent(entry))
+            return any(any(map(re.compile(fnmatch.translate(p)).match, under)) for p in (entry, entry + ".*"))
         return (
             entry in self.exact
             or _has_prefix(self.forward, entry + ".")
@@ -242,6 +244,14 @@ class _Modules:
         start = bisect.bisect_left(self.forward, parent + ".")
         end = bisect.bisect_left(self.forward, parent + "/")  # "/" sorts right after "."
         return self.forward[start:end]
+
+
+def _matching(patterns: list[re.Pattern[str]], modules: list[str]) -> list[str]:
+    """The modules any of `patterns` matches at the start, each pattern run over the list in C."""
+    found: list[str] = []
+    for pattern in patterns:
+        found += filter(pattern.match, modules)
+    return found
 
 
 def _has_prefix(ordered: list[str], prefix: str) -> bool:

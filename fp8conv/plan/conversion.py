@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -40,6 +40,7 @@ from ..source.config import (
     rewrite_for_mxfp8,
     rewrite_mistral_params,
 )
+from ..source.index import Shard
 from ..source.mistral_native import (
     FAKE_QUANTIZER,
     fake_quantizer_warning,
@@ -110,10 +111,10 @@ class RunJob(Job):
 
     @classmethod
     def of(cls, job: Job, strategy: Strategy, band_rows: int = 0) -> RunJob:
-        return cls(**{name: getattr(job, name) for name in _JOB_FIELDS}, strategy=strategy, band_rows=band_rows)
-
-
-_JOB_FIELDS = tuple(f.name for f in fields(Job))  # once: a release has 100k jobs
+        # the job's fields as they are, without __init__: a release has 100k jobs (fp8conv.records)
+        run_job = object.__new__(cls)
+        run_job.__dict__.update(job.__dict__, strategy=strategy, band_rows=band_rows)
+        return run_job
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,13 @@ def plan_conversion(
     """Every output tensor and file. Refused inputs are planned as copies; the caller checks problems.
     `only`: plan these tensors and no others (expert_fold's, for an estimate: not a plan to run)."""
     planner = _Planner(ckpt, cls, options)
-    shards = _without_empty([ShardPlan(s.name, planner.jobs_for(s.name, only)) for s in ckpt.index.shards])
+    chosen = None if only is None else _by_shard(ckpt, only)
+    shards = _without_empty(
+        [
+            ShardPlan(s.name, planner.jobs_for(s, None if chosen is None else chosen.get(s.name, [])))
+            for s in ckpt.index.shards
+        ]
+    )
     # the config before the problems and warnings are gathered: planning it adds to the planner's
     config = planner.output_config()
     problems = [*cls.problems, *planner.problems, *_fused_mismatches(shards, ckpt, planner.family)]
@@ -333,6 +340,7 @@ class _Planner:
             )
             self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
+        self._unpadded: dict[tuple[int, ...], Pad] = {}
         # FP8 outputs keep the KV-cache scales (vLLM applies them under an fp8 / compressed-tensors config);
         # a bf16 output has no quantization_config, so it drops them
         self.kv_scales = kv_scale_names(ckpt.index, cls.plain, cls.settings.method is not None)
@@ -344,15 +352,16 @@ class _Planner:
         if options.scale_fmt == "ue8m0" and self.out_block != UE8M0_BLOCK:
             self.problems.append(_ue8m0_block_problem(ckpt, cls, self.out_block))
 
-    def jobs_for(self, shard_name: str, only: Collection[str] | None = None) -> list[Job]:
-        shard = next(s for s in self.ckpt.index.shards if s.name == shard_name)
+    def jobs_for(self, shard: Shard, only: list[str] | None = None) -> list[Job]:
+        """The shard's jobs in file order; `only`: of these of its tensors alone (in file order)."""
+        shard_name, tensors = shard.name, shard.header.tensors
         jobs = []
-        for name, entry in shard.header.tensors.items():
+        # `only`: this shard's part of a folded estimate's few thousand, not its every tensor
+        chosen = tensors.items() if only is None else [(n, tensors[n]) for n in only]
+        for name, entry in chosen:
             fmt = self.cls.weights.get(name)
             if fmt is None and name not in self.plain:
                 continue  # a scale or companion, written with its weight
-            if only is not None and name not in only:
-                continue
             try:
                 pad = self._padded(name, entry.shape, shard_name)
             except CheckpointError as exc:
@@ -367,9 +376,10 @@ class _Planner:
         return jobs
 
     def _padded(self, name: str, shape: tuple[int, ...], shard: str) -> Pad:
-        if self.padding is None:
-            return Pad(shape)
-        return self.padding.padded_shape(name, shape, shard) or Pad(shape)
+        padded = self.padding.padded_shape(name, shape, shard) if self.padding is not None else None
+        if padded is None:  # one unpadded Pad per shape (frozen), not one per tensor
+            padded = self._unpadded.get(shape) or self._unpadded.setdefault(shape, Pad(shape))
+        return padded
 
     def _quantized_job(self, name: str, fmt: WeightFormat, shape: tuple[int, ...], pad: Pad) -> Job:
         to, out_shape = self.options.to, pad.shape
@@ -641,6 +651,14 @@ def _parts_whole_blocks(shape: tuple[int, ...], out_shape: tuple[int, ...], part
         return True
     axis = next(i for i in range(len(shape)) if shape[i] != out_shape[i]) - len(shape)
     return (shape[axis] // parts) % block[axis] == 0
+
+
+def _by_shard(ckpt: Checkpoint, names: Collection[str]) -> dict[str, list[str]]:
+    """Shard name -> those of `names` it holds, in its file order (header entries are by offset)."""
+    found: dict[str, list[str]] = {}
+    for name in sorted(names, key=lambda n: ckpt.index.entry(n).start):
+        found.setdefault(ckpt.index.shard_of(name).name, []).append(name)
+    return found
 
 
 _SHARD_NAME = re.compile(r"^(.*-)(\d+)-of-(\d+)(\.safetensors)$")

@@ -24,6 +24,7 @@ from ..plan.bands import band_buffer_bytes, band_elements_for, bands_held, fixed
 from ..plan.conversion import ConversionPlan, Strategy, plan_conversion
 from ..plan.preflight import HeldInput, check_free_space, check_scales
 from ..plan.strategy import RunPlan, choose_strategies
+from ..records import collector_paused
 from ..source.checkpoint import Checkpoint, open_checkpoint
 from ..source.hub import looks_like_repo_id
 from ..source.shard_fetch import ShardSource
@@ -54,6 +55,7 @@ class PreparedRun:
     kept_reports: dict[str, TensorError] = field(default_factory=dict)
 
 
+@collector_paused()
 def prepare(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str],

@@ -293,3 +293,28 @@ def test_every_role_pattern_takes_any_expert_index() -> None:
     assert table.one_expert("mlp.experts.17.up_proj.weight") == "mlp.experts.0.up_proj.weight"
     for name in ("mlp.shared_experts.up_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.3", "experts.x.y"):
         assert table.one_expert(name) == name
+
+
+_NAME_PARTS = ["layers", "experts", "sublayers", "vision_tower", "visual", "mm_projector", "audio", "mlp", "", "0"]
+_NAME_PARTS += ["17", "٣", "3x", "up_proj", "weight"]
+
+
+def test_layer_keys_are_what_the_plain_regexes_give() -> None:
+    """layer_key finds `layers.N.` with str.find before one regex match, and skips the expert regex when no
+    `experts.` is there: on every name it must give what the two regexes alone give (a Unicode digit is a
+    digit to both), and in_vision what VISION.search gives."""
+    import random
+
+    layer, expert = re.compile(r"(?:^|\.)layers\.\d+\."), re.compile(r"experts\.\d+\.")
+
+    def reference(name: str) -> str | None:
+        m = layer.search(name)
+        return None if m is None else expert.sub("experts.0.", name[m.end() :], count=1)
+
+    rng = random.Random(24)
+    names = ["model.layers.3.mlp.experts.17.up_proj.weight", "a.layers.x.layers.2.b", "xlayers.1.a", "layers.5.v"]
+    names += [".".join(rng.choice(_NAME_PARTS) for _ in range(rng.randint(1, 10))) for _ in range(20000)]
+    assert sum(reference(n) is not None for n in names) > 500  # the names reach both answers
+    assert [n for n in names if table.layer_key(n) != reference(n)] == []
+    assert [n for n in names if table.in_vision(n) != bool(table.VISION.search(n))] == []
+    assert table.layer_key("model.layers.3.mlp.experts.17.up_proj.weight") == "mlp.experts.0.up_proj.weight"
