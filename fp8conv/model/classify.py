@@ -194,8 +194,10 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
     names = set(ctx.index.locations)
     weights: dict[str, WeightFormat] = {}
     consumed: set[str] = set()
-    for name in ctx.index.locations:
-        fmt = _classify_one(ctx, name, names)
+    for name, (_, entry) in ctx.index.locations.items():
+        if name.endswith(_SCALE_NAMES):  # half the names: a scale is its weight's companion, never packed
+            continue
+        fmt = _classify_one(ctx, entry, names)
         if fmt is not None:
             weights[name] = fmt
             consumed.update(fmt.consumed)
@@ -231,9 +233,9 @@ def _weight_of(companion: str) -> str:
     return companion
 
 
-def _classify_one(ctx: _Context, name: str, names: set[str]) -> WeightFormat | None:
+def _classify_one(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightFormat | None:
     """A WeightFormat for a weight that is quantized (or looks it), None for everything else."""
-    entry = ctx.index.entry(name)
+    name = entry.name
     if name.endswith(PACKED_SUFFIXES):
         return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, ctx.sorted_names()))
     if name.endswith(_SCALE_NAMES):
@@ -340,7 +342,11 @@ def _packed_companions(name: str, ordered: list[str]) -> tuple[str, ...]:
 
 
 def _companions(base: str, names: set[str]) -> tuple[str, ...]:
-    return tuple(base + s for s in ACTIVATION_SCALE_SUFFIXES if base + s in names)
+    found: tuple[str, ...] = ()  # a loop, not a generator into tuple(): 100k weights, mostly none found
+    for suffix in ACTIVATION_SCALE_SUFFIXES:
+        if base + suffix in names:
+            found += (base + suffix,)
+    return found
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
