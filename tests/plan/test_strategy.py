@@ -8,7 +8,7 @@ import pytest
 
 import fp8conv
 from fp8conv.model.classify import classify
-from fp8conv.options import ConvertOptions
+from fp8conv.options import ConvertOptions, RunOptions, Tuning
 from fp8conv.plan.bands import band_elements_for
 from fp8conv.plan.conversion import Action, Strategy, plan_conversion
 from fp8conv.plan.strategy import choose_strategies
@@ -62,13 +62,12 @@ def test_the_default_band_keeps_tiny_weights_whole(tiny):
 def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatch):
     """The scheduler reads the plan's choice: force every job WHOLE and nothing is streamed or copied
     file to file, yet the output is the same bytes."""
-    import fp8conv.plan.bands as stream
     import fp8conv.run.prepare as prepare
     from fp8conv.rewrite.banded import BandedJob
     from fp8conv.storage.writer import ShardWriter
 
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
-    fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))
+    small = RunOptions(tuning=Tuning(convert_band_elements=3000))
+    fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8), run=small)
     chosen = prepare.choose_strategies
 
     def all_whole(plan, index, band_elements, *capped):
@@ -80,7 +79,7 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(prepare, "choose_strategies", all_whole)
     monkeypatch.setattr(BandedJob, "__init__", lambda *a: banded.append(a))
     monkeypatch.setattr(ShardWriter, "copy_range", lambda *a: copied.append(a))
-    fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="block", pad_for_tp=8))
+    fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="block", pad_for_tp=8), run=small)
     assert not banded and not copied
     for f in (tmp_path / "chosen").glob("*.safetensors"):
         assert f.read_bytes() == (tmp_path / "whole" / f.name).read_bytes()

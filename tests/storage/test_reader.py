@@ -38,14 +38,13 @@ def test_read_tensor_matches_safetensors(tmp_path):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct):
+def test_shard_reader_reads_what_safetensors_reads(tmp_path, direct):
     """Direct reads for every size (the default keeps small ones buffered): unaligned starts and ends,
     tensors misaligned for their dtype, an empty one; then a truncated file, refused by name."""
     from safetensors.torch import load_file, save_file
 
     from fp8conv.storage import shard_reader
 
-    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
     gen = torch.Generator().manual_seed(3)
     tensors = {
         "a": fp8((3, 5)),
@@ -57,7 +56,7 @@ def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct
     path = tmp_path / "x.safetensors"
     save_file(tensors, str(path))
     header = read_header(path)
-    reader = shard_reader.ShardReader(path, direct)
+    reader = shard_reader.ShardReader(path, direct, direct_min_bytes=0)
     assert (reader.direct_fd is not None) == (direct and direct_io_works(tmp_path))
     try:
         for name, expected in load_file(path).items():
@@ -67,7 +66,7 @@ def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct
     raw = path.read_bytes()
     big = header.tensors["big"]
     path.write_bytes(raw[: big.start + big.nbytes - 100])
-    reader = shard_reader.ShardReader(path, direct)
+    reader = shard_reader.ShardReader(path, direct, direct_min_bytes=0)
     try:
         with pytest.raises(CheckpointError, match="file ended before") as info:
             reader.read_tensor(big)
