@@ -38,12 +38,22 @@ def test_read_tensor_matches_safetensors(tmp_path):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_shard_reader_reads_what_safetensors_reads(tmp_path, direct):
+def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct):
     """Direct reads for every size (the default keeps small ones buffered): unaligned starts and ends,
     tensors misaligned for their dtype, an empty one; then a truncated file, refused by name."""
     from safetensors.torch import load_file, save_file
 
     from fp8conv.storage import shard_reader
+
+    direct_reads: list[int] = []
+    real_direct = shard_reader.ShardReader._read_direct
+    monkeypatch.setattr(
+        shard_reader.ShardReader,
+        "_read_direct",
+        lambda self, entry, offset, nbytes, buffer: (
+            direct_reads.append(nbytes) or real_direct(self, entry, offset, nbytes, buffer)
+        ),
+    )
 
     gen = torch.Generator().manual_seed(3)
     tensors = {
@@ -57,12 +67,14 @@ def test_shard_reader_reads_what_safetensors_reads(tmp_path, direct):
     save_file(tensors, str(path))
     header = read_header(path)
     reader = shard_reader.ShardReader(path, direct, direct_min_bytes=0)
-    assert (reader.direct_fd is not None) == (direct and direct_io_works(tmp_path))
+    went_direct = reader.direct_fd is not None
+    assert went_direct == (direct and direct_io_works(tmp_path))
     try:
         for name, expected in load_file(path).items():
             assert same_bits(reader.read_tensor(header.tensors[name]), expected), name
     finally:
         reader.close()
+    assert len(direct_reads) == (len(tensors) if went_direct else 0)  # each tensor, the empty one too
     raw = path.read_bytes()
     big = header.tensors["big"]
     path.write_bytes(raw[: big.start + big.nbytes - 100])
