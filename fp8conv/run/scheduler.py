@@ -152,6 +152,7 @@ class Scheduler:
         self.index, self.plan, self.backend, self.readers = index, plan, backend, readers
         self.threads = threads
         self.direct_io, self.progress = direct_io, progress
+        self.packed_chunk = tuning.packed_chunk_elements  # packed bands quantized to FP8, decoded this much at once
         self.limits = write_limits(max_memory, tuning)  # the writer's segments and copy chunk, counted under a cap
         self.fp8_max = plan.options.fp8_max
         self.totals = RunTotals()
@@ -296,7 +297,7 @@ class Scheduler:
         else:
             global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
             scale = stored_scale(inputs.__getitem__, job.fmt)
-            banded = BandedJob(job, scale, global_scale, self.backend, self.fp8_max)
+            banded = BandedJob(job, scale, global_scale, self.backend, self.fp8_max, self.packed_chunk)
         k = banded.row_elements
         computing: deque[Future[None]] = deque()
         w: Any = None
