@@ -128,7 +128,7 @@ class Tuning:
     # (measured: 64 MiB bands peaked at 0.9 GiB). A band is still 256+ rows of a real model's widest
     # weight, so the Python per band is noise next to its arithmetic (check/verify_bands.py).
     verify_band_elements: int = 4 << 20
-    packed_chunk_elements: int = 1 << 18  # float32 values decoded at once when a packed band is quantized to FP8
+    packed_chunk_elements: int = 1 << 18  # float32 values decoded at once, packed bands to FP8 (rewrite/unpack.py)
     segment_bytes: int = SEGMENT_BYTES  # the shard writer's aligned segments (storage/writer.py)
     max_segments: int = MAX_SEGMENTS  # segments a shard writer holds at once without --max-memory
     direct_min_bytes: int = DIRECT_MIN_BYTES  # smaller input reads go through the page cache (shard_reader.py)
