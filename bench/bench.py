@@ -33,12 +33,13 @@ import plan_scale  # noqa: E402
 import synth  # noqa: E402
 
 import fp8conv  # noqa: E402
+from fp8conv.options import DEFAULT_TUNING  # noqa: E402
 from fp8conv.plan import bands as stream  # noqa: E402
 from fp8conv.storage import direct_io, writer  # noqa: E402
 
 # the floor does not import fp8conv (torch's import alone costs ~1.4 s of CPU), so it states the sizes
 assert (io_floor.ALIGN, io_floor.SEGMENT_BYTES) == (direct_io.ALIGN, writer.SEGMENT_BYTES)
-assert io_floor.READ_BYTES == stream.CONVERT_BAND_ELEMENTS  # one FP8 band
+assert DEFAULT_TUNING.convert_band_elements == io_floor.READ_BYTES  # one FP8 band
 assert io_floor.READ_AHEAD == stream.READ_AHEAD
 
 

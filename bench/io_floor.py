@@ -34,7 +34,7 @@ import threading
 from pathlib import Path
 
 ALIGN = 4096  # fp8conv.storage.direct_io.ALIGN
-READ_BYTES = 1 << 22  # one FP8 band: fp8conv.plan.bands.CONVERT_BAND_ELEMENTS
+READ_BYTES = 1 << 22  # one FP8 band: fp8conv.options.Tuning.convert_band_elements
 SEGMENT_BYTES = 4 * 1024 * 1024  # fp8conv.storage.writer.SEGMENT_BYTES
 READ_AHEAD = 3  # fp8conv.plan.bands.READ_AHEAD
 WARM_START_BYTES = 64 << 20  # fp8conv.run.warm_start: input read while torch imports

@@ -1,4 +1,5 @@
-"""Options as values: what shapes the output (ConvertOptions) and how a run goes (RunOptions).
+"""Options as values: what shapes the output (ConvertOptions), how a run goes (RunOptions) and how its work
+is cut (Tuning, a part of RunOptions).
 
 Both are frozen and check themselves once, when made: a value that exists is valid, so convert, verify
 and the CLI never check an option again. Torch-free: the CLI builds them before torch is loaded.
@@ -16,6 +17,10 @@ from .backends import DEVICES
 from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from .errors import OptionsError
 from .model.families import ROLE_GROUPS
+from .storage.direct_io import ALIGN
+from .storage.preread import PIECE_BYTES
+from .storage.shard_reader import DIRECT_MIN_BYTES
+from .storage.writer import MAX_SEGMENTS, SEGMENT_BYTES
 
 if TYPE_CHECKING:
     from .source.shard_fetch import ShardSource
@@ -108,6 +113,59 @@ class ConvertOptions:
 
 
 @dataclass(frozen=True)
+class Tuning:
+    """How a run's work is cut: band, segment and read sizes. The output's bytes are the same whatever
+    these say (the defaults are the measured fast ones); tests make them small so that a tiny checkpoint
+    takes every path: many bands, many segments, direct reads of every size. Not a user option (the CLI's
+    --tuning is hidden)."""
+
+    # a converted weight's band: ~4M elements, 4 MB of FP8 in, 8 MB of bf16 out; --max-memory makes it
+    # smaller, never larger (plan/bands.py)
+    convert_band_elements: int = 1 << 22
+    # Float32 elements of one of verify's bands: 16 MiB. The bound check keeps up to about ten band-sized
+    # float32 temporaries alive (the dequantized input, q, the scale expanded twice, amax, the difference,
+    # the bound), so verify's peak is the interpreter's ~230 MiB plus ~200 MiB, whatever the tensor's size
+    # (measured: 64 MiB bands peaked at 0.9 GiB). A band is still 256+ rows of a real model's widest
+    # weight, so the Python per band is noise next to its arithmetic (check/verify_bands.py).
+    verify_band_elements: int = 4 << 20
+    packed_chunk_elements: int = 1 << 18  # float32 values decoded at once, packed bands to FP8 (rewrite/unpack.py)
+    segment_bytes: int = SEGMENT_BYTES  # the shard writer's aligned segments (storage/writer.py)
+    max_segments: int = MAX_SEGMENTS  # segments a shard writer holds at once without --max-memory
+    direct_min_bytes: int = DIRECT_MIN_BYTES  # smaller input reads go through the page cache (shard_reader.py)
+    piece_bytes: int = PIECE_BYTES  # warm start's unit of reading ahead and of release (storage/preread.py)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise OptionsError(f"tuning {f.name} {value!r} is not an integer")
+        for name in ("convert_band_elements", "verify_band_elements", "packed_chunk_elements", "max_segments"):
+            if getattr(self, name) < 1:
+                raise OptionsError(f"tuning {name} {getattr(self, name)} is not a positive integer")
+        if self.direct_min_bytes < 0:
+            raise OptionsError(f"tuning direct_min_bytes {self.direct_min_bytes} is negative")
+        for name in ("segment_bytes", "piece_bytes"):  # direct I/O reads and writes them at aligned offsets
+            if getattr(self, name) < ALIGN or getattr(self, name) % ALIGN:
+                raise OptionsError(f"tuning {name} {getattr(self, name)} is not a positive multiple of {ALIGN}")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Tuning:
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise OptionsError(f"unknown tuning value(s) {', '.join(unknown)}")
+        return cls(**d)
+
+
+DEFAULT_TUNING = Tuning()
+
+
+@dataclass(frozen=True)
 class RunOptions:
     """How one run goes; the output's bytes are the same whatever these say."""
 
@@ -124,6 +182,7 @@ class RunOptions:
     stream: bool | ShardSource = False  # a Hub ID's shards fetched `prefetch` ahead, or a ShardSource's
     evict_input: bool = False  # --stream: each input shard removed once every output reading it is written
     prefetch: int = DEFAULT_PREFETCH
+    tuning: Tuning = DEFAULT_TUNING  # how the work is cut (tests: small bands and segments); never the bytes
     progress: ProgressCallback | None = None
 
     def __post_init__(self) -> None:
@@ -150,6 +209,7 @@ class RunOptions:
             raise OptionsError("a progress callback or a ShardSource cannot be sent to another process")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"}
         d["part"] = list(self.part) if self.part else None
+        d["tuning"] = self.tuning.to_dict()
         return d
 
     @classmethod
@@ -161,6 +221,8 @@ class RunOptions:
         opts = dict(d)
         if opts.get("part") is not None:
             opts["part"] = tuple(opts["part"])
+        if "tuning" in opts:
+            opts["tuning"] = Tuning.from_dict(opts["tuning"])
         return cls(**opts)
 
 

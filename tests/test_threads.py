@@ -212,14 +212,13 @@ def test_warm_start_is_cancelled_and_joined_when_the_run_ends(make_tiny, tmp_pat
 def test_an_error_in_a_shard_leaves_the_shard_before_it_to_commit(make_tiny, tmp_path, monkeypatch):
     """Shard 1 is interrupted while shard 0's commit still waits for its segments on the io thread: those
     are shard 0's, not dropped by the cancel, and shard 0 is committed whole."""
-    import fp8conv.storage.writer as writer_module
+    from fp8conv.options import Tuning
     from fp8conv.storage.writer import ShardFile
 
     tiny = make_tiny()
     fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="bf16"))
     raw = (tmp_path / "whole" / tiny.shards[0]).read_bytes()
     first = len(raw) - 8 - int.from_bytes(raw[:8], "little")  # shard 0's tensor bytes
-    monkeypatch.setattr(writer_module, "SEGMENT_BYTES", 8192)  # shard 0 in several segments
     real_segment = ShardFile.write_segment
     slow = threading.Event()
 
@@ -237,6 +236,7 @@ def test_an_error_in_a_shard_leaves_the_shard_before_it_to_commit(make_tiny, tmp
     monkeypatch.setattr(ShardFile, "write_segment", write_segment)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(progress=progress))
+        run = RunOptions(progress=progress, tuning=Tuning(segment_bytes=8192))  # shard 0 in several segments
+        fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=run)
     assert (out / tiny.shards[0]).read_bytes() == raw
     assert not (out / tiny.shards[1]).exists() and not _fp8conv_threads()

@@ -27,7 +27,7 @@ from ..dtypes import FP8_MAX_STANDARD
 from ..errors import OutputError
 from ..model.classify import PACKED, classify
 from ..model.families import width_disagreements
-from ..options import ConvertOptions
+from ..options import DEFAULT_TUNING, ConvertOptions, Tuning
 from ..output.manifest import MANIFEST, Manifest, load_manifest
 from ..plan.conversion import Action, ConversionPlan, Job, ShardPlan, plan_conversion
 from ..records import collector_paused
@@ -64,7 +64,9 @@ def verify(
     *,
     sample: float = 1.0,
     max_failures: int = 20,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> VerifyResult:
+    """`tuning`: its verify_band_elements size the bands the numbers are checked in (never the verdict)."""
     started = time.monotonic()
     out = Path(output)
     if out.is_dir():  # a link in OUT would be read (and uploaded) as if it were the output's own file
@@ -75,7 +77,7 @@ def verify(
     with collector_paused():
         ckpt = open_checkpoint(source)
         plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, options.block_size), options)
-    check = OutputCheck(ckpt.index, plan, out, sample, max_failures)
+    check = OutputCheck(ckpt.index, plan, out, sample, max_failures, tuning.verify_band_elements)
     check.documents()
     for shard in plan.shards:
         check.shard(shard, manifest)
@@ -86,9 +88,17 @@ class OutputCheck:
     """verify, one output shard at a time: `convert --stream --verify` checks each shard as soon as it is
     committed, while the input shards it was made from are still on disk."""
 
-    def __init__(self, index: CheckpointIndex, plan: ConversionPlan, out: Path, sample: float, max_failures: int):
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        plan: ConversionPlan,
+        out: Path,
+        sample: float,
+        max_failures: int,
+        band_elements: int,  # verify's bands: ~this many elements (Tuning.verify_band_elements)
+    ):
         self.index, self.plan, self.out, self.sample = index, plan, out, sample
-        self.max_failures = max_failures
+        self.max_failures, self.band_elements = max_failures, band_elements
         self.failures: list[str] = []
         self.checked = self.sampled = 0
         self.reference = TorchDeviceBackend("cpu")
@@ -162,7 +172,7 @@ class OutputCheck:
         as_planned = all(
             (header.tensors[o.name].dtype, header.tensors[o.name].shape) == (o.dtype, o.shape) for o in job.outputs
         )
-        piece_list = pieces(job, bands.shape) if as_planned else None
+        piece_list = pieces(job, bands.shape, self.band_elements) if as_planned else None
         if piece_list is None:  # a norm, a bias; or an output not as planned (a structure failure): whole
             got = [read_tensor(fd_out, header.tensors[o.name], header.path.name) for o in job.outputs]
             return _check_job(job, got, read_in, self.reference, fp8_max)

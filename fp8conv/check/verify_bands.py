@@ -30,12 +30,7 @@ from ..storage.safetensors_file import (
     tensor_buffer,
 )
 
-# Float32 elements of one band: 16 MiB. The bound check keeps up to about ten band-sized float32
-# temporaries alive (the dequantized input, q, the scale expanded twice, amax, the difference, the bound),
-# so verify's peak is the interpreter's ~230 MiB plus ~200 MiB, whatever the tensor's size (measured:
-# 64 MiB bands peaked at 0.9 GiB). A band is still 256+ rows of a real model's widest weight, so the
-# Python per band is noise next to its arithmetic.
-VERIFY_BAND_ELEMENTS = 4 << 20
+# A band holds ~Tuning.verify_band_elements float32 elements (options.py says why that many).
 ROW_UNIT = 128  # bands are whole 128-row blocks (and whole input and output block rows)
 
 Reader = Callable[[str], torch.Tensor]
@@ -74,9 +69,8 @@ def _row_blocks(job: Job, shape: tuple[int, ...]) -> tuple[int, int]:
     return bn_in, bn_in if job.action is Action.KEEP_BLOCKS else 1
 
 
-def pieces(job: Job, shape: tuple[int, ...], band_elements: int | None = None) -> list[Piece] | None:
-    """The bands verify reads `job` in; None: whole (fewer than two dimensions)."""
-    band_elements = band_elements or VERIFY_BAND_ELEMENTS
+def pieces(job: Job, shape: tuple[int, ...], band_elements: int) -> list[Piece] | None:
+    """The bands (of ~band_elements) verify reads `job` in; None: whole (fewer than two dimensions)."""
     out_shape = job.spec.shape
     if len(shape) < 2 or len(out_shape) != len(shape):
         return None

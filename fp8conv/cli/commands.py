@@ -26,6 +26,7 @@ from ..options import (
     TARGETS,
     ConvertOptions,
     RunOptions,
+    Tuning,
     options_from,
 )
 from ..output.finish import finalize, parse_part
@@ -274,6 +275,13 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     "and every tensor's requantization error.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@click.option(
+    "--tuning",
+    default=None,
+    hidden=True,  # not a user option: how the work is cut (band and segment sizes), never the output's bytes
+    metavar="JSON",
+    help="RunOptions.tuning as a JSON object, e.g. '{\"convert_band_elements\": 3000}' (tests cut tiny weights small).",
+)
 def convert_command(
     checkpoint: str,
     output: str,
@@ -315,7 +323,18 @@ _OPTION_TEXT: dict[str, Callable[[Any], Any]] = {
     "pad_roles": _roles,
     "part": lambda text: parse_part(text) if text else None,
     "max_memory": lambda text: parse_size(text) if text else None,
+    "tuning": lambda text: _tuning(text) if text else Tuning(),
 }
+
+
+def _tuning(text: str) -> Tuning:
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OptionsError(f"--tuning is not JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise OptionsError("--tuning is not a JSON object")
+    return Tuning.from_dict(values)
 
 
 def _fp8_range(fp8_max: str | None, hardware: str | None) -> float:
@@ -349,7 +368,7 @@ def _convert_with_workers(
     if verify_after:
         from ..check.verify import verify
 
-        _report_verify(verify(checkpoint, output))
+        _report_verify(verify(checkpoint, output, tuning=workers[0].tuning))  # every worker's is the run's
 
 
 def _convert_here(
@@ -361,7 +380,8 @@ def _convert_here(
     quiet: bool,
     as_json: bool = False,
 ) -> None:
-    warm = warm_start.WarmStart()  # its threads and the bytes they read become the run's (convert closes them)
+    # its threads and the bytes they read become the run's (convert closes them)
+    warm = warm_start.WarmStart(run.tuning.piece_bytes)
     warm.torch()  # torch's import below then reads its files from the page cache
     if not (run.stream or run.part or run.resume or run.max_memory):  # the first input is read while torch loads
         warm.begin(checkpoint, options, direct=run.direct_io)

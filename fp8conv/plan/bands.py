@@ -12,14 +12,13 @@ from dataclasses import dataclass
 
 from ..dtypes import ELEMENT_BYTES
 from ..model.classify import CONVERTIBLE, PACKED, Kind
+from ..options import DEFAULT_TUNING, Tuning
 from ..storage.safetensors_file import TensorEntry
 from ..storage.shard_reader import read_capacity
-from ..storage.writer import COPY_CHUNK_BYTES, MAX_SEGMENTS, SEGMENT_BYTES
+from ..storage.writer import COPY_CHUNK_BYTES
 from .conversion import Action, Job, RunJob, Strategy
 
-# a converted weight's band (verify reads its own, verify_bands.VERIFY_BAND_ELEMENTS): ~4M elements,
-# 4 MB of FP8 in, 8 MB of bf16 out; --max-memory makes it smaller, never larger
-CONVERT_BAND_ELEMENTS = 1 << 22
+# a converted weight's band is Tuning.convert_band_elements (verify reads its own, Tuning.verify_band_elements)
 OUT_SLOTS = 3  # bands that may wait for the writer
 READ_AHEAD = 3  # band reads in flight ahead of the arithmetic, across tensors
 BAND_WORKERS = 2  # bands computed at once, one torch thread each (a pool the pipeline sizes to the cores)
@@ -32,50 +31,55 @@ BYTES_PER_BAND_ELEMENT = IN_SLOTS * 1 + OUT_SLOTS * 4
 BASE_BYTES = 256 * 2**20
 MIN_BAND_BYTES = 16 * 2**20
 # Under --max-memory the write side holds less, the same bytes out: the shard writer keeps CAPPED_SEGMENTS
-# segments (MAX_SEGMENTS filled 24 MiB more than the cap allowed: measured, 0.5 GiB DeepSeek-shaped to bf16
+# segments (the default 8 filled 24 MiB more than the cap allowed: measured, 0.5 GiB DeepSeek-shaped to bf16
 # under 272 MiB, VmHWM 295 MiB with 8, 274 with 2), and file-to-file copies go a segment at a time
 CAPPED_SEGMENTS = 2
-CAPPED_COPY_BYTES = SEGMENT_BYTES
 
 
 @dataclass(frozen=True)
 class WriteLimits:
-    """What the write thread may hold: segments per shard writer, and the copy buffer's chunk."""
+    """What the write thread may hold: segments (of segment_bytes) per shard writer, and the copy
+    buffer's chunk."""
 
     segments: int
     copy_bytes: int
+    segment_bytes: int
 
     @property
     def nbytes(self) -> int:
         """At most: the copy buffer, the segments of the shard being written and one more (the next
         shard's header while the last one commits, or a segment read back to be hashed)."""
-        return read_capacity(self.copy_bytes) + (self.segments + 1) * SEGMENT_BYTES
+        return read_capacity(self.copy_bytes) + (self.segments + 1) * self.segment_bytes
 
 
-UNCAPPED_WRITES = WriteLimits(MAX_SEGMENTS, COPY_CHUNK_BYTES)
-CAPPED_WRITES = WriteLimits(CAPPED_SEGMENTS, CAPPED_COPY_BYTES)
-
-
-def write_limits(max_memory: int | None) -> WriteLimits:
+def write_limits(max_memory: int | None, tuning: Tuning = DEFAULT_TUNING) -> WriteLimits:
     """The write side's limits: the fast defaults, or under a memory cap the small ones it counts."""
-    return UNCAPPED_WRITES if max_memory is None else CAPPED_WRITES
-
-
-def fixed_bytes(max_memory: int) -> int:
-    """What a run under `max_memory` holds besides its bands and the tensors it rewrites whole."""
-    return BASE_BYTES + write_limits(max_memory).nbytes
-
-
-def lowest_max_memory() -> int:
-    """The lowest --max-memory a run accepts: what it holds besides bands, and the smallest bands."""
-    return BASE_BYTES + CAPPED_WRITES.nbytes + MIN_BAND_BYTES
-
-
-def band_elements_for(max_memory: int | None) -> int:
-    """Elements per band under a memory cap (the default when there is none)."""
     if max_memory is None:
-        return CONVERT_BAND_ELEMENTS
-    return max(1, min(CONVERT_BAND_ELEMENTS, (max_memory - fixed_bytes(max_memory)) // BYTES_PER_BAND_ELEMENT))
+        return WriteLimits(tuning.max_segments, COPY_CHUNK_BYTES, tuning.segment_bytes)
+    return _capped_writes(tuning)
+
+
+def _capped_writes(tuning: Tuning) -> WriteLimits:
+    """Under any memory cap: CAPPED_SEGMENTS segments, and copies a segment at a time."""
+    return WriteLimits(CAPPED_SEGMENTS, tuning.segment_bytes, tuning.segment_bytes)
+
+
+def fixed_bytes(max_memory: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """What a run under `max_memory` holds besides its bands and the tensors it rewrites whole."""
+    return BASE_BYTES + write_limits(max_memory, tuning).nbytes
+
+
+def lowest_max_memory(tuning: Tuning = DEFAULT_TUNING) -> int:
+    """The lowest --max-memory a run accepts: what it holds besides bands, and the smallest bands."""
+    return BASE_BYTES + _capped_writes(tuning).nbytes + MIN_BAND_BYTES
+
+
+def band_elements_for(max_memory: int | None, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Elements per band under a memory cap (the tuning's when there is none)."""
+    most = tuning.convert_band_elements
+    if max_memory is None:
+        return most
+    return max(1, min(most, (max_memory - fixed_bytes(max_memory, tuning)) // BYTES_PER_BAND_ELEMENT))
 
 
 def whole_tensor_bytes(job: Job, entry: TensorEntry) -> int:
@@ -94,10 +98,9 @@ def held_bytes(job: RunJob, entry: TensorEntry) -> tuple[str, int] | None:
     return None
 
 
-def streamable(job: Job, entry: TensorEntry, band_elements: int | None = None) -> bool:
+def streamable(job: Job, entry: TensorEntry, band_elements: int) -> bool:
     """A 2-D FP8 or packed 4-bit weight, rewritten without padding, or gpt-oss's fused [E, N, K/32, 16]
     experts dequantized, over one band: band by band."""
-    band_elements = CONVERT_BAND_ELEMENTS if band_elements is None else band_elements
     if expert_banded(job):
         return len(entry.shape) == 4 and math.prod(job.spec.shape) > band_elements
     if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights

@@ -25,6 +25,7 @@ class BandedJob:
         global_scale: torch.Tensor | None,
         backend: Backend,
         fp8_max: float,
+        chunk_elements: int,  # packed weights quantized to FP8: float32 values decoded at once
     ) -> None:
         assert job.fmt is not None and job.band_rows > 0
         self.job, self.backend, self.fp8_max = job, backend, fp8_max
@@ -36,7 +37,7 @@ class BandedJob:
         packed = job.fmt.kind in PACKED
         self._decode = band_decoder(job.fmt, scale, global_scale, backend) if packed and not self.quantize else None
         self._requant = (
-            band_quantizer(job.fmt, scale, global_scale, backend, self.out_block, fp8_max)
+            band_quantizer(job.fmt, scale, global_scale, backend, self.out_block, fp8_max, chunk_elements)
             if packed and self.quantize
             else None
         )

@@ -23,9 +23,6 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 INT4_VALUES = tuple(float(c - 8) for c in range(16))
 
 
-GLOBAL_SCALE_CHUNK = 1 << 18  # float32 values decoded at once when a packed band is quantized to FP8
-
-
 def code_values(kind: Kind) -> torch.Tensor:
     return torch.tensor(INT4_VALUES if kind is Kind.INT4 else E2M1_VALUES, dtype=torch.float32)
 
@@ -87,8 +84,10 @@ def band_quantizer(
     backend: Backend,
     out_block: tuple[int, int],
     fp8_max: float,
+    chunk_elements: int,
 ) -> Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], tuple[int, int]]:
-    """For a 2-D packed weight quantized to FP8 band by band (bands of whole output blocks):
+    """For a 2-D packed weight quantized to FP8 band by band (bands of whole output blocks), decoded
+    ~chunk_elements float32 values (whole output blocks) at a time (Tuning.packed_chunk_elements):
     quantize(codes, r0, q, scale) writes those rows' FP8 values into q ([1, rows, K]) and their output
     blocks' scales into scale ([1, block rows, K blocks]), as quantize(unpack_to_float32(...)) does, and
     returns (exact, total) output blocks as block_exactness counts them. The float32 values exist a
@@ -97,7 +96,7 @@ def band_quantizer(
     k = fmt.shape[1]
     decode = band_decoder(fmt, stored_scale, global_scale, backend)
     bn = out_block[0]
-    step = max(bn, GLOBAL_SCALE_CHUNK // max(k, 1) // bn * bn)
+    step = max(bn, chunk_elements // max(k, 1) // bn * bn)
 
     def quantize(codes: torch.Tensor, r0: int, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
         rows, exact, total = codes.shape[1], 0, 0

@@ -99,7 +99,7 @@ def _convert(
         _start_output(prep, how, within)
         stream_check = None
         if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
-            stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20)
+            stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20, how.tuning.verify_band_elements)
         warnings = list(prep.warnings)  # the plan's and the scales', then what the run finds, in order
         totals, streamed = _execute(prep, backend, how, stream_check, within, warnings, threads, preread)
         warnings += _exactness_warning(prep.plan, totals.exactness)
@@ -160,7 +160,7 @@ def _execute(
     their warnings to `warnings`, the run's own list (never the plan's). Every thread is stopped and
     joined before it returns or raises: nothing runs while the output is finished or the lock let go."""
     ckpt, plan, out = prep.ckpt, prep.plan, prep.out
-    readers = InputReaders(ckpt.index, how.direct_io, preread)
+    readers = InputReaders(ckpt.index, how.direct_io, preread, how.tuning.direct_min_bytes)
     streamed: dict[str, Any] | None = None
     with ExitStack() as stack:
         stack.callback(readers.close_all)
@@ -172,7 +172,15 @@ def _execute(
             )
             feed.start()
         scheduler = Scheduler(
-            ckpt.index, prep.run, backend, readers, how.direct_io, how.progress, how.max_memory, threads=threads
+            ckpt.index,
+            prep.run,
+            backend,
+            readers,
+            how.direct_io,
+            how.progress,
+            how.max_memory,
+            threads=threads,
+            tuning=how.tuning,
         )
         ledger = Ledger(plan, prep.kept_reports, scheduler.totals.requant_errors)
         committed = _on_commit(out, prep.manifest, feed, ledger)
@@ -228,7 +236,7 @@ def _verified(
         stream_check.documents()
         verified = stream_check.result(stream_check.seconds)
     elif how.verify_after and how.part is None:
-        verified = verify(prep.ckpt.root, prep.out, options=options)
+        verified = verify(prep.ckpt.root, prep.out, options=options, tuning=how.tuning)
     if verified is not None:  # provenance: the output says it was checked, and how that went
         prep.manifest.extra["verify"] = _verify_record(verified)
         prep.manifest.save(prep.out)

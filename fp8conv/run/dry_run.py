@@ -106,7 +106,7 @@ def dry_run(
         warnings=list(prep.warnings),
         band_elements=prep.band_elements,
         max_memory=how.max_memory,
-        writer_bytes=write_limits(how.max_memory).nbytes,
+        writer_bytes=write_limits(how.max_memory, how.tuning).nbytes,
         band_bytes=bands_held(
             [(j, prep.ckpt.index.entry(j.source)) for j in _jobs_run(prep) if j.strategy is Strategy.BANDED]
         ),

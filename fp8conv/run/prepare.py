@@ -68,9 +68,9 @@ def prepare(
     downloaded (a Hub ID must be in the cache, or --stream) and the scale values are not read (torch would be)."""
     ckpt, feed_source = _open(source, output, how, dry_run)
     plan, warnings = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run)
-    band_elements = band_elements_for(how.max_memory)
+    band_elements = band_elements_for(how.max_memory, how.tuning)
     run = choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes
-    _check_memory_cap(ckpt, run, how.max_memory)
+    _check_memory_cap(ckpt, run, how)
     out = check_output_path(output)  # before Path(): Path("") is the working directory
     if out.is_dir():  # before any record in it is read: a link there is refused, never followed
         with OutDir.open(out, create=False) as existing:
@@ -237,18 +237,20 @@ def check_output_empty(out: Path) -> None:
         )
 
 
-def _check_memory_cap(ckpt: Checkpoint, run: RunPlan, max_memory: int | None) -> None:
+def _check_memory_cap(ckpt: Checkpoint, run: RunPlan, how: RunOptions) -> None:
     """Refuses, before anything is written, a --max-memory cap that cannot hold the run or a tensor the
     plan rewrites whole (padded, 3-D, or quantized from bf16) or streams in whole gpt-oss experts that
     would not fit under it."""
+    max_memory = how.max_memory
     if max_memory is None:
         return
-    if max_memory < lowest_max_memory():
+    lowest = lowest_max_memory(how.tuning)
+    if max_memory < lowest:
         raise OptionsError(
-            f"--max-memory {max_memory} bytes is below what a run needs ({lowest_max_memory()} bytes)",
+            f"--max-memory {max_memory} bytes is below what a run needs ({lowest} bytes)",
             fix="raise --max-memory",
         )
-    fixed = fixed_bytes(max_memory)  # the process and the writer's buffers
+    fixed = fixed_bytes(max_memory, how.tuning)  # the process and the writer's buffers
     budget = max_memory - fixed
     for job in run.jobs():
         held = held_bytes(job, ckpt.index.entry(job.source))

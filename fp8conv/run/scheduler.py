@@ -28,7 +28,7 @@ import torch
 
 from ..backends import Backend
 from ..backends.scales import all_powers_of_two
-from ..options import ProgressCallback
+from ..options import DEFAULT_TUNING, ProgressCallback, Tuning
 from ..plan.bands import (
     BAND_WORKERS,
     IN_SLOTS,
@@ -50,7 +50,7 @@ from ..source.index import CheckpointIndex
 from ..storage.direct_io import aligned_empty, round_up
 from ..storage.out_dir import OutDir
 from ..storage.preread import Preread
-from ..storage.shard_reader import ShardReader, read_capacity
+from ..storage.shard_reader import DIRECT_MIN_BYTES, ShardReader, read_capacity
 from ..storage.writer import ShardWriter
 from ..threads import RunPool, RunThreads
 
@@ -77,9 +77,17 @@ class RunTotals:
 class InputReaders:
     """A reader per input shard, opened when first needed; closed one by one (--stream evicts) or all."""
 
-    def __init__(self, index: CheckpointIndex, direct: bool, preread: Preread | None = None) -> None:
-        """`preread`: bytes warm start read ahead for this run (warm_start.py), handed to every reader."""
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        direct: bool,
+        preread: Preread | None = None,
+        direct_min_bytes: int = DIRECT_MIN_BYTES,
+    ) -> None:
+        """`preread`: bytes warm start read ahead for this run (warm_start.py), handed to every reader.
+        `direct_min_bytes`: smaller reads go through the page cache (Tuning.direct_min_bytes)."""
         self.index, self.direct, self.preread = index, direct, preread
+        self.direct_min_bytes = direct_min_bytes
         self._open: dict[str, ShardReader] = {}
         self._lock = threading.Lock()  # the read and write threads both open shards
 
@@ -88,7 +96,8 @@ class InputReaders:
         with self._lock:
             if shard_name not in self._open:
                 identity = self.index.shard_of(tensor).header.identity  # the file the plan read
-                self._open[shard_name] = ShardReader(self.index.root / shard_name, self.direct, identity, self.preread)
+                path = self.index.root / shard_name
+                self._open[shard_name] = ShardReader(path, self.direct, identity, self.preread, self.direct_min_bytes)
             return self._open[shard_name]
 
     def close(self, shard_name: str) -> None:
@@ -136,12 +145,15 @@ class Scheduler:
         progress: ProgressCallback | None = None,
         max_memory: int | None = None,
         threads: RunThreads | None = None,
+        tuning: Tuning = DEFAULT_TUNING,
     ) -> None:
-        """`threads`: the run's (its owner closes them); None: run() starts its own and closes them."""
+        """`threads`: the run's (its owner closes them); None: run() starts its own and closes them.
+        `tuning`: the size and number of the writer's segments."""
         self.index, self.plan, self.backend, self.readers = index, plan, backend, readers
         self.threads = threads
         self.direct_io, self.progress = direct_io, progress
-        self.limits = write_limits(max_memory)  # the writer's segments and copy chunk, counted under a cap
+        self.packed_chunk = tuning.packed_chunk_elements  # packed bands quantized to FP8, decoded this much at once
+        self.limits = write_limits(max_memory, tuning)  # the writer's segments and copy chunk, counted under a cap
         self.fp8_max = plan.options.fp8_max
         self.totals = RunTotals()
         self.done = 0  # bytes of output done, for progress
@@ -193,6 +205,7 @@ class Scheduler:
                     self._hash_pool,
                     self.limits.segments,
                     within,
+                    self.limits.segment_bytes,
                 )
                 try:
                     self._shard(shard, writer)
@@ -284,7 +297,7 @@ class Scheduler:
         else:
             global_scale = inputs[job.fmt.global_scale] if job.fmt.global_scale else None
             scale = stored_scale(inputs.__getitem__, job.fmt)
-            banded = BandedJob(job, scale, global_scale, self.backend, self.fp8_max)
+            banded = BandedJob(job, scale, global_scale, self.backend, self.fp8_max, self.packed_chunk)
         k = banded.row_elements
         computing: deque[Future[None]] = deque()
         w: Any = None

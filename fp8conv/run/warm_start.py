@@ -42,9 +42,10 @@ class WarmStart:
     """What the CLI starts for one run before torch loads: threads of the run's RunThreads, and the store
     of bytes they read ahead. convert(..., warm=) takes both over and closes them at its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, piece_bytes: int = PIECE_BYTES) -> None:
+        """`piece_bytes`: the store's unit of reading ahead (RunOptions.tuning.piece_bytes)."""
         self.threads = RunThreads()
-        self.preread = Preread()
+        self.preread = Preread(piece_bytes)
         self.hinted: list[str] = []  # torch's files hinted so far (appended by the hint threads)
 
     def begin(
@@ -96,7 +97,7 @@ class WarmStart:
 
     def _fetch(self, source: str, options: ConvertOptions, direct: bool, limit: int) -> None:
         with contextlib.suppress(Exception):  # a failed prefetch only means the run reads it all itself
-            for path, ranges in _first_reads(source, options, limit).items():
+            for path, ranges in _first_reads(source, options, limit, self.preread.piece_bytes).items():
                 if self.threads.cancelled.is_set():
                     return
                 self.preread.read(path, ranges, direct, self.threads.cancelled)
@@ -131,9 +132,12 @@ def _hint_files(found: queue.SimpleQueue[str | None], hinted: list[str]) -> None
                 os.close(fd)
 
 
-def _first_reads(source: str, options: ConvertOptions, limit: int) -> dict[Path, list[tuple[int, int]]]:
+def _first_reads(
+    source: str, options: ConvertOptions, limit: int, piece_bytes: int
+) -> dict[Path, list[tuple[int, int]]]:
     """Plan the run, hint its scales into the page cache; the ranges of the first output shard's inputs
-    to read ahead, by file, at most `limit` bytes' worth of pieces. Raises whatever is wrong with the input."""
+    to read ahead, by file, at most `limit` bytes' worth of pieces (of `piece_bytes`). Raises whatever is
+    wrong with the input."""
     from ..model.classify import classify  # here, not at the top: --help and inspect import this module
     from ..plan.conversion import plan_conversion
     from ..source.checkpoint import open_checkpoint
@@ -156,11 +160,11 @@ def _first_reads(source: str, options: ConvertOptions, limit: int) -> dict[Path,
     for job in plan.shards[0].jobs:
         entry, shard = index.entry(job.source), index.shard_of(job.source).name
         end = entry.start
-        for i in range(entry.start // PIECE_BYTES, -(-(entry.start + entry.nbytes) // PIECE_BYTES)):
-            if (shard, i) not in counted and (len(counted) + 1) * PIECE_BYTES > limit:
+        for i in range(entry.start // piece_bytes, -(-(entry.start + entry.nbytes) // piece_bytes)):
+            if (shard, i) not in counted and (len(counted) + 1) * piece_bytes > limit:
                 break
             counted.add((shard, i))
-            end = min(entry.start + entry.nbytes, (i + 1) * PIECE_BYTES)
+            end = min(entry.start + entry.nbytes, (i + 1) * piece_bytes)
         if end == entry.start:
             break
         first.setdefault(shard, []).append((entry.start, end - entry.start))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .direct_io import direct_transfer, open_direct, read_into
 
-PIECE_BYTES = 4 * 2**20  # unit of fetching and of release; ALIGN-aligned file offsets
+PIECE_BYTES = 4 * 2**20  # unit of fetching and of release, ALIGN-aligned (the default of options.Tuning's)
 
 FileKey = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns: same file, unchanged
 
@@ -39,9 +39,11 @@ class _Piece:
 class Preread:
     """One run's store: warm start fills it (read()) while torch loads, the run's readers take from it."""
 
-    def __init__(self) -> None:
+    def __init__(self, piece_bytes: int = PIECE_BYTES) -> None:
+        """`piece_bytes`: the unit of fetching and of release, a multiple of direct_io.ALIGN."""
+        self.piece_bytes = piece_bytes
         self._lock = threading.Lock()
-        self._pieces: dict[FileKey, dict[int, _Piece]] = {}  # by file, by piece index (offset // PIECE_BYTES)
+        self._pieces: dict[FileKey, dict[int, _Piece]] = {}  # by file, by piece index (offset // piece_bytes)
 
     def holds(self, key: FileKey) -> bool:
         """Anything fetched of this file (a cheap check before take())."""
@@ -49,10 +51,10 @@ class Preread:
 
     def take(self, key: FileKey, offset: int, out: memoryview) -> bool:
         """Fill `out` with the file's bytes from `offset` if they were all fetched; False leaves it to the disk."""
-        end = offset + len(out)
+        end, size = offset + len(out), self.piece_bytes
         if end <= offset:
             return False
-        spans = range(offset // PIECE_BYTES, (end - 1) // PIECE_BYTES + 1)
+        spans = range(offset // size, (end - 1) // size + 1)
         with self._lock:
             pieces = self._pieces.get(key, {})
             found = [pieces.get(i) for i in spans]
@@ -61,16 +63,16 @@ class Preread:
             if piece is not None:
                 piece.ready.wait()
                 data = piece.data
-                whole = whole and data is not None and piece.start + len(data) >= min(end, piece.start + PIECE_BYTES)
+                whole = whole and data is not None and piece.start + len(data) >= min(end, piece.start + size)
         if whole:
             for piece in found:
                 assert piece is not None and piece.data is not None
-                lo, hi = max(offset, piece.start), min(end, piece.start + PIECE_BYTES)
+                lo, hi = max(offset, piece.start), min(end, piece.start + size)
                 out[lo - offset : hi - offset] = piece.data[lo - piece.start : hi - piece.start]
         with self._lock:  # bytes read from the disk instead are not asked for again either
             for i, piece in zip(spans, found, strict=True):
                 if piece is not None:
-                    piece.taken += min(end, piece.start + PIECE_BYTES) - max(offset, piece.start)
+                    piece.taken += min(end, piece.start + size) - max(offset, piece.start)
                     if piece.taken >= piece.want:
                         self._pieces.get(key, {}).pop(i, None)
         return whole
@@ -93,21 +95,22 @@ class Preread:
         direct_fd = open_direct(path, os.O_RDONLY) if direct else None
         dfd = -1 if direct_fd is None else direct_fd
         todo: list[_Piece] = []
+        size = self.piece_bytes
         try:
             key = file_key(fd)
             with self._lock:
                 pieces = self._pieces.setdefault(key, {})
                 for offset, nbytes in ranges:
-                    for i in range(offset // PIECE_BYTES, (offset + nbytes - 1) // PIECE_BYTES + 1):
-                        lo, hi = max(offset, i * PIECE_BYTES), min(offset + nbytes, (i + 1) * PIECE_BYTES)
+                    for i in range(offset // size, (offset + nbytes - 1) // size + 1):
+                        lo, hi = max(offset, i * size), min(offset + nbytes, (i + 1) * size)
                         if i not in pieces:
-                            pieces[i] = _Piece(start=i * PIECE_BYTES, want=0)
+                            pieces[i] = _Piece(start=i * size, want=0)
                             todo.append(pieces[i])
                         pieces[i].want += hi - lo
             for piece in todo:
                 if cancelled is not None and cancelled.is_set():
                     break
-                piece.data, dfd = _read_piece(fd, dfd, piece.start)
+                piece.data, dfd = _read_piece(fd, dfd, piece.start, size)
                 piece.ready.set()
         finally:
             for piece in todo:
@@ -117,16 +120,16 @@ class Preread:
                 os.close(direct_fd)
 
 
-def _read_piece(fd: int, dfd: int, start: int) -> tuple[memoryview, int]:
-    """PIECE_BYTES from `start` (fewer at the end of the file), into page-aligned memory; the direct
+def _read_piece(fd: int, dfd: int, start: int, size: int) -> tuple[memoryview, int]:
+    """`size` bytes from `start` (fewer at the end of the file), into page-aligned memory; the direct
     descriptor to use next (-1 once the filesystem turned a direct read down)."""
-    buf = memoryview(mmap.mmap(-1, PIECE_BYTES))  # anonymous maps are page-aligned, as O_DIRECT wants
+    buf = memoryview(mmap.mmap(-1, size))  # anonymous maps are page-aligned, as O_DIRECT wants
     done = 0
     if dfd >= 0:
         done, usable = direct_transfer(read_into, dfd, buf, start)
         if usable:  # all of it, or a short read: the end of the file
             return buf[:done], dfd
         dfd = -1  # the filesystem wants more alignment of a direct read: the page cache from here
-    while done < PIECE_BYTES and (n := os.preadv(fd, [buf[done:]], start + done)):
+    while done < size and (n := os.preadv(fd, [buf[done:]], start + done)):
         done += n
     return buf[:done], dfd

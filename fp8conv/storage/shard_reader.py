@@ -20,7 +20,7 @@ from .safetensors_file import TensorEntry, as_writable_memoryview, file_ended, p
 if TYPE_CHECKING:
     import torch
 
-DIRECT_MIN_BYTES = 1 << 20
+DIRECT_MIN_BYTES = 1 << 20  # smaller reads go through the page cache (the default of options.Tuning's)
 
 
 def read_capacity(nbytes: int) -> int:
@@ -35,9 +35,11 @@ class ShardReader:
         direct: bool = True,
         identity: tuple[int, int] | None = None,
         preread: Preread | None = None,
+        direct_min_bytes: int = DIRECT_MIN_BYTES,
     ) -> None:
         """`identity`: the (st_dev, st_ino) the plan's header was read from (input_files.reopen refuses
-        any other file, such as a link swapped in since). `preread`: the run's bytes read ahead, if any."""
+        any other file, such as a link swapped in since). `preread`: the run's bytes read ahead, if any.
+        `direct_min_bytes`: reads smaller than this go through the page cache."""
         self.name = path.name
         self.fd = reopen(path, identity, where={"shard": path.name})
         self.direct_fd = open_direct(path, os.O_RDONLY) if direct else None
@@ -47,6 +49,7 @@ class ShardReader:
         self.direct = self.direct_fd is not None  # False once the filesystem turns a direct read down
         self.key = file_key(self.fd)
         self.preread = preread
+        self.direct_min_bytes = direct_min_bytes
 
     def close(self) -> None:
         if self.fd >= 0 and self.preread is not None:
@@ -70,7 +73,7 @@ class ShardReader:
             and store.take(self.key, offset, as_writable_memoryview(buffer[:nbytes]))
         ):
             return buffer[:nbytes]  # read while torch was loading
-        if not self.direct or nbytes < DIRECT_MIN_BYTES:
+        if not self.direct or nbytes < self.direct_min_bytes:
             out = buffer[:nbytes]
             pread_into(self.fd, as_writable_memoryview(out), offset, entry, self.name)
             return out

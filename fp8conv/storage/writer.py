@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 TEMP_SUFFIX = ".fp8conv-partial"
 COPY_CHUNK_BYTES = 16 * 1024 * 1024
 # A shard is written in aligned segments of this size, at most MAX_SEGMENTS of them in memory at once
+# (the defaults of options.Tuning, which a run hands its writers)
 SEGMENT_BYTES = 4 * 1024 * 1024
 MAX_SEGMENTS = 8
 T = TypeVar("T")
@@ -352,13 +353,14 @@ class ShardWriter:
         direct: bool = True,
         io: Executor | None = None,
         hasher: Executor | None = None,
-        max_segments: int = MAX_SEGMENTS,  # fewer under --max-memory (stream.write_limits)
+        max_segments: int = MAX_SEGMENTS,  # fewer under --max-memory (bands.write_limits)
         within: OutDir | None = None,  # the output directory, opened once (see ShardFile)
+        segment_bytes: int = SEGMENT_BYTES,  # a multiple of direct_io.ALIGN
     ) -> None:
         self.final_path = final_path
         self.max_segments = max_segments
         self.layout = ShardLayout(final_path.name, specs, metadata)
-        self.assembler = SegmentAssembler(self.layout.size, SEGMENT_BYTES, final_path.name)
+        self.assembler = SegmentAssembler(self.layout.size, segment_bytes, final_path.name)
         # per segment completed ahead of the hash: its kept buffer (None once dropped or spilled), its write
         self.hash: OrderedHash[tuple[torch.Tensor | None, Future[None] | None]] = OrderedHash()
         self._io = io or _INLINE

@@ -16,6 +16,7 @@ from fp8conv import ConvertOptions
 from fp8conv.backends.torch_device import TorchDeviceBackend
 from fp8conv.check import verify_bands
 from fp8conv.model.classify import classify
+from fp8conv.options import Tuning
 from fp8conv.output.manifest import load_manifest
 from fp8conv.plan.conversion import Job, plan_conversion
 from fp8conv.source.checkpoint import open_checkpoint
@@ -26,7 +27,8 @@ from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
 N, K = 1000, 320  # 7 whole 128-row blocks and a ragged eighth of 104 rows; 2.5 blocks wide
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
 EMBED = "model.embed_tokens.weight"  # copied as it is
-BAND_ROWS = 128  # what VERIFY_BAND_ELEMENTS = 1 gives: one block row per band
+SMALL_BANDS = Tuning(verify_band_elements=1)  # the fewest rows a band holds: one block row
+BAND_ROWS = 128  # what SMALL_BANDS gives
 MESSAGES = {
     "bf16": "not one rounding of the float32 product",
     "channel": "differs from the reference backend's output",
@@ -53,24 +55,20 @@ def _flip_last_byte(out: Path, name: str) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.fixture
-def small_bands(monkeypatch) -> None:
-    monkeypatch.setattr(verify_bands, "VERIFY_BAND_ELEMENTS", 1)
-
-
 @pytest.mark.parametrize("to", ["bf16", "channel", "block"])
-def test_a_wrong_value_in_the_last_ragged_band_is_found(tmp_path, small_bands, to):
+def test_a_wrong_value_in_the_last_ragged_band_is_found(tmp_path, to):
     src = _checkpoint(tmp_path / "in")
     good = tmp_path / "good"
     fp8conv.convert(src, good, ConvertOptions(to=to))
-    assert fp8conv.verify(src, good).ok
-    job_pieces = verify_bands.pieces(_job(src, good, WEIGHT), (N, K))  # 8 bands, the last one ragged
+    assert fp8conv.verify(src, good, tuning=SMALL_BANDS).ok
+    job = _job(src, good, WEIGHT)
+    job_pieces = verify_bands.pieces(job, (N, K), SMALL_BANDS.verify_band_elements)  # 8 bands, the last one ragged
     assert job_pieces is not None and [p.out_rows for p in job_pieces][-2:] == [(768, 896), (896, 1000)]
     for name in (WEIGHT, EMBED):
         out = tmp_path / f"bad-{name}"
         shutil.copytree(good, out)
         _flip_last_byte(out, name)
-        result = fp8conv.verify(src, out)
+        result = fp8conv.verify(src, out, tuning=SMALL_BANDS)
         message = "not byte-identical to the input" if name == EMBED else MESSAGES[to]
         assert not result.ok and any(f"{name}: {message}" in f for f in result.failures), result.failures
         mine = [f for f in result.failures if name in f]
@@ -85,7 +83,7 @@ def _job(src: Path, out: Path, name: str) -> Job:
 
 
 @pytest.mark.parametrize("to", ["bf16", "channel", "block"])
-def test_verify_reads_and_computes_a_band_at_a_time(tmp_path, monkeypatch, small_bands, to):
+def test_verify_reads_and_computes_a_band_at_a_time(tmp_path, monkeypatch, to):
     """Every read verify issues and every tensor the reference backend writes for it is at most a band:
     a verify that read or dequantized a tensor whole would read N rows at once."""
     src = _checkpoint(tmp_path / "in")
@@ -108,14 +106,14 @@ def test_verify_reads_and_computes_a_band_at_a_time(tmp_path, monkeypatch, small
             return _original(self, *args)
 
         monkeypatch.setattr(TorchDeviceBackend, method, counting)
-    assert fp8conv.verify(src, out).ok
+    assert fp8conv.verify(src, out, tuning=SMALL_BANDS).ok
     band = BAND_ROWS * K
     assert computed and max(computed) <= band, max(computed)
     assert max(reads) <= band * 2, max(reads)  # 2: a bf16 band, the largest element read
     assert len(reads) >= 2 * 8  # each tensor's 8 bands: the input's and the output's rows
 
 
-def test_an_output_of_another_shape_is_reported_not_read_past(tmp_path, small_bands):
+def test_an_output_of_another_shape_is_reported_not_read_past(tmp_path):
     """The plan's bands do not fit a tensor written in another shape: verify reports it, as it did when it
     read every tensor whole, instead of reading rows the file does not hold."""
     src = _checkpoint(tmp_path / "in")
@@ -126,30 +124,30 @@ def test_an_output_of_another_shape_is_reported_not_read_past(tmp_path, small_ba
     tensors = load_file(path)
     tensors[WEIGHT] = tensors[WEIGHT][:900].clone()  # its last 100 rows lost; the file's last tensor
     save_file(tensors, path, metadata={"format": "pt"})
-    result = fp8conv.verify(src, out)
+    result = fp8conv.verify(src, out, tuning=SMALL_BANDS)
     assert not result.ok
     assert any(f"{WEIGHT}: expected ('BF16', ({N}, {K})), found ('BF16', (900, {K}))" in f for f in result.failures)
     assert any(f"{WEIGHT}: not one rounding of the float32 product" in f for f in result.failures)
 
 
-def test_gpt_oss_experts_are_checked_one_expert_at_a_time(tmp_path, small_bands):
+def test_gpt_oss_experts_are_checked_one_expert_at_a_time(tmp_path):
     """gpt-oss's fused experts, written transposed [E, K, N]: read an expert at a time, and a wrong value
     in the last expert is found."""
     fx = build_family("gpt-oss", tmp_path / "gpt-oss")
     good = tmp_path / "good"
     fp8conv.convert(fx.path, good, ConvertOptions(to="bf16"))
-    assert fp8conv.verify(fx.path, good).ok
+    assert fp8conv.verify(fx.path, good, tuning=SMALL_BANDS).ok
     path, name = next(
         (p, n) for p in sorted(good.glob("*.safetensors")) for n in read_header(p).tensors if n.endswith("down_proj")
     )
     experts = read_header(path).tensors[name].shape[0]
     assert experts > 1
     job = _job(fx.path, good, name + "_blocks")
-    assert verify_bands.pieces(job, job.fmt.shape) == [
+    assert verify_bands.pieces(job, job.fmt.shape, SMALL_BANDS.verify_band_elements) == [
         verify_bands.Piece(e, (0, job.fmt.shape[1]), (0, job.fmt.shape[1]), 1) for e in range(experts)
     ]
     out = tmp_path / "bad"
     shutil.copytree(good, out)
     _flip_last_byte(out, name)
-    result = fp8conv.verify(fx.path, out)
+    result = fp8conv.verify(fx.path, out, tuning=SMALL_BANDS)
     assert not result.ok and any(f"{name}: not one rounding of the float32 product" in f for f in result.failures)

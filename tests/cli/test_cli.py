@@ -255,3 +255,18 @@ def test_pad_roles_from_the_cli(runner, tiny, tmp_path):
     shown = runner.invoke(main, ["inspect", str(tiny.path)]).stdout
     assert "--pad-for-tp 4 --pad-roles dense,shared,routed: --to block ~" in shown
     assert "--pad-for-tp 4 --pad-roles dense: --to block ~" in shown
+
+
+def test_tuning_is_hidden_and_a_bad_one_is_a_usage_error(runner, tiny, tmp_path):
+    """--tuning (how the work is cut, for tests) is not in --help; what it cannot use exits 2, nothing written."""
+    assert "--tuning" not in runner.invoke(main, ["convert", "--help"]).stdout
+    args = ["convert", str(tiny.path), "--to", "bf16", "-o", str(tmp_path / "out"), "-q", "--tuning"]
+    for text, message in [
+        ("{band", "--tuning is not JSON"),
+        ("[1]", "--tuning is not a JSON object"),
+        ('{"band": 1}', "unknown tuning value(s) band"),
+        ('{"segment_bytes": 100}', "tuning segment_bytes 100 is not a positive multiple of 4096"),
+    ]:
+        refused = runner.invoke(main, [*args, text])
+        assert refused.exit_code == 2 and message in refused.stderr, refused.stderr
+    assert not (tmp_path / "out").exists()

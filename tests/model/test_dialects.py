@@ -8,20 +8,17 @@ import pytest
 import torch
 
 import fp8conv
-from fp8conv import ConvertOptions
+from fp8conv import ConvertOptions, RunOptions
+from fp8conv.options import Tuning
 from tests.support.helpers import load_dir
 from tests.support.reference import dequant_reference, quantize_reference, same_bits, scale_values, within_fp8_bound
 from tests.support.synthetic import DIALECTS
 
 
-@pytest.fixture(autouse=True, params=["whole", "bands"])
-def execution(request, monkeypatch):
+@pytest.fixture(params=["whole", "bands"])
+def execution(request) -> RunOptions:
     """Each test twice: whole tensors, and streamed in bands of rows small enough to split every weight."""
-    if request.param == "bands":
-        import fp8conv.plan.bands
-
-        monkeypatch.setattr(fp8conv.plan.bands, "CONVERT_BAND_ELEMENTS", 3000)
-    return request.param
+    return RunOptions(tuning=Tuning(convert_band_elements=3000)) if request.param == "bands" else RunOptions()
 
 
 KEEPS_BLOCKS = {"block", "block-bf16-scales", "ue8m0", "ue8m0-e8m0", "ue8m0-u8", "ct-block"}
@@ -38,10 +35,10 @@ def _truth(src: dict[str, torch.Tensor], name: str, dialect: str) -> torch.Tenso
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_to_bf16(make_tiny, tmp_path, dialect):
+def test_to_bf16(make_tiny, tmp_path, dialect, execution):
     ckpt = make_tiny(dialect=dialect)
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"))
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"), run=execution)
     got = load_dir(tmp_path / "out")
     for name in ckpt.linear_weights:
         assert same_bits(got[name], _truth(src, name, dialect).to(torch.bfloat16)), name
@@ -51,10 +48,10 @@ def test_to_bf16(make_tiny, tmp_path, dialect):
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_to_channel(make_tiny, tmp_path, dialect):
+def test_to_channel(make_tiny, tmp_path, dialect, execution):
     ckpt = make_tiny(dialect=dialect)
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel"))
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel"), run=execution)
     got = load_dir(tmp_path / "out")
     for name in ckpt.linear_weights:
         ref = _truth(src, name, dialect)
@@ -97,10 +94,10 @@ def test_to_channel(make_tiny, tmp_path, dialect):
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_to_block(make_tiny, tmp_path, dialect):
+def test_to_block(make_tiny, tmp_path, dialect, execution):
     ckpt = make_tiny(dialect=dialect)
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="block"))
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="block"), run=execution)
     got = load_dir(tmp_path / "out")
     for name in ckpt.linear_weights:
         ref = _truth(src, name, dialect)
@@ -127,30 +124,30 @@ def test_to_block(make_tiny, tmp_path, dialect):
     assert ("scale_fmt" in qc) == (dialect in ("ue8m0-e8m0", "ue8m0-u8"))
 
 
-def test_block_passthrough_is_bit_identical(make_tiny, tmp_path):
+def test_block_passthrough_is_bit_identical(make_tiny, tmp_path, execution):
     ckpt = make_tiny()
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="block"))
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="block"), run=execution)
     got = load_dir(tmp_path / "out")
     assert set(got) == set(src)
     assert all(same_bits(got[n], src[n]) for n in src)
 
 
-def test_per_tensor_is_never_read_as_blocks(make_tiny, tmp_path):
+def test_per_tensor_is_never_read_as_blocks(make_tiny, tmp_path, execution):
     """Read as 128x128 blocks, a per-tensor checkpoint would load unscaled: hundreds of times too large."""
     ckpt = make_tiny(dialect="per-tensor")
     report = fp8conv.inspect(ckpt.path)
     assert report.format == "per-tensor-fp8" and report.block_size is None
-    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"))
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="bf16"), run=execution)
     got = load_dir(tmp_path / "out")
     name = "model.layers.0.mlp.down_proj.weight"
     assert got[name].abs().max() < 10  # the raw FP8 values reach 448
 
 
-def test_gaudi2_range(make_tiny, tmp_path):
+def test_gaudi2_range(make_tiny, tmp_path, execution):
     ckpt = make_tiny()
     src = load_dir(ckpt.path)
-    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel", fp8_max=240.0))
+    fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel", fp8_max=240.0), run=execution)
     got = load_dir(tmp_path / "out")
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     ref = dequant_reference(src, name)
@@ -161,14 +158,14 @@ def test_gaudi2_range(make_tiny, tmp_path):
     assert qc["fp8_dtype_flavor"] == "float8_e4m3fnuz"
 
 
-def test_zero_rows_stay_zero_with_finite_scales(tmp_path):
+def test_zero_rows_stay_zero_with_finite_scales(tmp_path, execution):
     from tests.support.helpers import write_checkpoint
 
     w = torch.zeros(256, 128, dtype=torch.bfloat16)
     w[5] = 0.5
     path = write_checkpoint(tmp_path / "c", {"x.weight": w}, None)
     for target in ("channel", "block"):
-        fp8conv.convert(path, tmp_path / target, ConvertOptions(to=target))
+        fp8conv.convert(path, tmp_path / target, ConvertOptions(to=target), run=execution)
         got = load_dir(tmp_path / target)
         scale = got["x.weight_scale" if target == "channel" else "x.weight_scale_inv"]
         assert torch.isfinite(scale).all() and (scale > 0).all()
@@ -183,7 +180,7 @@ def test_zero_rows_stay_zero_with_finite_scales(tmp_path):
         (torch.rand(3) + 0.1, "per-expert"),  # [E]
     ],
 )
-def test_fused_3d_experts(tmp_path, scale, layout):
+def test_fused_3d_experts(tmp_path, scale, layout, execution):
     from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
 
     q = fp8((3, 200, 300), seed=4)
@@ -203,7 +200,7 @@ def test_fused_3d_experts(tmp_path, scale, layout):
         refs.append(dequant_reference({"w": per_expert[f"e{e}"], "w_scale_inv": s}, "w"))
     ref = torch.stack(refs)
     for target in ("bf16", "channel", "block"):
-        fp8conv.convert(path, tmp_path / target, ConvertOptions(to=target))
+        fp8conv.convert(path, tmp_path / target, ConvertOptions(to=target), run=execution)
         got = load_dir(tmp_path / target)
         name = "model.layers.1.mlp.experts.w13.weight"
         if target == "bf16":
@@ -223,7 +220,7 @@ def test_fused_3d_experts(tmp_path, scale, layout):
                     assert same_bits(got[name][e], eq) and same_bits(got[name + "_scale_inv"][e], es)
 
 
-def test_fused_modules_share_one_scheme(make_tiny, tmp_path):
+def test_fused_modules_share_one_scheme(make_tiny, tmp_path, execution):
     """A bf16 gate_proj beside an FP8 up_proj cannot be loaded as one fused layer: refused by name."""
     from safetensors.torch import load_file, save_file
 
@@ -244,12 +241,14 @@ def test_fused_modules_share_one_scheme(make_tiny, tmp_path):
         save_file(rest, str(scale_shard))
     (ckpt.path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(fp8conv.CheckpointError, match="engines fuse them") as info:
-        fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel"))
+        fp8conv.convert(ckpt.path, tmp_path / "out", ConvertOptions(to="channel"), run=execution)
     assert "model.layers.0.mlp.up_proj.weight" in str(info.value)
-    fp8conv.convert(ckpt.path, tmp_path / "bf16", ConvertOptions(to="bf16"))  # dequantizing everything is fine
+    fp8conv.convert(
+        ckpt.path, tmp_path / "bf16", ConvertOptions(to="bf16"), run=execution
+    )  # dequantizing everything is fine
 
 
-def test_modules_listed_as_not_converted_stay_unquantized_and_listed(make_tiny, tmp_path):
+def test_modules_listed_as_not_converted_stay_unquantized_and_listed(make_tiny, tmp_path, execution):
     from safetensors.torch import load_file, save_file
 
     ckpt = make_tiny(num_shards=1, with_index=False, dialect="per-tensor")
@@ -264,7 +263,7 @@ def test_modules_listed_as_not_converted_stay_unquantized_and_listed(make_tiny, 
     config["quantization_config"]["ignored_layers"] = ["lm_head", "model.layers.1.self_attn.o_proj"]
     (ckpt.path / "config.json").write_text(json.dumps(config))
     for target, key in (("channel", "ignore"), ("block", "modules_to_not_convert")):
-        fp8conv.convert(ckpt.path, tmp_path / target, ConvertOptions(to=target))
+        fp8conv.convert(ckpt.path, tmp_path / target, ConvertOptions(to=target), run=execution)
         got = load_dir(tmp_path / target)
         assert same_bits(got[name], tensors[name]) and name + "_scale" not in got
         qc = json.loads((tmp_path / target / "config.json").read_text())["quantization_config"]

@@ -12,6 +12,7 @@ import torch
 
 import fp8conv
 from fp8conv.errors import PlanRefused
+from fp8conv.options import Tuning
 from tests.support.helpers import load_dir
 from tests.support.layouts_2026 import (
     MIMO_LAYERS,
@@ -36,8 +37,8 @@ def _refusals(src, out, to: str) -> str:
     return "\n".join(str(p) for p in refused.value.problems)
 
 
-def _convert(src, out, to: str, **options) -> dict[str, torch.Tensor]:
-    fp8conv.convert(src, out, fp8conv.ConvertOptions(to=to, **options))
+def _convert(src, out, to: str, run: fp8conv.RunOptions | None = None, **options) -> dict[str, torch.Tensor]:
+    fp8conv.convert(src, out, fp8conv.ConvertOptions(to=to, **options), run=run)
     return load_dir(out)
 
 
@@ -161,18 +162,14 @@ def test_fused_per_tensor_experts_to_channel_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("to", TARGETS)
-def test_mimo_per_head_kv_in_row_bands(tmp_path, monkeypatch, to):
+def test_mimo_per_head_kv_in_row_bands(tmp_path, to):
     """Bands of a few math blocks (64 rows here) give the same bytes as whole tensors, and verify agrees."""
-    from fp8conv.check import verify_bands
-    from fp8conv.plan import bands as stream
-
     build_mimo_flash(tmp_path / "in")
     whole = _convert(tmp_path / "in", tmp_path / "whole", to)
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3 * 64 * 200)
-    monkeypatch.setattr(verify_bands, "VERIFY_BAND_ELEMENTS", 2 * 64 * 200)
-    banded = _convert(tmp_path / "in", tmp_path / "banded", to)
+    small = Tuning(convert_band_elements=3 * 64 * 200, verify_band_elements=2 * 64 * 200)
+    banded = _convert(tmp_path / "in", tmp_path / "banded", to, fp8conv.RunOptions(tuning=small))
     assert all(same_bits(whole[n], banded[n]) for n in whole) and whole.keys() == banded.keys()
-    result = fp8conv.verify(tmp_path / "in", tmp_path / "banded")
+    result = fp8conv.verify(tmp_path / "in", tmp_path / "banded", tuning=small)
     assert result.ok, result.failures
 
 

@@ -14,6 +14,7 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.model.classify import Kind, classify
+from fp8conv.options import Tuning
 from fp8conv.source.checkpoint import open_checkpoint
 from tests.support.helpers import load_dir, write_checkpoint
 from tests.support.packed_builders import (
@@ -390,15 +391,13 @@ def test_gpt_oss_mxfp4_to_bf16_loads_as_transformers_gpt_oss(tmp_path, monkeypat
     ckpt = open_checkpoint(tmp_path / "c")
     assert classify(ckpt.index, ckpt.config).kind_counts()["mxfp4-gpt-oss"] == 4
 
-    import fp8conv.plan.bands as stream
     from fp8conv.rewrite.experts import ExpertBands
 
     streamed = []
     real_init = ExpertBands.__init__
     monkeypatch.setattr(ExpertBands, "__init__", lambda self, job, b: streamed.append(job) or real_init(self, job, b))
-    if band_elements is not None:
-        monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", band_elements)
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
+    run = RunOptions() if band_elements is None else RunOptions(tuning=Tuning(convert_band_elements=band_elements))
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"), run=run)
     assert len(streamed) == (0 if band_elements is None else 4)
     assert all(job.band_rows < job.spec.shape[1] for job in streamed)
     got = load_dir(tmp_path / "out")

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import fp8conv
 from fp8conv import ConvertOptions, OptionsError, RunOptions
 from fp8conv.cli.commands import main
+from fp8conv.options import Tuning
 from tests.support.helpers import dir_snapshot
 from tests.support.local_shards import LocalShardSource
 
@@ -48,13 +49,34 @@ def test_run_options_refuse_a_misfit_when_made(kwargs, message):
         RunOptions(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"convert_band_elements": 0}, "tuning convert_band_elements 0 is not a positive integer"),
+        ({"max_segments": 0}, "tuning max_segments 0 is not a positive integer"),
+        ({"direct_min_bytes": -1}, "tuning direct_min_bytes -1 is negative"),
+        ({"segment_bytes": 5000}, "tuning segment_bytes 5000 is not a positive multiple of 4096"),
+        ({"piece_bytes": 0}, "tuning piece_bytes 0 is not a positive multiple of 4096"),
+        ({"verify_band_elements": "8"}, "tuning verify_band_elements '8' is not an integer"),
+    ],
+)
+def test_tuning_refuses_a_size_the_run_cannot_use_when_made(kwargs, message):
+    with pytest.raises(OptionsError, match=message):
+        Tuning(**kwargs)
+
+
 def test_both_values_go_through_json_unchanged():
     options = ConvertOptions(
         to="block", block_size=(64, 128), pad_for_tp=4, pad_roles=("dense", "shared"), keep_model_card=True
     )
     assert ConvertOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
-    run = RunOptions(overwrite=True, part=(2, 3), device="reference", max_memory=2**30, direct_io=False, prefetch=3)
+    tuning = Tuning(convert_band_elements=3000, verify_band_elements=1, segment_bytes=8192, direct_min_bytes=0)
+    run = RunOptions(
+        overwrite=True, part=(2, 3), device="reference", max_memory=2**30, direct_io=False, prefetch=3, tuning=tuning
+    )
     assert RunOptions.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+    with pytest.raises(OptionsError, match="unknown tuning value"):
+        RunOptions.from_dict({"tuning": {"band": 1}})
     # the manifest of a run with default options is what it was before keep_model_card joined the record
     assert ConvertOptions().to_dict() == {
         "to": "bf16",
@@ -87,13 +109,15 @@ def test_keep_model_card_is_recorded_and_a_resume_must_agree(tiny, tmp_path):
 
 def test_jobs_workers_receive_every_option(make_tiny, tmp_path):
     """-j hands the values themselves to its workers: output options other than the defaults (padding,
-    roles, the model card) and run options (buffered I/O, the reference device) reach every part."""
+    roles, the model card) and run options (buffered I/O, the reference device, small bands and segments)
+    reach every part."""
     ckpt = make_tiny(num_shards=3)
     options = ConvertOptions(to="block", pad_for_tp=4, pad_roles=("shared", "routed"), keep_model_card=True)
     fp8conv.convert(ckpt.path, tmp_path / "single", options)
     out = tmp_path / "jobs"
     flags = ["--to", "block", "--pad-for-tp", "4", "--pad-roles", "shared,routed", "--keep-model-card"]
     flags += ["--buffered-io", "--device", "reference", "-j", "2", "-q"]
+    flags += ["--tuning", json.dumps({"convert_band_elements": 3000, "segment_bytes": 8192})]
     cmd = [sys.executable, "-m", "fp8conv", "convert", str(ckpt.path), "-o", str(out), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -126,3 +150,5 @@ def test_every_option_field_is_one_click_parameter_of_convert():
         options_from({"to": "bf16", "jobs": 2})
     options, run = options_from({"direct_io": False, "part": "2/3", "to": "block"}, {"part": parse_part})
     assert options == ConvertOptions(to="block") and run == RunOptions(part=(2, 3), direct_io=False)
+    tuning = next(p for p in main.commands["convert"].params if p.name == "tuning")
+    assert tuning.hidden  # how the work is cut, for tests: not in --help

@@ -8,7 +8,7 @@ import pytest
 
 import fp8conv
 from fp8conv.model.classify import classify
-from fp8conv.options import ConvertOptions
+from fp8conv.options import ConvertOptions, RunOptions, Tuning
 from fp8conv.plan.bands import band_elements_for
 from fp8conv.plan.conversion import Action, Strategy, plan_conversion
 from fp8conv.plan.strategy import choose_strategies
@@ -59,16 +59,28 @@ def test_the_default_band_keeps_tiny_weights_whole(tiny):
     assert {j.strategy for j in jobs if j.action is Action.DEQUANTIZE} == {Strategy.WHOLE}
 
 
-def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("options", "streams"),
+    [
+        (ConvertOptions(to="block", pad_for_tp=8), "copied"),  # padded weights are never banded
+        (ConvertOptions(to="channel"), "banded"),
+    ],
+    ids=["block-padded", "channel"],
+)
+def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatch, options, streams):
     """The scheduler reads the plan's choice: force every job WHOLE and nothing is streamed or copied
-    file to file, yet the output is the same bytes."""
-    import fp8conv.plan.bands as stream
+    file to file, yet the output is the same bytes (small bands: the plan's own choice streams some)."""
     import fp8conv.run.prepare as prepare
     from fp8conv.rewrite.banded import BandedJob
     from fp8conv.storage.writer import ShardWriter
 
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
-    fp8conv.convert(tiny.path, tmp_path / "chosen", ConvertOptions(to="block", pad_for_tp=8))
+    seen: dict[str, list] = {"banded": [], "copied": []}
+    real_band, real_copy = BandedJob.__init__, ShardWriter.copy_range
+    monkeypatch.setattr(BandedJob, "__init__", lambda self, *a: seen["banded"].append(a) or real_band(self, *a))
+    monkeypatch.setattr(ShardWriter, "copy_range", lambda self, *a: seen["copied"].append(a) or real_copy(self, *a))
+    small = RunOptions(tuning=Tuning(convert_band_elements=3000))
+    fp8conv.convert(tiny.path, tmp_path / "chosen", options, run=small)
+    assert seen[streams], f"nothing {streams} in the run with small bands"
     chosen = prepare.choose_strategies
 
     def all_whole(plan, index, band_elements, *capped):
@@ -76,11 +88,10 @@ def test_the_run_executes_the_strategy_the_plan_chose(tiny, tmp_path, monkeypatc
         shards = tuple(replace(s, jobs=tuple(replace(j, strategy=Strategy.WHOLE) for j in s.jobs)) for s in run.shards)
         return replace(run, shards=shards)
 
-    banded, copied = [], []
+    seen["banded"].clear()
+    seen["copied"].clear()
     monkeypatch.setattr(prepare, "choose_strategies", all_whole)
-    monkeypatch.setattr(BandedJob, "__init__", lambda *a: banded.append(a))
-    monkeypatch.setattr(ShardWriter, "copy_range", lambda *a: copied.append(a))
-    fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="block", pad_for_tp=8))
-    assert not banded and not copied
+    fp8conv.convert(tiny.path, tmp_path / "whole", options, run=small)
+    assert not seen["banded"] and not seen["copied"]
     for f in (tmp_path / "chosen").glob("*.safetensors"):
         assert f.read_bytes() == (tmp_path / "whole" / f.name).read_bytes()

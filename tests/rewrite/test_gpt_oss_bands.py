@@ -12,6 +12,7 @@ import torch
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
+from fp8conv.options import DEFAULT_TUNING, Tuning
 from tests.support.gpt_oss_builders import GPT_OSS_CONFIG, GPT_OSS_SHAPES, build_gpt_oss
 from tests.support.helpers import dir_snapshot, load_dir, peak_rss_kib, write_checkpoint
 from tests.support.packing import e2m1_value, e8m0_value, group_scaled
@@ -48,7 +49,7 @@ def test_gpt_oss_experts_stream_in_bands_with_identical_output(tmp_path, monkeyp
         "__init__",
         lambda self, job, b: streamed.append((job.spec.name, job.band_rows)) or real_init(self, job, b),
     )
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
+    small = Tuning(convert_band_elements=700)
     real_rows = stream.expert_band_rows
     for layout, rows_of in LAYOUTS.items():
         forced = real_rows if rows_of is None else (lambda job, _, f=rows_of: f(job.spec.shape[1]))
@@ -56,7 +57,7 @@ def test_gpt_oss_experts_stream_in_bands_with_identical_output(tmp_path, monkeyp
         for device in ("cpu", "reference") if layout == "uneven slices" else ("cpu",):
             streamed.clear()
             out = tmp_path / f"{layout}-{device}"
-            fp8conv.convert(tmp_path / "c", out, options, run=RunOptions(device=device))
+            fp8conv.convert(tmp_path / "c", out, options, run=RunOptions(device=device, tuning=small))
             assert dir_snapshot(out) == whole, (layout, device)
             assert sorted(n for n, _ in streamed) == sorted(list(GPT_OSS_SHAPES)[:2]), layout  # the third is too small
             if rows_of is not None:
@@ -71,9 +72,9 @@ def test_gpt_oss_experts_to_bf16_in_bands_are_transformers_values(tmp_path, monk
     import fp8conv.plan.bands as stream
 
     build_gpt_oss(tmp_path / "c", GPT_OSS_SHAPES)
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
     monkeypatch.setattr(stream, "expert_band_rows", lambda job, _: 32)
-    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
+    small = RunOptions(tuning=Tuning(convert_band_elements=700))
+    fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"), run=small)
     src, got = load_dir(tmp_path / "c"), load_dir(tmp_path / "out")
     for name in GPT_OSS_SHAPES:
         assert same_bits(got[name], convert_moe_packed_tensors(src[name + "_blocks"], src[name + "_scales"])), name
@@ -142,7 +143,7 @@ def test_gpt_oss_bands_tile_the_output_and_read_each_expert_once(e, n, k, dtype)
     fmt = WeightFormat("x_blocks", Kind.MXFP4_GPT_OSS, scale="x_scales", group=32, shape=(e, n, k))
     entry = TensorEntry("x_blocks", "U8", (e, n, k // 32, 16), 1000, e * n * k // 2)
     for band_elements in (
-        stream.CONVERT_BAND_ELEMENTS,
+        DEFAULT_TUNING.convert_band_elements,
         stream.band_elements_for(stream.lowest_max_memory()),
         700,
         5000,  # (3, 37, 96) in bf16: two experts a band, then one

@@ -9,6 +9,7 @@ import torch
 
 import fp8conv
 from fp8conv.model.classify import PACKED, Kind
+from fp8conv.options import Tuning
 from tests.support.helpers import dir_snapshot, load_dir
 from tests.support.packed_builders import NVFP4_SHAPES, build_int4, build_nvfp4, build_v4
 from tests.support.packing import e2m1_value, e8m0_value, group_scaled
@@ -35,8 +36,6 @@ TARGETS = [
 @pytest.mark.parametrize(("to", "dtype"), TARGETS)
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypatch, kind, to, dtype):
-    import fp8conv.plan.bands as stream
-    import fp8conv.rewrite.unpack as unpack
     from fp8conv.rewrite.banded import BandedJob
 
     _, truth = BUILDERS[kind](tmp_path / "c")
@@ -49,8 +48,6 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
     streamed = []
     real_init = BandedJob.__init__  # one per job the plan streams in bands
     # bands of a few rows (of 128 for blocks), the last one short; float32 pieces smaller than a band
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 700)
-    monkeypatch.setattr(unpack, "GLOBAL_SCALE_CHUNK", 200)
     monkeypatch.setattr(
         BandedJob, "__init__", lambda self, job, *a: streamed.append(job.fmt.kind) or real_init(self, job, *a)
     )
@@ -58,7 +55,7 @@ def test_packed_weights_stream_in_bands_with_identical_output(tmp_path, monkeypa
         tmp_path / "c",
         tmp_path / "bands",
         fp8conv.ConvertOptions(to=to, dtype=dtype),
-        run=fp8conv.RunOptions(verify_after=True),
+        run=fp8conv.RunOptions(verify_after=True, tuning=Tuning(convert_band_elements=700, packed_chunk_elements=200)),
     )
     assert bands.verified is not None and bands.verified.ok, bands.verified
     packed = [name for name in truth if ".attn." not in name and "shared_experts" not in name]  # V4's FP8 ones

@@ -19,6 +19,7 @@ import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli.commands import main
 from fp8conv.errors import CheckpointError, OptionsError
+from fp8conv.options import Tuning
 from fp8conv.storage.writer import TEMP_SUFFIX
 from tests.support.helpers import dir_snapshot, load_dir
 from tests.support.reference import dequant_block_reference, same_bits
@@ -413,15 +414,14 @@ def test_options_that_do_not_fit_the_target_are_refused(tiny, tmp_path):
 
 
 def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, monkeypatch):
-    import fp8conv.plan.bands as stream
     from fp8conv.rewrite.banded import BandedJob
 
     fp8conv.convert(tiny.path, tmp_path / "whole", ConvertOptions(to="bf16"))
     streamed = []
     real_init = BandedJob.__init__  # one per job the plan streams in bands
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
     monkeypatch.setattr(BandedJob, "__init__", lambda self, job, *a: streamed.append(job) or real_init(self, job, *a))
-    fp8conv.convert(tiny.path, tmp_path / "bands", ConvertOptions(to="bf16"))
+    small = RunOptions(tuning=Tuning(convert_band_elements=3000))
+    fp8conv.convert(tiny.path, tmp_path / "bands", ConvertOptions(to="bf16"), run=small)
     assert len(streamed) == len(tiny.fp8_weights)
     assert dir_snapshot(tmp_path / "whole") == dir_snapshot(tmp_path / "bands")
 
@@ -430,19 +430,16 @@ def test_large_weights_stream_in_bands_with_identical_output(tiny, tmp_path, mon
 def test_direct_and_buffered_io_write_the_same_checkpoint(tiny, tmp_path, monkeypatch, to):
     """Direct I/O (the default) against --buffered-io: the same files, byte for byte. Small bands,
     direct reads for every size and small segments, so the tiny checkpoint takes every path."""
-    import fp8conv.plan.bands as stream
-    import fp8conv.storage.shard_reader as shard_reader
     import fp8conv.storage.writer as writer
 
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 3000)
-    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(writer, "SEGMENT_BYTES", 8192)
+    small = {"convert_band_elements": 3000, "direct_min_bytes": 0, "segment_bytes": 8192}
     opened: list[bool] = []
     real_open = writer.open_direct
     monkeypatch.setattr(writer, "open_direct", lambda *a: opened.append(True) or real_open(*a))
     extra = ["--pad-for-tp", "8"] if to == "block" else []
     for name, flags in (("direct", []), ("buffered", ["--buffered-io"])):
         args = ["convert", str(tiny.path), "--to", to, "-o", str(tmp_path / name), "-q", *extra, *flags]
+        args += ["--tuning", json.dumps(small)]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output
         if name == "direct":

@@ -18,6 +18,7 @@ import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError
+from fp8conv.options import Tuning
 from fp8conv.run.dry_run import dry_run
 from tests.support.helpers import dir_snapshot, fp8, fp8_block_config, write_checkpoint
 from tests.support.interpreter import run_fresh_interpreter
@@ -198,16 +199,15 @@ def test_a_hub_repo_not_downloaded_is_refused_not_fetched(tiny, tmp_path, monkey
     assert not (tmp_path / "out").exists()
 
 
-def test_gpt_oss_experts_show_as_banded_with_their_whole_expert_reads(tmp_path, monkeypatch):
+def test_gpt_oss_experts_show_as_banded_with_their_whole_expert_reads(tmp_path):
     """gpt-oss's fused experts into bf16 stream in bands whose reads are whole experts: the dry run counts
     them BANDED, and the job holding the most is one of them (five reads of a 2 KB expert and its output
     bands, against ~1.8 KB for the 1x8x32 tensor rewritten whole), not the largest tensor rewritten whole."""
-    import fp8conv.plan.bands as stream
     from tests.support.gpt_oss_builders import GPT_OSS_SHAPES, build_gpt_oss
 
-    monkeypatch.setattr(stream, "CONVERT_BAND_ELEMENTS", 2000)  # E*K*N: 10656 and 20480 stream, 256 does not
+    small = RunOptions(tuning=Tuning(convert_band_elements=2000))  # E*K*N: 10656 and 20480 stream, 256 does not
     build_gpt_oss(tmp_path / "gpt-oss", GPT_OSS_SHAPES)
-    summary = dry_run(tmp_path / "gpt-oss", tmp_path / "out", ConvertOptions(to="bf16"))
+    summary = dry_run(tmp_path / "gpt-oss", tmp_path / "out", ConvertOptions(to="bf16"), run=small)
     assert summary.strategies == {"copy-file": 1, "banded": 2, "whole": 1}  # the router is copied
     assert summary.largest_held is not None
     name, why, _ = summary.largest_held

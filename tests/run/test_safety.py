@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli.commands import main
 from fp8conv.errors import CheckpointError, OutputError
+from fp8conv.options import Tuning
 from fp8conv.storage.writer import TEMP_SUFFIX
 from tests.support.helpers import load_dir
 
@@ -119,13 +121,13 @@ def test_not_enough_space_is_refused_with_both_numbers(tiny, tmp_path, monkeypat
 
 
 FSIZE_LIMITED = """
-import resource, signal, sys
-import fp8conv.plan.bands
+import json, resource, signal, sys
 from fp8conv.cli.commands import main
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-fp8conv.plan.bands.CONVERT_BAND_ELEMENTS = int(sys.argv[4])  # small: the tiny weights stream in bands, writes in flight
-sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", sys.argv[3], "-o", sys.argv[2]]
+# small bands: the tiny weights stream in bands, writes in flight
+tuning = json.dumps({"convert_band_elements": int(sys.argv[4])})
+sys.argv = ["fp8conv", "convert", sys.argv[1], "--to", sys.argv[3], "-o", sys.argv[2], "--tuning", tuning]
 main()
 """
 
@@ -153,10 +155,9 @@ def test_a_failing_write_ends_cleanly(tiny, tmp_path, to, band_elements):
 def test_an_error_in_the_arithmetic_cancels_the_run_cleanly(tiny, tmp_path, monkeypatch, band_elements):
     """A failure on a compute thread (banded) or the main one (whole) mid-shard: it is what convert()
     raises, the reads and writes in flight are drained, and no partial shard or index is left."""
-    import fp8conv.plan.bands
     from fp8conv.backends.cpu import CpuBackend
 
-    monkeypatch.setattr(fp8conv.plan.bands, "CONVERT_BAND_ELEMENTS", band_elements)
+    bands = fp8conv.RunOptions(tuning=Tuning(convert_band_elements=band_elements))
     real = CpuBackend.dequantize_blocks
     calls = []
 
@@ -169,9 +170,9 @@ def test_an_error_in_the_arithmetic_cancels_the_run_cleanly(tiny, tmp_path, monk
     monkeypatch.setattr(CpuBackend, "dequantize_blocks", failing)
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="arithmetic failed"):
-        fp8conv.convert(tiny.path, out, fp8conv.ConvertOptions(to="bf16"))
+        fp8conv.convert(tiny.path, out, fp8conv.ConvertOptions(to="bf16"), run=bands)
     assert len(calls) >= 5
     assert not list(out.glob(f".*{TEMP_SUFFIX}")) and not (out / "model.safetensors.index.json").exists()
     monkeypatch.setattr(CpuBackend, "dequantize_blocks", real)
     # nothing left running holds the output
-    fp8conv.convert(tiny.path, out, fp8conv.ConvertOptions(to="bf16"), run=fp8conv.RunOptions(overwrite=True))
+    fp8conv.convert(tiny.path, out, fp8conv.ConvertOptions(to="bf16"), run=replace(bands, overwrite=True))

@@ -14,7 +14,6 @@ from fp8conv.model.classify import classify
 from fp8conv.plan.conversion import ConvertOptions, plan_conversion
 from fp8conv.run import warm_start
 from fp8conv.source.checkpoint import open_checkpoint
-from fp8conv.storage import preread
 from fp8conv.storage.preread import Preread
 from fp8conv.storage.shard_reader import ShardReader
 from tests.support.synthetic import build_tiny_deepseek
@@ -23,8 +22,8 @@ PIECE = 4096
 
 
 def _fetch(path: Path, limit: int) -> Preread:
-    """What warm start reads ahead for a bf16 run of `path`, in a store of its own."""
-    warm = warm_start.WarmStart()
+    """What warm start reads ahead for a bf16 run of `path`, in a store of its own (of PIECE pieces)."""
+    warm = warm_start.WarmStart(PIECE)
     thread = warm.begin(str(path), ConvertOptions("bf16"), limit=limit)
     assert thread is not None
     thread.join()
@@ -61,8 +60,6 @@ def _count_takes(monkeypatch) -> list[bool]:
 
 
 def test_reads_inside_the_fetched_bytes_come_from_memory_and_are_the_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
-    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
     store = _fetch(ckpt, limit=6 * PIECE)
     held = store.held_bytes()
@@ -94,9 +91,7 @@ def _overwrite_keeping_identity(shard: Path, offset: int, n: int) -> bytes:
     return before
 
 
-def test_a_read_is_served_from_the_runs_store_not_the_disk_nor_another_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
-    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
+def test_a_read_is_served_from_the_runs_store_not_the_disk_nor_another_runs(tmp_path):
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
     store = _fetch(ckpt, limit=2 * PIECE)
     shard, entry, offset, n = _first_shard_reads(ckpt)[0]
@@ -115,9 +110,7 @@ def test_a_read_is_served_from_the_runs_store_not_the_disk_nor_another_runs(tmp_
     assert store.held_bytes() == 0  # a closed reader's file is forgotten
 
 
-def test_a_file_changed_since_is_read_from_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(warm_start, "PIECE_BYTES", PIECE)
-    monkeypatch.setattr(preread, "PIECE_BYTES", PIECE)
+def test_a_file_changed_since_is_read_from_disk(tmp_path):
     ckpt = build_tiny_deepseek(tmp_path / "ckpt").path
     store = _fetch(ckpt, limit=2 * PIECE)
     shard = _first_shard_reads(ckpt)[0][0]

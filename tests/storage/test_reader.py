@@ -45,7 +45,16 @@ def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct
 
     from fp8conv.storage import shard_reader
 
-    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
+    direct_reads: list[int] = []
+    real_direct = shard_reader.ShardReader._read_direct
+    monkeypatch.setattr(
+        shard_reader.ShardReader,
+        "_read_direct",
+        lambda self, entry, offset, nbytes, buffer: (
+            direct_reads.append(nbytes) or real_direct(self, entry, offset, nbytes, buffer)
+        ),
+    )
+
     gen = torch.Generator().manual_seed(3)
     tensors = {
         "a": fp8((3, 5)),
@@ -57,17 +66,19 @@ def test_shard_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, direct
     path = tmp_path / "x.safetensors"
     save_file(tensors, str(path))
     header = read_header(path)
-    reader = shard_reader.ShardReader(path, direct)
-    assert (reader.direct_fd is not None) == (direct and direct_io_works(tmp_path))
+    reader = shard_reader.ShardReader(path, direct, direct_min_bytes=0)
+    went_direct = reader.direct_fd is not None
+    assert went_direct == (direct and direct_io_works(tmp_path))
     try:
         for name, expected in load_file(path).items():
             assert same_bits(reader.read_tensor(header.tensors[name]), expected), name
     finally:
         reader.close()
+    assert len(direct_reads) == (len(tensors) if went_direct else 0)  # each tensor, the empty one too
     raw = path.read_bytes()
     big = header.tensors["big"]
     path.write_bytes(raw[: big.start + big.nbytes - 100])
-    reader = shard_reader.ShardReader(path, direct)
+    reader = shard_reader.ShardReader(path, direct, direct_min_bytes=0)
     try:
         with pytest.raises(CheckpointError, match="file ended before") as info:
             reader.read_tensor(big)

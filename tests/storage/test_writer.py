@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 import fp8conv
 import fp8conv.storage.writer as writer_module
 from fp8conv import ConvertOptions
-from fp8conv.storage import shard_reader
 from fp8conv.storage.direct_io import aligned_empty
 from fp8conv.storage.safetensors_file import TensorEntry, as_writable_memoryview, read_header
 from fp8conv.storage.shard_reader import ShardReader, read_capacity
@@ -52,9 +51,10 @@ def direct(request, tmp_path) -> bool:
     return request.param == "direct"
 
 
-def write_shuffled(path, seed: int, direct: bool) -> tuple[ShardWriter, dict[str, torch.Tensor]]:
+def write_shuffled(path, seed: int, direct: bool, **sizes: int) -> tuple[ShardWriter, dict[str, torch.Tensor]]:
+    """`sizes`: the writer's segment_bytes and max_segments, when not its defaults."""
     specs, tensors = specs_and_tensors()
-    writer = ShardWriter(path, specs, {"format": "pt"}, direct=direct)
+    writer = ShardWriter(path, specs, {"format": "pt"}, direct=direct, **sizes)
     assert writer.direct == direct
     pieces: list[tuple[str, int, torch.Tensor]] = []
     for name, t in tensors.items():
@@ -90,12 +90,10 @@ def test_sha256_taken_while_writing_is_the_files(tmp_path, seed, direct):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_tiny_segment_budget_spills_and_reads_back(tmp_path, seed, direct, monkeypatch):
+def test_tiny_segment_budget_spills_and_reads_back(tmp_path, seed, direct):
     """One-page segments and room for two: pieces in random order leave segments partial (spilled to the
     file through the page cache) and complete ahead of the hash (kept, dropped, read back)."""
-    monkeypatch.setattr(writer_module, "SEGMENT_BYTES", 4096)
-    monkeypatch.setattr(writer_module, "MAX_SEGMENTS", 2)
-    writer, tensors = write_shuffled(tmp_path / "s.safetensors", seed, direct)
+    writer, tensors = write_shuffled(tmp_path / "s.safetensors", seed, direct, segment_bytes=4096, max_segments=2)
     check_shard(tmp_path / "s.safetensors", writer, tensors)
     assert writer.assembler.count > 10 and not writer.buffers_held  # every buffer came back
 
@@ -207,14 +205,13 @@ def test_shard_file_appears_only_on_commit(tmp_path, direct):
 
 
 @pytest.mark.parametrize("chunk", [1000, 4096, 1 << 20])
-def test_copy_range_is_hashed_too(tmp_path, chunk, direct, monkeypatch):
-    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)  # direct reads for every size
+def test_copy_range_is_hashed_too(tmp_path, chunk, direct):
     src = tmp_path / "raw.bin"
     payload = os.urandom(3 * 4096 + 5000)
     src.write_bytes(payload)
     entry = TensorEntry("x", "U8", (5000,), 4096 + 7, 5000)  # starts and ends mid-page
     writer = ShardWriter(tmp_path / "c.safetensors", [TensorSpec("x", "U8", (5000,))], {}, direct=direct)
-    source = ShardReader(src, direct)
+    source = ShardReader(src, direct, direct_min_bytes=0)  # direct reads for every size
     try:
         writer.copy_range("x", source, entry, aligned_empty(read_capacity(chunk)))
     finally:
@@ -281,10 +278,9 @@ def test_direct_io_turned_down_at_write_or_read_time_falls_back(tmp_path, monkey
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(writer_module, "SEGMENT_BYTES", 8192)
     specs, tensors = specs_and_tensors()
     path = tmp_path / "s.safetensors"
-    writer = ShardWriter(path, specs, {"format": "pt"}, direct=True)
+    writer = ShardWriter(path, specs, {"format": "pt"}, direct=True, segment_bytes=8192)
     assert writer.file.direct_fd is not None
     refused.add(writer.file.direct_fd)
     for name, t in tensors.items():
@@ -293,16 +289,16 @@ def test_direct_io_turned_down_at_write_or_read_time_falls_back(tmp_path, monkey
     assert not writer.direct
     check_shard(path, writer, tensors)
 
-    monkeypatch.setattr(shard_reader, "DIRECT_MIN_BYTES", 0)
     header = read_header(path)
-    source = ShardReader(path, True)
+    source = ShardReader(path, True, direct_min_bytes=0)
     assert source.direct_fd is not None
     refused.add(source.direct_fd)
     try:
         got = source.read_tensor(header.tensors["a.weight"])
+        fell_back = not source.direct  # read before close(), which clears it whatever happened
     finally:
         source.close()
-    assert not source.direct and torch.equal(got.view(torch.uint8), tensors["a.weight"].view(torch.uint8))
+    assert fell_back and torch.equal(got.view(torch.uint8), tensors["a.weight"].view(torch.uint8))
 
 
 def test_a_failed_write_names_a_shard_as_shard_and_another_file_as_file(tmp_path, monkeypatch):

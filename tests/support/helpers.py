@@ -28,11 +28,11 @@ def load_dir(path: Path) -> dict[str, torch.Tensor]:
 # VmHWM belongs to the new process image alone.
 _PEAK_RSS_SCRIPT = """
 import json, sys
-import fp8conv, fp8conv.plan.bands
+import fp8conv
+from fp8conv.options import Tuning
 args = json.loads(sys.argv[1])
-if args["band_elements"] is not None:
-    fp8conv.plan.bands.CONVERT_BAND_ELEMENTS = args["band_elements"]
-run = fp8conv.RunOptions(max_memory=args["max_memory"])
+tuning = Tuning() if args["band_elements"] is None else Tuning(convert_band_elements=args["band_elements"])
+run = fp8conv.RunOptions(max_memory=args["max_memory"], tuning=tuning)
 fp8conv.convert(args["src"], args["out"], fp8conv.ConvertOptions(to=args["to"]), run=run)
 status = open("/proc/self/status").read()
 print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
@@ -40,7 +40,7 @@ print(next(line.split()[1] for line in status.splitlines() if line.startswith("V
 
 
 def peak_rss_kib(src: Path, out: Path, to: str, max_memory: int | None = None, band_elements: int | None = None) -> int:
-    """Convert `src` into `out` in a fresh process (`--max-memory`, and CONVERT_BAND_ELEMENTS set when given):
+    """Convert `src` into `out` in a fresh process (`--max-memory`, and bands of `band_elements` when given):
     its peak RSS in KiB. The mmap threshold is fixed: glibc's dynamic one (up to 32 MiB) keeps freed
     16 MiB buffers in the heap now and then, which measures the allocator's mood rather than what fp8conv
     holds on to."""
