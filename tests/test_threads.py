@@ -14,8 +14,9 @@ import fp8conv
 from fp8conv.cli.commands import main
 from fp8conv.errors import OutputError
 from fp8conv.options import ConvertOptions, RunOptions
+from fp8conv.storage.out_dir import TEMP_SUFFIX
 from fp8conv.storage.preread import Preread
-from fp8conv.storage.writer import TEMP_SUFFIX, ShardWriter
+from fp8conv.storage.writer import ShardWriter
 from fp8conv.threads import RunThreads
 
 PACKAGE = Path(fp8conv.__file__).parent

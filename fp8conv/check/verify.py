@@ -26,7 +26,7 @@ from ..backends.torch_device import TorchDeviceBackend
 from ..dtypes import FP8_MAX_STANDARD
 from ..errors import OutputError
 from ..model.classify import PACKED, classify
-from ..model.families import width_disagreements
+from ..model.family_widths import width_disagreements
 from ..options import DEFAULT_TUNING, ConvertOptions, Tuning
 from ..output.manifest import MANIFEST, Manifest, load_manifest
 from ..plan.conversion import Action, ConversionPlan, Job, ShardPlan, plan_conversion

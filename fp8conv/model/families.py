@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from ..errors import CheckpointError
 
 ROLE_GROUPS = ("dense", "shared", "routed")
 
@@ -244,9 +241,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return nested if isinstance(nested, dict) and "hidden_size" in nested else config
 
 
-def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Family | None:
-    """The family of the (text) config's model_type. For a model type the table does not know: with the
-    checkpoint's tensor shapes, its roles found by rule (roles.py); without them, None."""
+def table_family(config: dict[str, Any] | None) -> Family | None:
+    """The table's family for the (text) config's model_type, or None (family_widths.family_of then finds
+    one by rule)."""
     if not config:
         return None
     c = text_config(config)
@@ -254,11 +251,7 @@ def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...
         family = _BY_MODEL_TYPE.get(str(section.get("model_type")))
         if family is not None:
             return family
-    if shapes is None:
-        return None
-    from .roles import rule_family  # roles.py builds on this module's types
-
-    return rule_family(config, shapes)
+    return None
 
 
 def register(family: Family) -> None:
@@ -378,65 +371,3 @@ def fused_group(name: str, family: Family | None = None) -> str | None:
         if m:
             return m.group(1) + f"<{pattern.pattern}>"
     return None
-
-
-def widths_by_role(
-    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
-) -> dict[str, int]:
-    """Each MLP width the (text) config states, by its label ('intermediate_size', ...). `family`: the
-    one already found for these shapes."""
-    family = family or family_of(config, shapes)
-    if family is None:
-        return {}
-    c = text_config(config or {})
-    return {r.width.label: w for r in family.roles for w in [r.width.of(c)] if w is not None}
-
-
-def width_disagreements(
-    config: dict[str, Any] | None,
-    tensors: Iterable[tuple[str, tuple[int, ...], str]],
-    fix: str,
-    family: Family | None = None,
-) -> list[CheckpointError]:
-    """Every (name, shape, shard) whose MLP width differs from the one the (text) config states for
-    its role: transformers and vLLM build the layer from config.json and stop on the size mismatch.
-    A family found by rule has each role's key matched to its tensors: this then checks the output
-    (the padded widths written where the roles' keys are). `family`: the input's, for its output (the roles
-    found on the input's names, checked against the widths written); else found here."""
-    tensors = list(tensors)
-    family = family or family_of(config, {name: shape for name, shape, _ in tensors})
-    if family is None:
-        return []
-    c = text_config(config or {})
-    hidden = c.get("hidden_size") if isinstance(c.get("hidden_size"), int) else None
-    pairs = _matcher(family)[1]
-    double_wide = c.get("use_double_wide_mlp") is True  # else layer_factor is 1 for every name
-    # (role tensor, shape, layer factor) -> the width when the shape does not have it, else None: a release's
-    # 200k role tensors come in a few dozen of these
-    misfits: dict[tuple[int, tuple[int, ...], int], int | None] = {}
-    problems = []
-    for name, shape, shard in tensors:
-        index = _role_index(family.name, name)
-        if index is None:
-            continue
-        role, tensor = pairs[index]
-        factor = layer_factor(c, role.group, name) if double_wide else 1
-        key = (index, shape, factor)
-        if key not in misfits:
-            width = role.width.of(c)
-            width = None if width is None else width * factor
-            misfits[key] = None if width is None or width_axis(tensor, shape, width, hidden) is not None else width
-        width = misfits[key]
-        if width is None:
-            continue
-        what = f"{tensor.parts} x {width}" if tensor.parts > 1 else str(width)
-        problems.append(
-            CheckpointError(
-                f"has shape {list(shape)} but config.json's {role.width.label} says {what} along its "
-                f"intermediate dimension ({role.group} MLP of {model_type_of(config)})",
-                tensor=name,
-                shard=shard,
-                fix=fix,
-            )
-        )
-    return problems

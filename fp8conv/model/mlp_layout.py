@@ -15,7 +15,6 @@ from .families import (
     OUTPUT_BIAS,
     ROLE_GROUPS,
     Family,
-    family_of,
     fused_group,
     is_language_mlp,
     layer_factor,
@@ -23,8 +22,8 @@ from .families import (
     role_of,
     text_config,
     width_axis,
-    widths_by_role,
 )
+from .family_widths import family_of, widths_by_role
 
 __all__ = ["fused_group", "text_config"]
 

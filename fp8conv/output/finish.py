@@ -16,8 +16,8 @@ from ..source.config import CONFIG_NAME, dump_json
 from ..source.index import INDEX_NAME
 from ..storage.json_file import read_json_object
 from ..storage.lock import OutputLock
-from ..storage.out_dir import OutDir
-from ..storage.writer import TEMP_SUFFIX, copy_file_atomic, fsync_dir, temp_owner_alive, write_file_atomic
+from ..storage.out_dir import TEMP_SUFFIX, OutDir, temp_owner_alive
+from ..storage.writer import copy_file_atomic, fsync_dir, write_file_atomic
 from ..version import __version__
 from .manifest import MANIFEST, Manifest, resume_mismatch
 from .part_record import check_copy_source, check_part_record

@@ -15,7 +15,8 @@ from typing import Any
 from ..dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from ..errors import CheckpointError, OptionsError
 from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
-from ..model.families import FUSED_EXPERTS, Family, family_of, fused_group, model_type_of, role_of, width_disagreements
+from ..model.families import FUSED_EXPERTS, Family, fused_group, model_type_of, role_of
+from ..model.family_widths import family_of, width_disagreements
 from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from ..model.mimo_kv import fused_qkv_problems
 from ..model.mlp_layout import (

@@ -27,9 +27,8 @@ from ..source.config import CONFIG_NAME
 from ..source.index import INDEX_NAME
 from ..source.shard_fetch import ShardSource
 from ..storage.lock import OutputLock
-from ..storage.out_dir import OutDir
+from ..storage.out_dir import TEMP_SUFFIX, OutDir, temp_owner_alive, temp_target
 from ..storage.preread import Preread
-from ..storage.writer import TEMP_SUFFIX, temp_owner_alive, temp_target
 from ..threads import RunThreads
 from .prepare import PreparedRun, check_locked_output, prepare
 from .scheduler import InputReaders, RunTotals, Scheduler

@@ -18,6 +18,39 @@ from pathlib import Path, PurePath, PurePosixPath
 
 from ..errors import OptionsError, OutputError
 
+# A file being written has a hidden name of its own beside its final one until it is renamed over it
+TEMP_SUFFIX = ".fp8conv-partial"
+
+
+def temp_name(final_name: str) -> str:
+    # the pid keeps processes apart: parts of a fan-out may write the same file (finalize) at once
+    return f".{final_name}.{os.getpid()}{TEMP_SUFFIX}"
+
+
+def temp_path(final: Path) -> Path:
+    return final.with_name(temp_name(final.name))
+
+
+def temp_target(temp_name: str) -> str:
+    """The final file name a temporary name stands for."""
+    return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
+
+
+def temp_owner_alive(temp_name: str) -> bool:
+    """The process whose pid a temporary name carries may still be writing it: it is running here (a
+    part of a fan-out beside this one), or it is this process. A name of no pid is nobody's."""
+    pid = temp_name.removesuffix(TEMP_SUFFIX).rsplit(".", 1)[-1]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
@@ -83,8 +116,6 @@ class OutDir:
     def create_temp(self, rel: str | PurePath) -> TempFile:
         """A new file beside `rel`'s final name, under a temporary name of this process: a stale one of the
         same name is removed first, the new one created exclusively, so no link is written through."""
-        from .writer import temp_name  # the naming scheme is the writer's; it imports this module
-
         rel = PurePosixPath(rel)
         dir_fd = self.open_dir(rel.parent, create=True)
         temp = temp_name(rel.name)

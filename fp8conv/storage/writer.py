@@ -22,14 +22,13 @@ from ..dtypes import ELEMENT_BYTES
 from ..errors import OutputError
 from ..threads import settle
 from .direct_io import aligned_empty, direct_transfer, open_direct, round_up
-from .out_dir import OutDir, TempFile
+from .out_dir import OutDir, TempFile, temp_path
 from .safetensors_file import TensorEntry, as_writable_memoryview
 from .shard_reader import ShardReader, read_capacity
 
 if TYPE_CHECKING:
     import torch
 
-TEMP_SUFFIX = ".fp8conv-partial"
 COPY_CHUNK_BYTES = 16 * 1024 * 1024
 # A shard is written in aligned segments of this size, at most MAX_SEGMENTS of them in memory at once
 # (the defaults of options.Tuning, which a run hands its writers)
@@ -66,35 +65,6 @@ def safetensors_header(specs: Iterable[TensorSpec], metadata: dict[str, str]) ->
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % 8)  # tensor data starts 8-byte aligned
     return len(raw).to_bytes(8, "little") + raw
-
-
-def temp_name(final_name: str) -> str:
-    # the pid keeps processes apart: parts of a fan-out may write the same file (finalize) at once
-    return f".{final_name}.{os.getpid()}{TEMP_SUFFIX}"
-
-
-def temp_path(final: Path) -> Path:
-    return final.with_name(temp_name(final.name))
-
-
-def temp_target(temp_name: str) -> str:
-    """The final file name a temporary name stands for."""
-    return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
-
-
-def temp_owner_alive(temp_name: str) -> bool:
-    """The process whose pid a temporary name carries may still be writing it: it is running here (a
-    part of a fan-out beside this one), or it is this process. A name of no pid is nobody's."""
-    pid = temp_name.removesuffix(TEMP_SUFFIX).rsplit(".", 1)[-1]
-    if not pid.isdigit() or int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ShardLayout:

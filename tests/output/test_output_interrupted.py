@@ -15,7 +15,7 @@ import pytest
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
-from fp8conv.storage.writer import TEMP_SUFFIX
+from fp8conv.storage.out_dir import TEMP_SUFFIX
 from tests.support.helpers import dir_snapshot
 
 # kills this process at the n-th commit of a file named argv[3] (a temporary written, not yet renamed)

@@ -20,7 +20,7 @@ from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError
 from fp8conv.output.finish import assign_parts, parse_part
 from fp8conv.plan.conversion import ShardPlan
-from fp8conv.storage.writer import TEMP_SUFFIX
+from fp8conv.storage.out_dir import TEMP_SUFFIX
 from tests.support.helpers import dir_snapshot
 
 

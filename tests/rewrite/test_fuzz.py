@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import fp8conv
 from fp8conv import ConvertOptions
 from fp8conv.errors import Fp8ConvError
-from fp8conv.storage.writer import TEMP_SUFFIX
+from fp8conv.storage.out_dir import TEMP_SUFFIX
 from tests.support.synthetic import TinyModelShape, build_tiny_deepseek
 
 SMALL = TinyModelShape(

@@ -20,7 +20,7 @@ from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli.commands import main
 from fp8conv.errors import CheckpointError, OptionsError
 from fp8conv.options import Tuning
-from fp8conv.storage.writer import TEMP_SUFFIX
+from fp8conv.storage.out_dir import TEMP_SUFFIX
 from tests.support.helpers import dir_snapshot, load_dir
 from tests.support.reference import dequant_block_reference, same_bits
 

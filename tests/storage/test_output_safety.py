@@ -19,8 +19,8 @@ from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli.commands import main
 from fp8conv.errors import OutputError
 from fp8conv.storage.lock import OutputLock
-from fp8conv.storage.out_dir import OutDir
-from fp8conv.storage.writer import TEMP_SUFFIX, ShardFile
+from fp8conv.storage.out_dir import TEMP_SUFFIX, OutDir
+from fp8conv.storage.writer import ShardFile
 from tests.support.helpers import dir_snapshot
 
 FP8CONV = Path(sys.executable).parent / "fp8conv"  # the console script, as users run it

@@ -1,0 +1,84 @@
+"""Which family a checkpoint is (the table's, else its roles found by rule) and config.json's MLP widths
+against its tensors. Above both families.py (the table) and roles.py (the rules), so neither imports the
+other back. No torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..errors import CheckpointError
+from .families import Family, layer_factor, model_type_of, role_of, table_family, text_config, width_axis
+from .roles import rule_family
+
+
+def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Family | None:
+    """The family of the (text) config's model_type. For a model type the table does not know: with the
+    checkpoint's tensor shapes, its roles found by rule (roles.py); without them, None."""
+    if not config:
+        return None
+    family = table_family(config)
+    if family is not None or shapes is None:
+        return family
+    return rule_family(config, shapes)
+
+
+def widths_by_role(
+    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
+) -> dict[str, int]:
+    """Each MLP width the (text) config states, by its label ('intermediate_size', ...). `family`: the
+    one already found for these shapes."""
+    family = family or family_of(config, shapes)
+    if family is None:
+        return {}
+    c = text_config(config or {})
+    return {r.width.label: w for r in family.roles for w in [r.width.of(c)] if w is not None}
+
+
+def width_disagreements(
+    config: dict[str, Any] | None,
+    tensors: Iterable[tuple[str, tuple[int, ...], str]],
+    fix: str,
+    family: Family | None = None,
+) -> list[CheckpointError]:
+    """Every (name, shape, shard) whose MLP width differs from the one the (text) config states for
+    its role: transformers and vLLM build the layer from config.json and stop on the size mismatch.
+    A family found by rule has each role's key matched to its tensors: this then checks the output
+    (the padded widths written where the roles' keys are). `family`: the input's, for its output (the roles
+    found on the input's names, checked against the widths written); else found here."""
+    tensors = list(tensors)
+    family = family or family_of(config, {name: shape for name, shape, _ in tensors})
+    if family is None:
+        return []
+    c = text_config(config or {})
+    hidden = c.get("hidden_size") if isinstance(c.get("hidden_size"), int) else None
+    double_wide = c.get("use_double_wide_mlp") is True  # else layer_factor is 1 for every name
+    # (role tensor, shape, layer factor) -> the width when the shape does not have it, else None: a release's
+    # 200k role tensors come in a few dozen of these
+    misfits: dict[tuple[int, tuple[int, ...], int], int | None] = {}
+    problems = []
+    for name, shape, shard in tensors:
+        found = role_of(family, name)
+        if found is None:
+            continue
+        role, tensor = found
+        factor = layer_factor(c, role.group, name) if double_wide else 1
+        key = (id(tensor), shape, factor)  # the family's own MlpTensors, alive as long as it is
+        if key not in misfits:
+            width = role.width.of(c)
+            width = None if width is None else width * factor
+            misfits[key] = None if width is None or width_axis(tensor, shape, width, hidden) is not None else width
+        width = misfits[key]
+        if width is None:
+            continue
+        what = f"{tensor.parts} x {width}" if tensor.parts > 1 else str(width)
+        problems.append(
+            CheckpointError(
+                f"has shape {list(shape)} but config.json's {role.width.label} says {what} along its "
+                f"intermediate dimension ({role.group} MLP of {model_type_of(config)})",
+                tensor=name,
+                shard=shard,
+                fix=fix,
+            )
+        )
+    return problems
