@@ -6,7 +6,9 @@ Reads headers only. The index file (when present) and the headers must agree exa
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -66,17 +68,7 @@ def load_index(
             continue
         shards.append(Shard(name, read_shard_header(root, name, index_file.name if index_file else None)))
     index = CheckpointIndex(root=root, shards=shards, index_file=index_file)
-    for shard in shards:
-        for tname, entry in shard.header.tensors.items():
-            if tname in index.locations:
-                other = index.locations[tname][0].name
-                raise CheckpointError(
-                    f"appears in both {other} and {shard.name}",
-                    tensor=tname,
-                    shard=shard.name,
-                    fix="the checkpoint is inconsistent; re-download it",
-                )
-            index.locations[tname] = (shard, entry)
+    _add_locations(index.locations, shards)
     if weight_map is not None:
         _cross_check(index, weight_map, index_file.name if index_file else INDEX_NAME)
     if not index.locations:  # a run would write an output with no weights that looks complete
@@ -87,14 +79,33 @@ def load_index(
     return index
 
 
+def _add_locations(locations: dict[str, tuple[Shard, TensorEntry]], shards: list[Shard]) -> None:
+    """Each shard's tensors, a shard at a time in C (a release has 200k). Fewer locations than tensors:
+    a name is in two shards, which the loop then names as it meets it."""
+    for shard in shards:
+        tensors = shard.header.tensors
+        locations.update(zip(tensors, zip(repeat(shard), tensors.values()), strict=True))
+    if len(locations) == sum(len(shard.header.tensors) for shard in shards):
+        return
+    locations.clear()
+    for shard in shards:
+        for tname, entry in shard.header.tensors.items():
+            if tname in locations:
+                raise CheckpointError(
+                    f"appears in both {locations[tname][0].name} and {shard.name}",
+                    tensor=tname,
+                    shard=shard.name,
+                    fix="the checkpoint is inconsistent; re-download it",
+                )
+            locations[tname] = (shard, entry)
+
+
 def read_weight_map(index_file: Path) -> dict[str, str]:
     """The index's tensor name -> shard map, read with no link followed out of its folder."""
     fix = "re-download the index file"
     doc = read_input_json(index_file, fix=fix)
     weight_map = doc.get("weight_map")
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict) or not _all_str(chain(weight_map, weight_map.values())):
         raise CheckpointError("has no 'weight_map' object of tensor name -> shard file", file=index_file.name, fix=fix)
     if not weight_map:
         raise CheckpointError("has an empty 'weight_map': it lists no tensor to convert", file=index_file.name, fix=fix)
@@ -102,6 +113,10 @@ def read_weight_map(index_file: Path) -> dict[str, str]:
     if bad:
         check_shard_name(bad[0], index_file.name, tensor=next(t for t, s in weight_map.items() if s == bad[0]))
     return weight_map
+
+
+def _all_str(values: Iterable[object]) -> bool:
+    return all(map(isinstance, values, repeat(str)))  # in C: no Python step for each of 200k tensors
 
 
 def read_input_json(path: Path, *, fix: str) -> dict:
@@ -150,6 +165,13 @@ def read_shard_header(root: Path, name: str, where: str | None = None) -> ShardH
 
 
 def _cross_check(index: CheckpointIndex, weight_map: dict[str, str], index_name: str) -> None:
+    # the index as the headers would write it, compared in C (a release has 200k tensors); when the
+    # two differ, the loops below find the first tensor that does and name it
+    from_headers: dict[str, str] = {}
+    for shard in index.shards:
+        from_headers.update(zip(shard.header.tensors, repeat(shard.name)))
+    if from_headers == weight_map:
+        return
     for tname, shard_name in weight_map.items():
         found = index.locations.get(tname)
         if found is None or found[0].name != shard_name:
