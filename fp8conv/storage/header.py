@@ -128,13 +128,13 @@ def _laid_out_entries(doc: dict[str, Any], data_start: int) -> tuple[dict[str, T
 def _spec_columns(specs: list[Any]) -> tuple[list[str], list[list[int]], list[int], list[int]] | None:
     """The dtypes, shapes, start and end offsets of specs that are all objects with a known dtype, a
     shape of at most MAX_DIMS sizes and two integer offsets; None when any is not (or there is none)."""
-    if not specs or set(map(type, specs)) != {dict}:
+    if not specs:
         return None
     try:
         dtypes, shapes, offsets = (list(map(itemgetter(key), specs)) for key in ("dtype", "shape", "data_offsets"))
         if not set(dtypes).issubset(_DTYPE_NAMES):
             return None
-    except (KeyError, TypeError):  # a key missing, an unhashable dtype
+    except (KeyError, TypeError):  # a key missing, a spec that is not an object, an unhashable dtype
         return None
     if set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_DIMS or not _sizes(chain.from_iterable(shapes)):
         return None
