@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -130,7 +130,8 @@ def read_weight_map(index_file: Path) -> dict[str, str]:
     fix = "re-download the index file"
     doc = read_input_json(index_file, fix=fix)
     weight_map = doc.get("weight_map")
-    if not isinstance(weight_map, dict) or not _all_str(chain(weight_map, weight_map.values())):
+    # (the names need no test: JSON object keys are strings)
+    if not isinstance(weight_map, dict) or not _all_str(weight_map.values()):
         raise CheckpointError("has no 'weight_map' object of tensor name -> shard file", file=index_file.name, fix=fix)
     if not weight_map:
         raise CheckpointError("has an empty 'weight_map': it lists no tensor to convert", file=index_file.name, fix=fix)
