@@ -115,10 +115,13 @@ def _laid_out_entries(doc: dict[str, Any], data_start: int) -> tuple[dict[str, T
     if starts[0] != 0 or starts[1:] != ends[:-1] or list(map(sub, ends, starts)) != nbytes or ends[-1] > MAX_SIZE:
         return None
     names = list(doc)
+    # one str per dtype and one tuple per distinct shape (experts share theirs), not one per tensor
+    distinct_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    shape_tuples = list(map(tuple, shapes))
     entries = tensor_entries(
         names,
-        list(map(_DTYPE_NAMES.__getitem__, dtypes)),  # one str per dtype, not one per tensor read from the JSON
-        list(map(tuple, shapes)),
+        list(map(_DTYPE_NAMES.__getitem__, dtypes)),
+        list(map(distinct_shapes.setdefault, shape_tuples, shape_tuples)),
         list(map(data_start.__add__, starts)),
         nbytes,
     )

@@ -156,17 +156,21 @@ def test_a_header_laid_out_as_safetensors_writes_it_takes_the_fast_path():
         "b": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
         "empty": {"dtype": "F32", "shape": [0, 5], "data_offsets": [12, 12]},
         "a": {"dtype": "F8_E4M3", "shape": [], "data_offsets": [12, 13]},
+        "c": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [13, 25]},
     }
     doc = json.loads(json.dumps(header))
     laid_out = header_module._laid_out_entries(doc, 100)
     assert laid_out is not None
     tensors, end = laid_out
-    assert end == 113
+    assert end == 125
     assert list(tensors.values()) == [
         TensorEntry("b", "BF16", (2, 3), 100, 12),
         TensorEntry("empty", "F32", (0, 5), 112, 0),
         TensorEntry("a", "F8_E4M3", (), 112, 1),
+        TensorEntry("c", "BF16", (2, 3), 113, 12),
     ]
+    # one object per distinct shape and per dtype: a release's 200k entries share a few dozen
+    assert tensors["b"].shape is tensors["c"].shape and tensors["b"].dtype is tensors["c"].dtype
     header["a"]["data_offsets"], header["b"]["data_offsets"] = [0, 1], [1, 13]  # listed out of offset order
     assert header_module._laid_out_entries(json.loads(json.dumps(header)), 100) is None
 
