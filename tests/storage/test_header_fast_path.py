@@ -255,6 +255,17 @@ def test_the_collector_is_paused_while_the_index_is_built_and_restored_after(tmp
         assert not gc.isenabled()  # a caller's own pause is left as it was
     finally:
         gc.enable()
+    built = index_module.load_index(path, [], index_file)  # straight to the oldest generation
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert id(built.entry("a.weight")) in oldest and id(built.locations["a.weight"]) in oldest
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        index_module.load_index(path, [], index_file)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
     index_file.write_text(index_file.read_text().replace('"b.weight"', '"ghost.weight"'))
     with pytest.raises(CheckpointError, match="ghost"):
         index_module.load_index(path, [], index_file)
