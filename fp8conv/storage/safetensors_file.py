@@ -56,7 +56,7 @@ def tensor_entries(
     starts: Sequence[int],
     nbytes: Sequence[int],
 ) -> list[TensorEntry]:
-    """TensorEntry(name, dtype, shape, start, nbytes) for each index, equal to what the constructor
+    """TensorEntry(name, dtype, shape, start, nbytes) for each position, equal to what the constructor
     makes, made a field at a time: the frozen __init__ is a Python call of five object.__setattr__ per
     entry (0.2 s over a release's 200k entries); here each field's slot is filled by map() in C."""
     columns = (names, dtypes, shapes, starts, nbytes)
