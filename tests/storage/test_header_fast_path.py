@@ -8,7 +8,6 @@ import dataclasses
 import gc
 import json
 import math
-import re
 from typing import Any
 
 import pytest
@@ -43,16 +42,26 @@ ODD_VALUES: list[Any] = [
 ]
 
 
-def _outcome(raw: bytes, file_size: int | None, *, fast: bool) -> Any:
-    """parse_header's result as comparable values, or its refusal's line; `fast=False`: the per-entry path."""
+# Two metadata strings of one length in JSON: the second is a surrogate pair (an emoji, valid text)
+# whose \ud8.. escape sends the header the per-entry way, as a lone surrogate might hide in a name.
+PLAIN, PAIR = "\u00e9\u00e9", "\U0001f600"
+assert len(json.dumps(PLAIN)) == len(json.dumps(PAIR))
+
+
+def _outcome(header: dict[str, Any], data_size: int | None, *, fast: bool) -> Any:
+    """parse_header's entries and sizes, or its refusal's line; `fast=False`: the per-entry path, which
+    a spy on the laid-out path's tensor_entries confirms was taken. `data_size` None: a remote header."""
+    raw = json.dumps({"__metadata__": {"m": PLAIN if fast else PAIR}} | header).encode()
+    calls: list[int] = []
     with pytest.MonkeyPatch.context() as patched:
-        if not fast:
-            patched.setattr(header_module, "_laid_out_entries", lambda doc, data_start: None)
+        patched.setattr(header_module, "tensor_entries", lambda *columns: calls.append(1) or tensor_entries(*columns))
         try:
-            header = parse_header(raw, file_size, "s.safetensors")
+            parsed = parse_header(raw, None if data_size is None else 8 + len(raw) + data_size, "s.safetensors")
+            found: Any = (list(parsed.tensors.items()), parsed.file_size, parsed.data_start)
         except CheckpointError as refused:
-            return refused.one_line()
-    return list(header.tensors.items()), header.file_size, header.data_start
+            found = refused.one_line()
+    assert fast or not calls
+    return found
 
 
 CHANGES = ["none", "reorder", "shift", "retype", "value", "drop key", "not a spec", "huge", "past 64 bits"]
@@ -111,9 +120,8 @@ def _spoil(draw: st.DrawFn, victim: dict[str, Any], change: str) -> None:
 @given(case=headers(), trailing=st.sampled_from([0, 0, 1, -1]), remote=st.booleans())
 def test_the_fast_header_path_decides_as_the_per_entry_one(case, trailing, remote):
     header, data_size = case
-    raw = json.dumps(header).encode()
-    file_size = None if remote else 8 + len(raw) + data_size + trailing
-    assert _outcome(raw, file_size, fast=True) == _outcome(raw, file_size, fast=False)
+    size = None if remote else data_size + trailing
+    assert _outcome(header, size, fast=True) == _outcome(header, size, fast=False)
 
 
 LAID_OUT = {
@@ -146,33 +154,33 @@ def _each_odd_value() -> list[dict[str, Any]]:
 
 def test_each_odd_value_is_decided_as_the_per_entry_path_decides():
     for header in _each_odd_value():
-        raw = json.dumps(header).encode()
-        for file_size in (None, 8 + len(raw) + 18):
-            assert _outcome(raw, file_size, fast=True) == _outcome(raw, file_size, fast=False), header
+        for size in (None, 18):
+            assert _outcome(header, size, fast=True) == _outcome(header, size, fast=False), header
 
 
-def test_a_header_laid_out_as_safetensors_writes_it_takes_the_fast_path():
+def test_a_header_laid_out_as_safetensors_writes_it_takes_the_fast_path(monkeypatch):
     header = {
         "b": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
         "empty": {"dtype": "F32", "shape": [0, 5], "data_offsets": [12, 12]},
         "a": {"dtype": "F8_E4M3", "shape": [], "data_offsets": [12, 13]},
         "c": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [13, 25]},
     }
-    doc = json.loads(json.dumps(header))
-    laid_out = header_module._laid_out_entries(doc, 100)
-    assert laid_out is not None
-    tensors, end = laid_out
-    assert end == 125
+    calls: list[int] = []
+    monkeypatch.setattr(header_module, "tensor_entries", lambda *columns: calls.append(1) or tensor_entries(*columns))
+    tensors = parse_header(json.dumps(header).encode(), None, "s.safetensors").tensors
+    assert calls == [1]
     assert list(tensors.values()) == [
-        TensorEntry("b", "BF16", (2, 3), 100, 12),
-        TensorEntry("empty", "F32", (0, 5), 112, 0),
-        TensorEntry("a", "F8_E4M3", (), 112, 1),
-        TensorEntry("c", "BF16", (2, 3), 113, 12),
+        TensorEntry("b", "BF16", (2, 3), 0, 12),
+        TensorEntry("empty", "F32", (0, 5), 12, 0),
+        TensorEntry("a", "F8_E4M3", (), 12, 1),
+        TensorEntry("c", "BF16", (2, 3), 13, 12),
     ]
     # one object per distinct shape and per dtype: a release's 200k entries share a few dozen
     assert tensors["b"].shape is tensors["c"].shape and tensors["b"].dtype is tensors["c"].dtype
-    header["a"]["data_offsets"], header["b"]["data_offsets"] = [0, 1], [1, 13]  # listed out of offset order
-    assert header_module._laid_out_entries(json.loads(json.dumps(header)), 100) is None
+    for name, offsets in (("a", [0, 1]), ("b", [1, 13]), ("empty", [13, 13])):  # listed out of offset order
+        header[name]["data_offsets"] = offsets
+    tensors = parse_header(json.dumps(header).encode(), None, "s.safetensors").tensors
+    assert calls == [1] and list(tensors) == ["a", "b", "empty", "c"]  # sorted by the per-entry path
 
 
 def test_an_index_entry_built_a_field_at_a_time_is_the_constructors():
@@ -186,37 +194,42 @@ def test_an_index_entry_built_a_field_at_a_time_is_the_constructors():
         tensor_entries(["w", "b"], ["F32"], [(2, 2), (3,)], [8, 24], [16, 3])
 
 
-LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (json_file.MAX_INT_DIGITS + 1))
-
-
 @settings(max_examples=300, deadline=None)
-@given(raw=st.lists(st.sampled_from([b"0", b"9", b"5" * 24, b"1" * 25, b"/", b":", b" ", b"\xb0", b"\x39"])))
-def test_the_long_digit_test_finds_what_the_regex_finds(raw):
-    joined = b"".join(raw)
-    assert json_file._has_long_digits(joined) == (LONG_DIGITS.search(joined) is not None)
-
-
-class _NeverDisjoint:
-    def isdisjoint(self, other: object) -> bool:
-        return False
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=6),
+    in_text=st.lists(st.integers(1, 60), max_size=3),
+    separator=st.sampled_from(["", "/", ":", "\u00b0"]),
+)
+def test_an_integer_of_more_than_24_digits_is_refused_and_digits_in_text_are_not(lengths, in_text, separator):
+    doc = {"n": [int("9" * n) for n in lengths], "s": [separator.join(["7" * n, "8" * n]) for n in in_text]}
+    raw = json.dumps(doc, ensure_ascii=False).encode()
+    too_long = [n for n in lengths if n > json_file.MAX_INT_DIGITS]
+    if not too_long:
+        assert json_file.parse_json(raw, label="x.json", fix="f") == doc
+        return
+    with pytest.raises(CheckpointError, match=f"holds an integer of {too_long[0]} digits under key 'n'"):
+        json_file.parse_json(raw, label="x.json", fix="f")
 
 
 @pytest.mark.parametrize(
-    ("doc", "surrogates"),
+    ("raw", "problem"),
     [
-        ({"weight_map": {"a": "x", "b": "y"}, "metadata": {"total_size": 3}}, False),
-        ({"weight_map": {"a": "x", "b\ud800": "y"}}, True),
-        ({"weight_map": {"a": "x\udfff"}}, True),
-        ({"a": [[{"b": [1, "z"]}]], "c": []}, False),
-        (json.loads("[" * 70 + "]" * 70), False),
-        ({"k": json.loads("[" * 63 + "1" + "]" * 63)}, False),
-        ({"k": json.loads("[" * 64 + "]" * 64)}, True),
+        ('{"weight_map": {"a": "x", "b": "y"}, "metadata": {"total_size": 3}}', None),
+        ('{"weight_map": {"a": "x", "b\\ud800": "y"}}', "holds a key with a lone UTF-16 surrogate ('b\\ud800')"),
+        ('{"weight_map": {"a": "x\\udfff"}}', "holds a string with a lone UTF-16 surrogate under key 'a'"),
+        ('{"a": [[{"b": [1, "z"]}]], "c": []}', None),
+        ("[" * 70 + "]" * 70, "nests arrays or objects more than 64 deep"),
+        ('{"k": ' + "[" * 63 + "1" + "]" * 63 + "}", None),
+        ('{"k": ' + "[" * 64 + "]" * 64 + "}", "nests arrays or objects more than 64 deep under key 'k'"),
     ],
 )
-def test_the_tree_walk_skipping_leaf_containers_finds_what_the_full_walk_finds(doc, surrogates, monkeypatch):
-    found = json_file._check_tree(doc, surrogates)
-    monkeypatch.setattr(json_file, "_CONTAINERS", _NeverDisjoint())  # every container walked item by item
-    assert found == json_file._check_tree(doc, surrogates)
+def test_depth_and_surrogates_are_found_below_containers_of_plain_values(raw, problem):
+    if problem is None:
+        assert json_file.parse_json(raw.encode(), label="x.json", fix="f") == json.loads(raw)
+        return
+    with pytest.raises(CheckpointError) as refused:
+        json_file.parse_json(raw.encode(), label="x.json", fix="f")
+    assert refused.value.one_line().startswith(f"in x.json: {problem}")
 
 
 def test_a_surrogate_in_an_index_name_is_still_refused(tmp_path):
