@@ -6,11 +6,17 @@ a header of at most 100,000,000 bytes; every entry a dtype name, a shape of size
 sorted by offset the tensors are contiguous from 0 with no gap and no overlap, each spanning exactly
 its shape times its element size, and the data region ends where the file does. Types are JSON's:
 `true` is not a size. A tensor count cap refuses a header of a million empty tensors before it is
-parsed (the largest real release has ~100k tensors per checkpoint, far fewer per shard)."""
+parsed (the largest real release has ~100k tensors per checkpoint, far fewer per shard).
+
+A header laid out as safetensors writes it is checked with whole-list operations (_laid_out_entries);
+any other is checked entry by entry, which is what names the first thing wrong with it."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from itertools import chain
+from operator import itemgetter, mul, sub
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +24,13 @@ from ..dtypes import ELEMENT_BYTES
 from ..errors import CheckpointError
 from .json_file import SURROGATE_ESCAPE, parse_json
 from .json_file import is_text as _is_text
-from .safetensors_file import MAX_HEADER_BYTES, ShardHeader, TensorEntry
+from .safetensors_file import MAX_HEADER_BYTES, ShardHeader, TensorEntry, tensor_entries
 
 MAX_TENSORS = 300_000
 MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 MAX_SIZE = 2**64 - 1  # safetensors' usize: offsets, sizes and their products
 FIX = "the shard is corrupt; re-download it"
+_DTYPE_NAMES = {name: name for name in ELEMENT_BYTES}
 
 
 def parse_header(
@@ -54,19 +61,24 @@ def parse_header(
     data_start = 0 if file_size is None else 8 + len(raw)
     # a lone surrogate can only come from a \ud8xx escape: without one every name is text
     names_are_text = SURROGATE_ESCAPE.search(raw) is None
-    entries = [
-        _plain_entry(name, spec, data_start, names_are_text) or _entry(name, spec, shard, data_start)
-        for name, spec in doc.items()
-    ]
-    entries.sort(key=lambda e: (e.start, e.nbytes))
-    end = _check_contiguous(entries, shard, data_start)
+    laid_out = _laid_out_entries(doc, data_start) if names_are_text else None
+    if laid_out is not None:
+        tensors, end = laid_out
+    else:  # anything else, one entry at a time: the first bad entry's reason, the overlap or the gap
+        entries = [
+            _plain_entry(name, spec, data_start, names_are_text) or _entry(name, spec, shard, data_start)
+            for name, spec in doc.items()
+        ]
+        entries.sort(key=lambda e: (e.start, e.nbytes))
+        end = _check_contiguous(entries, shard, data_start)
+        tensors = {e.name: e for e in entries}
     if file_size is not None:
-        _check_covers_file(entries, end, file_size, shard)
+        _check_covers_file(next(reversed(tensors.values()), None), end, file_size, shard)
     return ShardHeader(
         path=path if path is not None else Path(shard),
         file_size=file_size if file_size is not None else end,
         data_start=data_start,
-        tensors={e.name: e for e in entries},
+        tensors=tensors,
         metadata=metadata,
     )
 
@@ -91,6 +103,62 @@ def _metadata(value: Any, shard: str) -> dict[str, str]:
 
 def _is_size(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_SIZE  # bool is an int subclass: refused
+
+
+def _laid_out_entries(doc: dict[str, Any], data_start: int) -> tuple[dict[str, TensorEntry], int] | None:
+    """The entries of a header whose specs are all well formed and listed in offset order, contiguous
+    from 0 (as safetensors writes them), and the data's end; None for anything else, which the
+    per-entry checks then refuse by name or sort. The checks are _plain_entry's and _check_contiguous's,
+    made with whole-list operations that run in C: a release has 200k tensors, and per-entry Python was
+    most of opening one. Listed contiguously, the file order is the sorted order (only empty tensors
+    share a start, each before the tensor that follows it)."""
+    columns = _spec_columns(list(doc.values()))
+    if columns is None:
+        return None
+    dtypes, shapes, starts, ends = columns
+    nbytes = list(map(mul, map(math.prod, shapes), map(ELEMENT_BYTES.__getitem__, dtypes)))
+    # contiguous from 0 with every span its size (>= 0): the offsets rise to the last end, the largest
+    if starts[0] != 0 or starts[1:] != ends[:-1] or list(map(sub, ends, starts)) != nbytes or ends[-1] > MAX_SIZE:
+        return None
+    names = list(doc)
+    # one str per dtype and one tuple per distinct shape (experts share theirs), not one per tensor
+    distinct_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    shape_tuples = list(map(tuple, shapes))
+    entries = tensor_entries(
+        names,
+        list(map(_DTYPE_NAMES.__getitem__, dtypes)),
+        list(map(distinct_shapes.setdefault, shape_tuples, shape_tuples)),
+        list(map(data_start.__add__, starts)),
+        nbytes,
+    )
+    return dict(zip(names, entries, strict=True)), data_start + ends[-1]
+
+
+def _spec_columns(specs: list[Any]) -> tuple[list[str], list[list[int]], list[int], list[int]] | None:
+    """The dtypes, shapes, start and end offsets of specs that are all objects with a known dtype, a
+    shape of at most MAX_DIMS sizes and two integer offsets; None when any is not (or there is none)."""
+    if not specs:
+        return None
+    try:
+        dtypes, shapes, offsets = (list(map(itemgetter(key), specs)) for key in ("dtype", "shape", "data_offsets"))
+        if not set(dtypes).issubset(_DTYPE_NAMES):
+            return None
+    except (KeyError, TypeError):  # a key missing, a spec that is not an object, an unhashable dtype
+        return None
+    if set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_DIMS or not _sizes(chain.from_iterable(shapes)):
+        return None
+    if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+        return None
+    starts, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
+    if set(map(type, starts)) != {int} or set(map(type, ends)) != {int}:  # their range: the caller's checks
+        return None
+    return dtypes, shapes, starts, ends
+
+
+def _sizes(values: Iterable[Any]) -> bool:
+    """Every value a size (_is_size): a JSON integer in [0, MAX_SIZE]; true when there is none."""
+    values = list(values)
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= MAX_SIZE)
 
 
 def _plain_entry(name: str, spec: Any, data_start: int, names_are_text: bool) -> TensorEntry | None:
@@ -169,16 +237,17 @@ def _check_contiguous(entries: list[TensorEntry], shard: str, data_start: int) -
     return cursor
 
 
-def _check_covers_file(entries: list[TensorEntry], end: int, file_size: int, shard: str) -> None:
+def _check_covers_file(last: TensorEntry | None, end: int, file_size: int, shard: str) -> None:
+    """`last`: the tensor whose data ends the file's (None: the shard holds none)."""
+    where = {"tensor": last.name} if last is not None else {}
     if end > file_size:
         raise CheckpointError(
             f"data runs to byte {end} but the file has {file_size} (truncated)",
-            tensor=entries[-1].name,
+            **where,
             shard=shard,
             fix="re-download this shard",
         )
     if end < file_size:
-        where = {"tensor": entries[-1].name} if entries else {}
         raise CheckpointError(
             f"the file has {file_size - end} bytes after the last tensor's data, which safetensors refuses",
             **where,

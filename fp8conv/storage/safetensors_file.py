@@ -12,7 +12,10 @@ import math
 import os
 import stat
 import struct
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a release holds 200k, 40 bytes less each than with a __dict__
 class TensorEntry:
     """Where one tensor lives: its dtype, shape and absolute byte range in its shard."""
 
@@ -40,6 +43,29 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+# each field's slot, written by its descriptor (what the frozen __init__'s object.__setattr__ ends in)
+_SLOT_WRITERS = tuple(getattr(TensorEntry, f.name).__set__ for f in dataclasses.fields(TensorEntry))
+
+
+def tensor_entries(
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    starts: Sequence[int],
+    nbytes: Sequence[int],
+) -> list[TensorEntry]:
+    """TensorEntry(name, dtype, shape, start, nbytes) for each position, equal to what the constructor
+    makes, made a field at a time: the frozen __init__ is a Python call of five object.__setattr__ per
+    entry (0.2 s over a release's 200k entries); here each field's slot is filled by map() in C."""
+    columns = (names, dtypes, shapes, starts, nbytes)
+    if len(set(map(len, columns))) != 1:
+        raise ValueError("tensor_entries needs as many of each field")
+    entries = list(map(object.__new__, repeat(TensorEntry, len(names))))
+    for write, values in zip(_SLOT_WRITERS, columns, strict=True):
+        deque(map(write, entries, values), maxlen=0)  # deque: runs the map, keeps nothing
+    return entries
 
 
 @dataclass(frozen=True)
