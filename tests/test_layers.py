@@ -197,3 +197,48 @@ def _private_uses(path: Path) -> list[str]:
 
 def test_no_test_takes_a_private_name_of_the_package() -> None:
     assert [u for path in TESTS.rglob("*.py") for u in _private_uses(path)] == []
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """Modules that import one another round a circle, at module level or in a function (a lazy import
+    that breaks a circle at run time still ties the two modules together); TYPE_CHECKING imports aside."""
+    modules = {m for m, _ in _modules(package)}
+    graph: dict[str, set[str]] = {}
+    for module, path in _modules(package):
+        checking = _type_checking_only(path)
+        targets = set()
+        for target, line, _ in _imports(path, module):
+            name = target.removeprefix("fp8conv.")
+            if not target.startswith("fp8conv.") or line in checking:
+                continue
+            while name and name not in modules:  # `from .x import f` names f: its module is x
+                name = name.rpartition(".")[0]
+            if name and name != module and not name.endswith("__init__"):
+                targets.add(name)
+        graph[module] = targets
+    cycles, seen = [], set()
+    for start in sorted(graph):  # each circle once: found from its smallest module
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    key = frozenset(path)
+                    if key not in seen:
+                        seen.add(key)
+                        cycles.append(path)
+                elif nxt > start and nxt not in path:
+                    stack.append((nxt, [*path, nxt]))
+    return cycles
+
+
+def test_no_modules_import_each_other() -> None:
+    assert import_cycles(PACKAGE) == []
+
+
+def test_the_cycle_check_sees_a_lazy_circle(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "families.py").write_text("def f():\n    from .roles import rule\n")
+    (tmp_path / "model" / "roles.py").write_text("from .families import f\n")
+    (tmp_path / "model" / "other.py").write_text("from .families import f\n")
+    assert import_cycles(tmp_path) == [["model.families", "model.roles"]]

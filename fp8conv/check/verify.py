@@ -38,9 +38,10 @@ from ..rewrite.unpack import unpack_to_float32
 from ..source.checkpoint import open_checkpoint
 from ..source.config import CONFIG_NAME, MISTRAL_PARAMS_NAME
 from ..source.index import INDEX_NAME, CheckpointIndex
+from ..storage.header import read_header
 from ..storage.json_file import read_json_object
 from ..storage.out_dir import OutDir
-from ..storage.safetensors_file import ShardHeader, read_header, read_tensor
+from ..storage.safetensors_file import ShardHeader, read_tensor
 from .verify_bands import JobBands, pieces
 
 

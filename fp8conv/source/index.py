@@ -14,9 +14,10 @@ from itertools import repeat
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..storage.header import read_header
 from ..storage.input_files import open_beneath, plain_relative
 from ..storage.json_file import read_json_object
-from ..storage.safetensors_file import ShardHeader, TensorEntry, read_header
+from ..storage.safetensors_file import ShardHeader, TensorEntry
 
 INDEX_NAME = "model.safetensors.index.json"
 

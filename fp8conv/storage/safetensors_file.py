@@ -10,8 +10,6 @@ import ctypes
 import dataclasses
 import math
 import os
-import stat
-import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,56 +74,6 @@ class ShardHeader:
     tensors: dict[str, TensorEntry]  # in file order
     metadata: dict[str, str]
     identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read; None: read remotely
-
-
-def read_header(
-    path: Path, display_name: str | None = None, *, fd: int | None = None, file_size: int | None = None
-) -> ShardHeader:
-    """Parse and validate one shard's header (header.parse_header). Reads only the header bytes, from
-    `fd` when given (opened by input_files with no link followed out of the checkpoint; not closed
-    here), else from `path`, which must be a regular file: a FIFO is refused, never waited on."""
-    from .header import parse_header  # header.py builds on this module's records
-
-    shard = display_name or path.name
-    own = fd is None
-    try:
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError("is not a regular file", shard=shard, fix="point at the checkpoint's real shards")
-            size = st.st_size if file_size is None else file_size
-            os.lseek(fd, 0, os.SEEK_SET)  # read(), not pread(): tests trace that only the header is read
-            prefix = _read_exactly(fd, 8)
-            if len(prefix) < 8:
-                raise CheckpointError("file is too short to be safetensors", shard=shard, fix="re-download this shard")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise CheckpointError(
-                    f"header length {header_len} is impossible for a {size}-byte file",
-                    shard=shard,
-                    fix="the file is truncated or not safetensors; re-download it",
-                )
-            raw = _read_exactly(fd, header_len)
-        finally:
-            if own:
-                os.close(fd)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read: {exc.strerror}", shard=shard) from exc
-    header = parse_header(raw, size, shard, path=path)
-    return dataclasses.replace(header, identity=(st.st_dev, st.st_ino))
-
-
-def _read_exactly(fd: int, n: int) -> bytes:
-    parts, done = [], 0
-    while done < n:
-        chunk = os.read(fd, n - done)
-        if not chunk:
-            break
-        parts.append(chunk)
-        done += len(chunk)
-    return b"".join(parts)
 
 
 def tensor_buffer(nbytes: int) -> torch.Tensor:

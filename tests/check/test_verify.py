@@ -17,7 +17,7 @@ import fp8conv
 from fp8conv import ConvertOptions, RunOptions
 from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError
-from fp8conv.storage.safetensors_file import read_header
+from fp8conv.storage.header import read_header
 from tests.support.helpers import load_dir
 from tests.support.reference import expected_output, same_bits
 

@@ -20,7 +20,7 @@ from fp8conv.options import Tuning
 from fp8conv.output.manifest import load_manifest
 from fp8conv.plan.conversion import Job, plan_conversion
 from fp8conv.source.checkpoint import open_checkpoint
-from fp8conv.storage.safetensors_file import read_header
+from fp8conv.storage.header import read_header
 from tests.support.families import build_family
 from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
 

@@ -12,7 +12,8 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions
 from fp8conv.errors import CheckpointError
-from fp8conv.storage.safetensors_file import read_header, read_tensor
+from fp8conv.storage.header import read_header
+from fp8conv.storage.safetensors_file import read_tensor
 from tests.support.helpers import direct_io_works, fp8, write_checkpoint, write_raw_safetensors
 from tests.support.reference import same_bits
 

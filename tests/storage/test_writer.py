@@ -17,7 +17,8 @@ import fp8conv
 import fp8conv.storage.writer as writer_module
 from fp8conv import ConvertOptions
 from fp8conv.storage.direct_io import aligned_empty
-from fp8conv.storage.safetensors_file import TensorEntry, as_writable_memoryview, read_header
+from fp8conv.storage.header import read_header
+from fp8conv.storage.safetensors_file import TensorEntry, as_writable_memoryview
 from fp8conv.storage.shard_reader import ShardReader, read_capacity
 from fp8conv.storage.writer import (
     OrderedHash,

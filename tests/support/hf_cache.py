@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from fp8conv.storage.safetensors_file import read_header
+from fp8conv.storage.header import read_header
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
