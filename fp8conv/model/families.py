@@ -9,8 +9,8 @@ one test. No torch.
 
 from __future__ import annotations
 
-import functools
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -314,26 +314,21 @@ def layer_factor(c: dict[str, Any], group: str, name: str) -> int:
     return 2 if index is not None and int(index.group(1)) >= layers - shared else 1
 
 
+# family name -> layer key -> the role tensor it is (None: none): a few dozen keys per family
+_ROLES_IN_LAYER: dict[str, dict[str, tuple[MlpRole, MlpTensor] | None]] = {}
+
+
 def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
-    index = _role_index(family.name, name)
-    return None if index is None else _MATCHERS[family.name][1][index]
-
-
-@functools.lru_cache(maxsize=1 << 19)  # every plan, inspect and verify asks again about the same names
-def _role_index(family_name: str, name: str) -> int | None:
-    rest = layer_key(name)
-    if rest is None or in_vision(name):
+    key = layer_key(name)
+    if key is None or in_vision(name):
         return None
-    return _role_index_in_layer(family_name, rest)
-
-
-@functools.lru_cache(maxsize=1 << 16)  # a few dozen distinct names per layer once experts are one
-def _role_index_in_layer(family_name: str, rest: str) -> int | None:
-    pattern, _ = _matcher(_BY_NAME[family_name])
-    m = pattern.match(rest)
-    if m is None or m.lastgroup is None:
-        return None
-    return int(m.lastgroup[1:])
+    known = _ROLES_IN_LAYER.setdefault(family.name, {})
+    found = known.get(key, _UNSEEN)
+    if found is _UNSEEN:
+        pattern, pairs = _matcher(family)
+        m = pattern.match(key)
+        found = known[key] = None if m is None or m.lastgroup is None else pairs[int(m.lastgroup[1:])]
+    return found  # type: ignore[return-value]
 
 
 _EXPERT_INDEX = re.compile(r"experts\.\d+\.")
@@ -346,11 +341,26 @@ def one_expert(rest: str) -> str:
     return _EXPERT_INDEX.sub("experts.0.", rest, count=1) if "experts." in rest else rest
 
 
+# name -> layer_key(name), shared by the table's role matching and the rules' (each pass over a release's
+# 200k names found them again); the keys interned, a few dozen strings. Emptied when it grows past the bound.
+_LAYER_KEYS: dict[str, str | None] = {}
+_LAYER_KEYS_BOUND = 1 << 20
+
+
 def layer_key(name: str) -> str | None:
     """What role matching reads of a name: the part after its decoder layer's 'layers.N.', with the expert
     index made 0; None outside decoder layers."""
-    rest = _in_layer(name)
-    return None if rest is None else one_expert(rest)
+    key = _LAYER_KEYS.get(name, _UNSEEN)
+    if key is _UNSEEN:
+        rest = _in_layer(name)
+        key = None if rest is None else sys.intern(one_expert(rest))
+        if len(_LAYER_KEYS) >= _LAYER_KEYS_BOUND:
+            _LAYER_KEYS.clear()
+        _LAYER_KEYS[name] = key
+    return key  # type: ignore[return-value]
+
+
+_UNSEEN = object()
 
 
 def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: int | None) -> int | None:

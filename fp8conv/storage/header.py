@@ -6,7 +6,7 @@ a header of at most 100,000,000 bytes; every entry a dtype name, a shape of size
 sorted by offset the tensors are contiguous from 0 with no gap and no overlap, each spanning exactly
 its shape times its element size, and the data region ends where the file does. Types are JSON's:
 `true` is not a size. A tensor count cap refuses a header of a million empty tensors before it is
-parsed (the largest real release has ~100k tensors per checkpoint, far fewer per shard).
+parsed (the largest real releases have ~200k tensors per checkpoint, far fewer per shard).
 
 A header laid out as safetensors writes it is checked with whole-list operations (_laid_out_entries);
 any other is checked entry by entry, which is what names the first thing wrong with it. read_header
