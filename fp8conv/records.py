@@ -13,10 +13,15 @@ _new = object.__new__
 
 
 def like(proto: _Record, **changes: Any) -> _Record:
-    """`proto` with `changes` (fields it already has), as dataclasses.replace() gives it, for records
-    without __post_init__ (nothing there to re-run) whose fields live in __dict__: a frozen dataclass's
-    __init__ (one object.__setattr__ per field) costs ten times this copy."""
-    kind = type(proto)
+    """`proto` with `changes` (fields it already has), as dataclasses.replace() gives it (copied_as)."""
+    return copied_as(type(proto), proto, **changes)
+
+
+def copied_as(kind: type[_Record], proto: Any, **changes: Any) -> _Record:
+    """A `kind` holding `proto`'s fields and `changes` (kind: proto's class, or a subclass whose extra
+    fields `changes` gives), made without __init__: a frozen dataclass's __init__ (one object.__setattr__
+    per field) costs ten times this copy. For records without __post_init__ (nothing there to re-run) whose
+    fields live in __dict__."""
     if hasattr(kind, "__post_init__"):  # ShardPlan, ConversionPlan: their __post_init__ must run
         raise TypeError(f"{kind.__name__} has a __post_init__; use dataclasses.replace")
     record = _new(kind)

@@ -29,6 +29,7 @@ from ..model.mlp_layout import (
 )
 from ..model.packed_formats import packed_output_shape
 from ..options import DEFAULT_BLOCK, MXFP8_GROUP, UE8M0_BLOCK, ConvertOptions
+from ..records import copied_as
 from ..source.checkpoint import Checkpoint
 from ..source.config import (
     MISTRAL_PARAMS_NAME,
@@ -112,10 +113,7 @@ class RunJob(Job):
 
     @classmethod
     def of(cls, job: Job, strategy: Strategy, band_rows: int = 0) -> RunJob:
-        # the job's fields as they are, without __init__: a release has 100k jobs (fp8conv.records)
-        run_job = object.__new__(cls)
-        run_job.__dict__.update(job.__dict__, strategy=strategy, band_rows=band_rows)
-        return run_job
+        return copied_as(cls, job, strategy=strategy, band_rows=band_rows)  # a release has 100k jobs
 
 
 @dataclass(frozen=True)
