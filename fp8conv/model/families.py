@@ -314,6 +314,7 @@ def layer_factor(c: dict[str, Any], group: str, name: str) -> int:
     return 2 if index is not None and int(index.group(1)) >= layers - shared else 1
 
 
+_UNSEEN = object()  # a memo's "not asked yet" (None is an answer)
 # family name -> layer key -> the role tensor it is (None: none): a few dozen keys per family
 _ROLES_IN_LAYER: dict[str, dict[str, tuple[MlpRole, MlpTensor] | None]] = {}
 
@@ -358,9 +359,6 @@ def layer_key(name: str) -> str | None:
             _LAYER_KEYS.clear()
         _LAYER_KEYS[name] = key
     return key  # type: ignore[return-value]
-
-
-_UNSEEN = object()
 
 
 def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: int | None) -> int | None:

@@ -26,6 +26,7 @@ from .families import (
     MlpTensor,
     Width,
     _gate_up_down,
+    in_vision,
     layer_factor,
     layer_key,
     model_type_of,
@@ -160,7 +161,8 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
 _ROLE_MATCH = re.compile(
     "|".join(f"(?P<{g}{i}>{t.pattern.pattern})" for g, tensors in ROLE_TENSORS.items() for i, t in enumerate(tensors))
 )
-_VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|mm_projector|multi_modal_projector|audio\w*)\.")
+# audio towers are not language MLPs either (the rules' reach beyond the table's: families.in_vision)
+_AUDIO = re.compile(r"(?:^|\.)audio\w*\.")
 # (example name, shape, tensor) of each distinct kind of role tensor: a 200k-name checkpoint has a few dozen
 _Kinds = dict[str, dict[tuple[int, tuple[int, ...]], str]]
 
@@ -168,8 +170,7 @@ _Kinds = dict[str, dict[tuple[int, tuple[int, ...]], str]]
 def _role_of_name(name: str) -> tuple[str, int] | None:
     """(group, index in ROLE_TENSORS[group]) of a decoder-layer tensor (language model and MTP)."""
     rest = layer_key(name)
-    # _VISION.search, its literal parts tested first (200k names, a handful of them vision's or audio's)
-    if rest is None or (("vis" in name or "_projector" in name or "audio" in name) and _VISION.search(name)):
+    if rest is None or in_vision(name) or ("audio" in name and _AUDIO.search(name)):
         return None
     return _role_in_layer(rest)
 
