@@ -40,6 +40,29 @@ TOKENS = torch.tensor([[2, 9, 41, 5, 88, 201, 13, 4, 60]])
 _ATT = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
+def _qwen3_vl_text(**moe: int) -> dict:
+    """The small Qwen3-VL text tower of the variants below (`moe`: Qwen3-VL-MoE's expert keys), made anew
+    for each: transformers may rewrite a config's rope_parameters in place."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    return dict(
+        hidden_size=200, num_hidden_layers=2, vocab_size=256, intermediate_size=330, **moe, rope_parameters=rope, **_ATT
+    )
+
+
+def _qwen3_vl_vision() -> dict:
+    return dict(
+        depth=1,
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=2,
+        out_hidden_size=200,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        deepstack_visual_indexes=[0],
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # This file's own quantization: the plain definitions, nothing imported from fp8conv or tests/.
 
@@ -331,25 +354,8 @@ VARIANTS: dict[str, Variant] = {
     "qwen3-vl-dense": Variant(
         "qwen3_vl",
         dict(
-            text_config=dict(
-                hidden_size=200,
-                num_hidden_layers=2,
-                vocab_size=256,
-                intermediate_size=330,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                **_ATT,
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=64,
-                intermediate_size=96,
-                num_heads=2,
-                out_hidden_size=200,
-                patch_size=16,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                deepstack_visual_indexes=[0],
-            ),
+            text_config=_qwen3_vl_text(),
+            vision_config=_qwen3_vl_vision(),
             tie_word_embeddings=False,
         ),
         "block",
@@ -452,25 +458,8 @@ VARIANTS: dict[str, Variant] = {
     "qwen3-vl-bf16-input": Variant(
         "qwen3_vl",
         dict(
-            text_config=dict(
-                hidden_size=200,
-                num_hidden_layers=2,
-                vocab_size=256,
-                intermediate_size=330,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                **_ATT,
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=64,
-                intermediate_size=96,
-                num_heads=2,
-                out_hidden_size=200,
-                patch_size=16,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                deepstack_visual_indexes=[0],
-            ),
+            text_config=_qwen3_vl_text(),
+            vision_config=_qwen3_vl_vision(),
             tie_word_embeddings=False,
         ),
         "none",
@@ -486,29 +475,10 @@ VARIANTS: dict[str, Variant] = {
     "qwen3-vl-moe-bf16-fused": Variant(
         "qwen3_vl_moe",
         dict(
-            text_config=dict(
-                hidden_size=200,
-                num_hidden_layers=2,
-                vocab_size=256,
-                intermediate_size=330,
-                moe_intermediate_size=136,
-                num_experts=3,
-                num_experts_per_tok=2,
-                decoder_sparse_step=1,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                **_ATT,
+            text_config=_qwen3_vl_text(
+                moe_intermediate_size=136, num_experts=3, num_experts_per_tok=2, decoder_sparse_step=1
             ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=64,
-                intermediate_size=96,
-                num_heads=2,
-                out_hidden_size=200,
-                patch_size=16,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                deepstack_visual_indexes=[0],
-            ),
+            vision_config=_qwen3_vl_vision(),
             tie_word_embeddings=False,
         ),
         "none",
