@@ -114,8 +114,11 @@ def classify(
     problems: list[CheckpointError] = list(settings.problems)  # every step below adds to this one list
     block, block_source = _block_size(settings, block_size, problems)
     ctx = _Context(index, block, block_source, problems, settings)
-    modules = {module_of(n) for n in index.locations} if settings.not_converted else set()
-    if settings.not_converted:  # every module's listing found at once: classify, plans and folds ask it
+    # every module's listing found at once (classify, plans and folds ask it); a scale is no module
+    modules = (
+        {module_of(n) for n in index.locations if not n.endswith(_SCALE_NAMES)} if settings.not_converted else set()
+    )
+    if settings.not_converted:
         settings.ignore_list().prime(modules)
     weights, consumed = _classify_weights(ctx)
     reread = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
@@ -125,6 +128,7 @@ def classify(
     plain = [n for n in index.locations if n not in weights and n not in consumed]
     plain = [n for n in plain if not n.endswith(_SCALE_NAMES)]
     warnings: list[str] = []
+    listed = _listed_weights(settings, weights)
     for fmt in weights.values():
         if fmt.kind in (Kind.UNVERIFIED, Kind.UNSUPPORTED):
             problems.append(
@@ -135,7 +139,7 @@ def classify(
                     fix=fmt.fix,
                 )
             )
-        elif fmt.kind in CONVERTIBLE | PACKED and settings.lists_as_not_converted(module_of(fmt.weight)):
+        elif listed and fmt.weight in listed and fmt.kind in CONVERTIBLE | PACKED:
             what = "FP8" if fmt.kind in CONVERTIBLE else str(fmt.kind)
             warnings.append(f"{fmt.weight} is {what} although {settings.where} lists its module as not converted")
     if settings.method is not None and not weights:
@@ -151,6 +155,16 @@ def classify(
         settings=settings,
         unmatched_not_converted=unmatched,
     )
+
+
+def _listed_weights(settings: QuantSettings, weights: dict[str, WeightFormat]) -> set[str]:
+    """The weights whose module the ignore list names, from the few modules it matched (not 100k lookups)."""
+    if not settings.not_converted:
+        return set()
+    listed = settings.ignore_list().matched()
+    if listed is None:  # not primed: each weight asked
+        return {w for w in weights if settings.lists_as_not_converted(module_of(w))}
+    return {w for m in listed for w in (m + ".weight", m) if w in weights and module_of(w) == m}
 
 
 UNMATCHED_NAMED = 3  # entries a warning names; inspect --json lists them all
@@ -236,14 +250,19 @@ def _weight_of(companion: str) -> str:
 def _classify_one(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightFormat | None:
     """A WeightFormat for a weight that is quantized (or looks it), None for everything else."""
     name = entry.name
-    if name.endswith(PACKED_SUFFIXES):
+    if name.endswith(".weight"):  # the 100k FP8 weights of a release: their common case first
+        base: str | None = name[:-7]
+        scales = [scale for suffix in SCALE_SUFFIXES if (scale := base + suffix) in names]
+        if entry.dtype == FP8_E4M3 and len(scales) == 1 and base + V4_SCALE_SUFFIX not in names:
+            return _classify_scaled(ctx, entry, ctx.index.locations[scales[0]][1], _companions(base, names))
+    elif name.endswith(PACKED_SUFFIXES):
         return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, ctx.sorted_names()))
-    if name.endswith(_SCALE_NAMES):
+    elif name.endswith(_SCALE_NAMES):
         return None
-    if name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
+    elif name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
         return None  # DeepSeek-V4's companion; consumed by its weight (or left plain if that is float)
-    base = name[: -len(".weight")] if name.endswith(".weight") else None
-    scales = [base + s for s in SCALE_SUFFIXES if base and base + s in names]
+    else:
+        base, scales = None, []
     if base and base + V4_SCALE_SUFFIX in names and entry.dtype in (FP8_E4M3, "I8", "U8"):
         scales.append(base + V4_SCALE_SUFFIX)
     if scales and entry.dtype in ("I8", "U8"):  # never by element size: by the scale and config.json

@@ -195,14 +195,20 @@ class IgnoreList:
             dot = module.find(".", dot + 1)
         return False
 
+    def matched(self) -> frozenset[str] | None:
+        """The modules prime() found listed; None before it ran."""
+        return self._hits if self._primed is not None else None
+
     def unmatched(self, modules: Iterable[str]) -> list[str]:
-        """The entries (refused ones aside) that match none of `modules`, in list order."""
+        """The entries (refused ones aside) that match none of `modules`, in list order. Asked of the
+        modules prime() had, each entry is tried on the ones it found listed only: every module an entry
+        matches is among them, so a regex no longer scans 200k names to find it has no match."""
         primed = self._primed
         if primed is not None and primed.given is modules:  # the very set prime() had: not compared again
-            found = primed
+            found = _Modules(self._hits)
         else:
             modules = modules if isinstance(modules, (set, frozenset)) else set(modules)
-            found = primed if primed is not None and primed.exact == modules else _Modules(modules)
+            found = _Modules(self._hits) if primed is not None and primed.exact == modules else _Modules(modules)
         return [e for e in dict.fromkeys(self.entries) if e not in self.refused and not found.has_match(e)]
 
 

@@ -78,6 +78,8 @@ class WeightFormat:
 
     @property
     def consumed(self) -> tuple[str, ...]:
+        found = (self.scale, *self.companions) if self.scale else self.companions
+        if self.global_scale is None and self.shape_tensor is None and self.row_scales is None:
+            return found  # 100k FP8 weights: no generator to build for the three absent
         peer = self.row_scales.peer if self.row_scales else None
-        extra = tuple(n for n in (self.global_scale, self.shape_tensor, peer) if n)
-        return ((self.scale,) if self.scale else ()) + self.companions + extra
+        return found + tuple(n for n in (self.global_scale, self.shape_tensor, peer) if n)
