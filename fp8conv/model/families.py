@@ -319,7 +319,28 @@ _UNSEEN = object()  # a memo's "not asked yet" (None is an answer)
 _ROLES_IN_LAYER: dict[str, dict[str, tuple[MlpRole, MlpTensor] | None]] = {}
 
 
+# Every role tensor's pattern ends `\.weight$`, `\.bias$` or `_proj$` (a test holds them to it), so no name
+# ending in a scale's suffix is a role's: the passes over a release's names skip its half that are scales
+NO_ROLE_TAILS = ("_scale_inv", "_scale", ".scale", ".qscale_weight", ".qscale_act")
+
+# family name -> tensor name -> role_of's answer: planning asks it of every name five or six times
+_ROLES_BY_NAME: dict[str, dict[str, tuple[MlpRole, MlpTensor] | None]] = {}
+
+
 def role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
+    by_name = _ROLES_BY_NAME.get(family.name)
+    if by_name is None:
+        by_name = _ROLES_BY_NAME[family.name] = {}
+    found = by_name.get(name, _UNSEEN)
+    if found is _UNSEEN:
+        found = _role_of(family, name)
+        if len(by_name) >= _LAYER_KEYS_BOUND:
+            by_name.clear()
+        by_name[name] = found
+    return found  # type: ignore[return-value]
+
+
+def _role_of(family: Family, name: str) -> tuple[MlpRole, MlpTensor] | None:
     key = layer_key(name)
     if key is None or in_vision(name):
         return None
@@ -346,6 +367,7 @@ def one_expert(rest: str) -> str:
 # 200k names found them again); the keys interned, a few dozen strings. Emptied when it grows past the bound.
 _LAYER_KEYS: dict[str, str | None] = {}
 _LAYER_KEYS_BOUND = 1 << 20
+_REST_KEYS: dict[str, str] = {}  # what follows `layers.N.` -> its layer key, emptied with _LAYER_KEYS
 
 
 def layer_key(name: str) -> str | None:
@@ -354,9 +376,15 @@ def layer_key(name: str) -> str | None:
     key = _LAYER_KEYS.get(name, _UNSEEN)
     if key is _UNSEEN:
         rest = _in_layer(name)
-        key = None if rest is None else sys.intern(one_expert(rest))
+        if rest is not None:  # a release's 200k names have a few thousand rests: one_expert once each
+            key = _REST_KEYS.get(rest)
+            if key is None:
+                key = _REST_KEYS[rest] = sys.intern(one_expert(rest))
+        else:
+            key = None
         if len(_LAYER_KEYS) >= _LAYER_KEYS_BOUND:
             _LAYER_KEYS.clear()
+            _REST_KEYS.clear()
         _LAYER_KEYS[name] = key
     return key  # type: ignore[return-value]
 
@@ -374,8 +402,15 @@ def width_axis(tensor: MlpTensor, shape: tuple[int, ...], width: int, hidden: in
 
 
 def fused_group(name: str, family: Family | None = None) -> str | None:
+    found = fused_module(name, family)
+    return None if found is None else f"{found[0]}<{found[1]}>"
+
+
+def fused_module(name: str, family: Family | None = None) -> tuple[str, str] | None:
+    """(the module an engine fuses this tensor into, the fused pattern's text); the module is the name's
+    start: every fused pattern begins `^(`, a test holds them to it."""
     for pattern in family.fused if family is not None else _ALL_FUSED:
         m = pattern.match(name)
         if m:
-            return m.group(1) + f"<{pattern.pattern}>"
+            return m.group(1), pattern.pattern
     return None

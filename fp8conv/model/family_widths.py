@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import CheckpointError
-from .families import Family, layer_factor, model_type_of, role_of, table_family, text_config, width_axis
+from .families import NO_ROLE_TAILS, Family, layer_factor, model_type_of, role_of, table_family, text_config, width_axis
 from .roles import rule_family
 
 
@@ -58,6 +58,8 @@ def width_disagreements(
     misfits: dict[tuple[int, tuple[int, ...], int], int | None] = {}
     problems = []
     for name, shape, shard in tensors:
+        if name.endswith(NO_ROLE_TAILS):
+            continue
         found = role_of(family, name)
         if found is None:
             continue

@@ -21,6 +21,7 @@ from .families import (
     _MLA,
     _QKV,
     _UNQUANTIZED_BASE,
+    NO_ROLE_TAILS,
     Family,
     MlpRole,
     MlpTensor,
@@ -170,9 +171,10 @@ _Kinds = dict[str, dict[tuple[int, tuple[int, ...]], str]]
 def _role_of_name(name: str) -> tuple[str, int] | None:
     """(group, index in ROLE_TENSORS[group]) of a decoder-layer tensor (language model and MTP)."""
     rest = layer_key(name)
-    if rest is None or in_vision(name) or ("audio" in name and _AUDIO.search(name)):
+    role = None if rest is None else _role_in_layer(rest)
+    if role is None or in_vision(name) or ("audio" in name and _AUDIO.search(name)):
         return None
-    return _role_in_layer(rest)
+    return role
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -189,10 +191,15 @@ def _role_tensors(shapes: Mapping[str, tuple[int, ...]]) -> tuple[_Kinds, frozen
     found: _Kinds = {g: {} for g in ROLE_TENSORS}
     mixers = set()
     for name, shape in shapes.items():
+        if name.endswith(NO_ROLE_TAILS):
+            continue
         role = _role_of_name(name)
         if role is None:
             continue
-        found[role[0]].setdefault((role[1], tuple(shape)), name)
+        kinds = found[role[0]]
+        kind = (role[1], shape if type(shape) is tuple else tuple(shape))
+        if kind not in kinds:
+            kinds[kind] = name
         if (i := name.find(".mixer.")) >= 0:  # Nemotron-H: this layer's mixer is an MLP
             mixers.add(name[: i + len(".mixer.")])
     return found, frozenset(mixers)

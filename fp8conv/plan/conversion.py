@@ -15,7 +15,7 @@ from typing import Any
 from ..dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from ..errors import CheckpointError, OptionsError
 from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
-from ..model.families import FUSED_EXPERTS, Family, fused_group, model_type_of, role_of
+from ..model.families import FUSED_EXPERTS, NO_ROLE_TAILS, Family, fused_module, model_type_of, role_of
 from ..model.family_widths import family_of, width_disagreements
 from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from ..model.mimo_kv import fused_qkv_problems
@@ -700,6 +700,8 @@ def role_examples(ckpt: Checkpoint, cls: Classification) -> list[str]:
     if "role_examples" not in cls.memo:
         family, first = input_family(ckpt, cls), {}
         for name in ckpt.index.locations if family is not None else ():
+            if name.endswith(NO_ROLE_TAILS):
+                continue
             found = role_of(family, name)
             if found is not None:
                 first.setdefault(id(found[0]), name)
@@ -738,24 +740,39 @@ def _width_problems(
 
 
 def _fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint, family: Family | None) -> list[CheckpointError]:
-    """Modules an engine fuses must all be quantized or all not, or vLLM refuses to load them."""
-    schemes: dict[str, dict[str, bool]] = {}
-    for shard in shards:
-        for job in shard.jobs:
-            group = fused_group(job.source, family)
-            if group is not None:
-                quantized = job.spec.dtype == FP8_E4M3
-                schemes.setdefault(group, {})[job.source] = quantized
+    """Modules an engine fuses must all be quantized or all not, or vLLM refuses to load them.
+
+    A group can disagree only when both sides have members: the fused group of every tensor on the smaller
+    side (the few plain ones of an FP8 output) is found, then only those tensors of the other side whose
+    name starts with one of those groups' modules are matched (a group's module is its members' start)."""
+    jobs = [(job.source, job.spec.dtype == FP8_E4M3) for shard in shards for job in shard.jobs]
+    fp8 = [(i, name) for i, (name, quantized) in enumerate(jobs) if quantized]
+    plain = [(i, name) for i, (name, quantized) in enumerate(jobs) if not quantized]
+    if not fp8 or not plain:
+        return []
+    small, large = (fp8, plain) if len(fp8) <= len(plain) else (plain, fp8)
+    groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for i, name in small:
+        found = fused_module(name, family)
+        if found is not None:
+            groups.setdefault(found, []).append((i, name))
+    modules = {module for module, _ in groups}
+    lengths = sorted({len(module) for module in modules})
+    for i, name in large:
+        if any(name[:n] in modules for n in lengths):
+            found = fused_module(name, family)
+            if found is not None and found in groups:
+                groups[found].append((i, name))
     problems = []
-    for members in schemes.values():
-        if len(set(members.values())) > 1:
-            fp8 = sorted(n for n, q in members.items() if q)
-            plain = sorted(n for n, q in members.items() if not q)
+    for members in sorted(groups.values(), key=lambda m: min(m)):  # first met in the jobs' order
+        if len({jobs[i][1] for i, _ in members}) > 1:
+            fp8_names = sorted(n for i, n in members if jobs[i][1])
+            plain_names = sorted(n for i, n in members if not jobs[i][1])
             problems.append(
                 CheckpointError(
-                    f"would be FP8 while {plain[0]} stays unquantized, but engines fuse them into one layer",
-                    tensor=fp8[0],
-                    shard=ckpt.index.shard_of(fp8[0]).name,
+                    f"would be FP8 while {plain_names[0]} stays unquantized, but engines fuse them into one layer",
+                    tensor=fp8_names[0],
+                    shard=ckpt.index.shard_of(fp8_names[0]).name,
                     fix="quantize both or neither (check modules_to_not_convert / ignore lists)",
                 )
             )

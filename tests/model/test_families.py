@@ -318,3 +318,56 @@ def test_layer_keys_are_what_the_plain_regexes_give() -> None:
     assert [n for n in names if table.layer_key(n) != reference(n)] == []
     assert [n for n in names if table.in_vision(n) != bool(table.VISION.search(n))] == []
     assert table.layer_key("model.layers.3.mlp.experts.17.up_proj.weight") == "mlp.experts.0.up_proj.weight"
+
+
+def _literal_endings(items: list) -> set[str]:
+    """The literal text every match of the parsed regex `items` ends with, per alternative (up to the
+    first non-literal from the end)."""
+    endings = {""}
+    for op, av in reversed(items):
+        name = str(op)
+        if name == "AT":  # `$`
+            continue
+        if name == "LITERAL":
+            endings = {chr(av) + e for e in endings}
+        elif name == "SUBPATTERN":
+            endings = {inner + e for inner in _literal_endings(list(av[-1])) for e in endings}
+        elif name == "BRANCH":
+            endings = {inner + e for branch in av[1] for inner in _literal_endings(list(branch)) for e in endings}
+        else:
+            return endings
+    return endings
+
+
+def test_no_role_tensor_ends_like_a_scale() -> None:
+    """The passes over a release's names skip those ending in NO_ROLE_TAILS: sound only while every role
+    tensor's pattern ends `$` after literal text that no such name can end with."""
+    from re import _parser as sre_parse  # type: ignore[attr-defined]
+
+    from fp8conv.model.roles import ROLE_TENSORS
+
+    patterns = {t.pattern.pattern for f in table.FAMILIES for r in f.roles for t in r.tensors}
+    patterns |= {t.pattern.pattern for tensors in ROLE_TENSORS.values() for t in tensors}
+    assert len(patterns) > 20 and all(p.endswith("$") for p in patterns)
+    for pattern in patterns:
+        for ending in _literal_endings(list(sre_parse.parse(pattern))):
+            assert len(ending) >= 4, (pattern, ending)
+            # a name ending in `tail` matches only if one of ending / tail ends the other
+            assert [t for t in table.NO_ROLE_TAILS if t.endswith(ending) or ending.endswith(t)] == [], pattern
+    for tail in table.NO_ROLE_TAILS:  # and a scale of a role tensor is indeed no role's
+        name = "model.layers.0.mlp.experts.3.up_proj.weight" + tail
+        assert all(table.role_of(f, name) is None for f in table.FAMILIES if f.roles)
+
+
+def test_fused_modules_are_their_members_start() -> None:
+    """_fused_mismatches matches only names starting with a fused module the other side has: sound only
+    while every fused pattern's group 1 is the name's start."""
+    from fp8conv.model.roles import EXCEPTIONS, _FUSED_RULES
+
+    patterns = {p.pattern for f in table.FAMILIES for p in f.fused} | {p.pattern for p in _FUSED_RULES}
+    patterns |= {p for e in EXCEPTIONS.values() for p in e.fused}
+    assert len(patterns) > 5
+    assert [p for p in patterns if not p.startswith("^(")] == []
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    module, pattern = table.fused_module(name)
+    assert name.startswith(module) and table.fused_group(name) == f"{module}<{pattern}>"
