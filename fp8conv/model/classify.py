@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,8 @@ class _Context:
     _sorted_names: list[str] | None = None
     # (weight shape, scale shape, scale dtype, a fused gate_up) -> the WeightFormat those make (_classify_scaled)
     verdicts: dict[tuple[Any, ...], WeightFormat] = field(default_factory=dict)
+    # a packed weight's layout -> (its verdict, the module it was made for) (_packed)
+    packed_verdicts: dict[tuple[Any, ...], tuple[WeightFormat, str]] = field(default_factory=dict)
 
     def shard(self, name: str) -> str:
         return self.index.shard_of(name).name
@@ -205,13 +208,25 @@ def _block_size(
 
 def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]:
     """Every quantized (or refused) weight by name, and the companions (scales ...) they consume."""
-    names = set(ctx.index.locations)
+    locations = ctx.index.locations  # a dict: membership as a set's, without building one
     weights: dict[str, WeightFormat] = {}
     consumed: set[str] = set()
-    for name, (_, entry) in ctx.index.locations.items():
+    inv, plain_scale, native = SCALE_SUFFIXES
+    for name, (_, entry) in locations.items():
         if name.endswith(_SCALE_NAMES):  # half the names: a scale is its weight's companion, never packed
             continue
-        fmt = _classify_one(ctx, entry, names)
+        # the 100k FP8 weights of a release, inline: an FP8 `.weight` with exactly one scale (_classify_one's
+        # first case)
+        if entry.dtype == FP8_E4M3 and name.endswith(".weight"):
+            base = name[:-7]
+            found = [s for s in (base + inv, base + plain_scale, base + native) if s in locations]
+            if len(found) == 1 and base + V4_SCALE_SUFFIX not in locations:
+                companions = _companions(base, locations)
+                fmt = _classify_scaled(ctx, entry, locations[found[0]][1], companions)
+                weights[name] = fmt
+                consumed.update(fmt.consumed)
+                continue
+        fmt = _classify_one(ctx, entry, locations)
         if fmt is not None:
             weights[name] = fmt
             consumed.update(fmt.consumed)
@@ -247,16 +262,14 @@ def _weight_of(companion: str) -> str:
     return companion
 
 
-def _classify_one(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightFormat | None:
+def _classify_one(ctx: _Context, entry: TensorEntry, names: Container[str]) -> WeightFormat | None:
     """A WeightFormat for a weight that is quantized (or looks it), None for everything else."""
     name = entry.name
-    if name.endswith(".weight"):  # the 100k FP8 weights of a release: their common case first
+    if name.endswith(".weight"):
         base: str | None = name[:-7]
         scales = [scale for suffix in SCALE_SUFFIXES if (scale := base + suffix) in names]
-        if entry.dtype == FP8_E4M3 and len(scales) == 1 and base + V4_SCALE_SUFFIX not in names:
-            return _classify_scaled(ctx, entry, ctx.index.locations[scales[0]][1], _companions(base, names))
     elif name.endswith(PACKED_SUFFIXES):
-        return classify_packed(ctx.index, ctx.settings, name, names, _packed_companions(name, ctx.sorted_names()))
+        return _packed(ctx, entry, names)
     elif name.endswith(_SCALE_NAMES):
         return None
     elif name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
@@ -275,7 +288,7 @@ def _classify_one(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightF
 
 
 def _not_fp8(
-    ctx: _Context, entry: TensorEntry, base: str | None, scales: list[str], names: set[str]
+    ctx: _Context, entry: TensorEntry, base: str | None, scales: list[str], names: Container[str]
 ) -> WeightFormat | None:
     """A tensor that is not float8_e4m3fn: another FP8 refused, a float one with a stray scale flagged."""
     name = entry.name
@@ -301,7 +314,7 @@ def _not_fp8(
     return None
 
 
-def _bare_fp8(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightFormat:
+def _bare_fp8(ctx: _Context, entry: TensorEntry, names: Container[str]) -> WeightFormat:
     """An FP8 tensor not named `.weight`: transformers 5 saves fused MoE experts as bare parameters,
     `experts.gate_up_proj` [E, 2I, H] with `experts.gate_up_proj_scale_inv` [E, gn, gk] (its
     FineGrainedFP8 layout); anything else has no known scale."""
@@ -319,7 +332,7 @@ def _bare_fp8(ctx: _Context, entry: TensorEntry, names: set[str]) -> WeightForma
     )
 
 
-def _fp8_weight(ctx: _Context, entry: TensorEntry, base: str, scales: list[str], names: set[str]) -> WeightFormat:
+def _fp8_weight(ctx: _Context, entry: TensorEntry, base: str, scales: list[str], names: Container[str]) -> WeightFormat:
     """An FP8 `.weight`: exactly one scale, whose shape then says the layout."""
     name = entry.name
     if len(scales) > 1:
@@ -344,6 +357,31 @@ def _fp8_weight(ctx: _Context, entry: TensorEntry, base: str, scales: list[str],
     return _classify_scaled(ctx, entry, ctx.index.entry(scales[0]), _companions(base, names))
 
 
+_NAME_FIELDS = ("scale", "global_scale", "shape_tensor", "out_name")  # a packed verdict's names but weight's
+
+
+def _packed(ctx: _Context, entry: TensorEntry, names: Container[str]) -> WeightFormat:
+    """A packed weight (X.weight_packed, X_blocks). Kimi-K2.5 has 69k of them in a few dozen layouts: a
+    verdict with no reason is made once per layout (its suffix, dtype and shape, and its companions', each
+    named past the module) and copied with this weight's module put in every name."""
+    name = entry.name
+    base = name[: -len(".weight_packed")] if name.endswith(".weight_packed") else name[: -len("_blocks")]
+    companions = _packed_companions(name, ctx.sorted_names())
+    locations = ctx.index.locations
+    layout = tuple((c[len(base) :], locations[c][1].dtype, locations[c][1].shape) for c in companions)
+    key = (name[len(base) :], entry.dtype, entry.shape, layout)
+    known = ctx.packed_verdicts.get(key)
+    if known is not None:
+        proto, cut = known[0], len(known[1])
+        renamed = {f: base + v[cut:] for f in _NAME_FIELDS if (v := getattr(proto, f)) is not None}
+        return like(proto, weight=name, companions=tuple(base + c[cut:] for c in proto.companions), **renamed)
+    fmt = classify_packed(ctx.index, ctx.settings, name, names, companions)
+    named = [getattr(fmt, f) for f in _NAME_FIELDS] + list(fmt.companions)
+    if fmt.reason is None and fmt.fix is None and all(n is None or n.startswith(base) for n in named):
+        ctx.packed_verdicts[key] = (fmt, base)
+    return fmt
+
+
 def _packed_companions(name: str, ordered: list[str]) -> tuple[str, ...]:
     """compressed-tensors: X.weight_packed + X.weight_scale/...; gpt-oss: X_blocks + X_scales. `ordered`:
     every tensor name, sorted: the names under each prefix are one run of it, found by bisection."""
@@ -360,7 +398,7 @@ def _packed_companions(name: str, ordered: list[str]) -> tuple[str, ...]:
     return tuple(sorted(n for n in found if n != name))
 
 
-def _companions(base: str, names: set[str]) -> tuple[str, ...]:
+def _companions(base: str, names: Container[str]) -> tuple[str, ...]:
     found: tuple[str, ...] = ()  # a loop, not a generator into tuple(): 100k weights, mostly none found
     for suffix in ACTIVATION_SCALE_SUFFIXES:
         if base + suffix in names:

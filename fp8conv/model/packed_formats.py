@@ -9,7 +9,7 @@ times for int32), and the scale grid must be exactly K / group along K, or the t
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from ..dtypes import FP8_E4M3
@@ -47,7 +47,7 @@ def classify_packed(
     index: CheckpointIndex,
     settings: QuantSettings | None,
     name: str,
-    names: set[str],
+    names: Container[str],
     companions: tuple[str, ...],
 ) -> WeightFormat:
     """`name` is a packed weight (X.weight_packed, X_blocks) or an int8/uint8 X.weight with a scale."""
@@ -82,7 +82,7 @@ def classify_packed(
 
 
 def _byte_weight_names(
-    index: CheckpointIndex, settings: QuantSettings | None, name: str, names: set[str]
+    index: CheckpointIndex, settings: QuantSettings | None, name: str, names: Container[str]
 ) -> _PackedNames | tuple[str, str, str]:
     """An int8 / uint8 X.weight with a scale: DeepSeek-V4 MXFP4 (X.scale), MXFP4 routed experts of an fp8
     config (an E8M0 weight_scale_inv / weight_scale), or ModelOpt NVFP4 (e4m3 weight_scale); else
@@ -112,7 +112,7 @@ def _byte_weight_names(
     return found
 
 
-def _has_e8m0(index: CheckpointIndex, scale: str, names: set[str]) -> bool:
+def _has_e8m0(index: CheckpointIndex, scale: str, names: Container[str]) -> bool:
     return scale in names and index.entry(scale).dtype in E8M0_DTYPES
 
 
@@ -127,7 +127,7 @@ def _confirmed(
     index: CheckpointIndex,
     settings: QuantSettings | None,
     name: str,
-    names: set[str],
+    names: Container[str],
     companions: tuple[str, ...],
     found: _PackedNames,
 ) -> WeightFormat:
@@ -169,7 +169,9 @@ def _confirmed(
     )
 
 
-def _shape_problem(index: CheckpointIndex, name: str, found: _PackedNames, group: int, names: set[str]) -> str | None:
+def _shape_problem(
+    index: CheckpointIndex, name: str, found: _PackedNames, group: int, names: Container[str]
+) -> str | None:
     """Why the tensors do not fit the format, or None."""
     kind, scale, global_scale, shape_tensor = found.kind, found.scale, found.global_scale, found.shape_tensor
     w, s = index.entry(name), index.entry(scale)

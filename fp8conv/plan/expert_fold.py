@@ -21,7 +21,8 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
     """Each tensor a folded plan keeps -> how many tensors it stands for (1 outside folded experts)."""
     if "expert_fold" in cls.memo:
         return cls.memo["expert_fold"]
-    planned = cls.weights.keys() | set(cls.plain)
+    weights, plain = cls.weights, set(cls.plain)
+    listed = cls.settings.lists_as_not_converted
     keep: dict[str, int] = {}
     # experts module prefix -> expert index -> [(name past the index, what a plan reads of it)]
     modules: dict[str, dict[str, list[tuple[str, Any]]]] = {}
@@ -30,31 +31,39 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
         dot = name.find(".", at + len(_EXPERTS)) if at >= 0 else -1
         index = name[at + len(_EXPERTS) : dot] if dot > 0 else ""
         if not index.isdigit():
-            if name in planned:
+            if name in weights or name in plain:
                 keep[name] = 1
             continue
-        prefix, rest = name[: at + len(_EXPERTS)], name[dot:]
-        modules.setdefault(prefix, {}).setdefault(index, []).append((rest, _reads(cls, name, entry, planned)))
+        # what a plan reads of the tensor, its own name left out
+        fmt = weights.get(name)
+        if fmt is not None:
+            reads = (entry.dtype, entry.shape, True, listed(module_of(name)), _format(fmt, name))
+        elif name in plain:
+            reads = (entry.dtype, entry.shape, True, listed(module_of(name)), None)
+        else:  # a scale or companion: planned with its weight
+            reads = (entry.dtype, entry.shape, False, None, None)
+        prefix = name[: at + len(_EXPERTS)]
+        experts = modules.get(prefix)
+        if experts is None:
+            experts = modules[prefix] = {}
+        tensors = experts.get(index)
+        if tensors is None:
+            experts[index] = [(name[dot:], reads)]
+        else:
+            tensors.append((name[dot:], reads))
     for prefix, experts in modules.items():
-        signatures = {index: sorted(tensors) for index, tensors in experts.items()}
         first = min(experts, key=int)
-        folded = all(sig == signatures[first] for sig in signatures.values())
+        signature, ordered = experts[first], sorted(experts[first])
+        # each expert's tensors mostly come in its first's order: compared as they are before sorted
+        folded = all(len(t) == len(signature) and (t == signature or sorted(t) == ordered) for t in experts.values())
         for index, tensors in experts.items():
             if folded and index != first:
                 continue
-            for rest, _ in tensors:
-                name = f"{prefix}{index}{rest}"
-                if name in planned:
-                    keep[name] = len(experts) if folded else 1
+            for rest, (_, _, planned, _, _) in tensors:
+                if planned:
+                    keep[f"{prefix}{index}{rest}"] = len(experts) if folded else 1
     cls.memo["expert_fold"] = keep
     return keep
-
-
-def _reads(cls: Classification, name: str, entry: Any, planned: Any) -> tuple[Any, ...]:
-    """What a plan reads of one tensor, its own name left out."""
-    fmt = cls.weights.get(name)
-    listed = cls.settings.lists_as_not_converted(module_of(name)) if name in planned else None
-    return (entry.dtype, entry.shape, name in planned, listed, _format(fmt, name) if fmt is not None else None)
 
 
 def _format(fmt: WeightFormat, name: str) -> tuple[Any, ...]:
@@ -69,10 +78,10 @@ def _format(fmt: WeightFormat, name: str) -> tuple[Any, ...]:
         fmt.reason,
         fmt.fix,
         _relative(fmt.scale, module),
-        tuple(_relative(c, module) for c in fmt.companions) if fmt.companions else (),
-        _relative(fmt.global_scale, module),
-        _relative(fmt.shape_tensor, module),
-        _relative(fmt.out_name, module),
+        tuple([_relative(c, module) for c in fmt.companions]) if fmt.companions else (),
+        _relative(fmt.global_scale, module) if fmt.global_scale is not None else None,
+        _relative(fmt.shape_tensor, module) if fmt.shape_tensor is not None else None,
+        _relative(fmt.out_name, module) if fmt.out_name is not None else None,
     )
 
 
