@@ -100,7 +100,7 @@ class Job:
 
     @property
     def nbytes(self) -> int:
-        return sum(o.nbytes for o in self.outputs)
+        return sum([o.nbytes for o in self.outputs])  # a list: no generator made for two outputs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +140,7 @@ class ShardPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(j.nbytes for j in self.jobs)
+        return sum([o.nbytes for j in self.jobs for o in j.outputs])
 
 
 @dataclass(frozen=True)
@@ -340,6 +340,8 @@ class _Planner:
             self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
         self._unpadded: dict[tuple[int, ...], Pad] = {}
+        # (format kind, its block, plain scale rows, shape, padded shape, parts) -> block job's action and grid
+        self._block_kinds: dict[tuple[Any, ...], tuple[Action, tuple[int, ...]]] = {}
         # FP8 outputs keep the KV-cache scales (vLLM applies them under an fp8 / compressed-tensors config);
         # a bf16 output has no quantization_config, so it drops them
         self.kv_scales = kv_scale_names(ckpt.index, cls.plain, cls.settings.method is not None)
@@ -403,20 +405,20 @@ class _Planner:
                     )
                 )
             return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape, name), fmt, None, pad.parts)
-        keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
-        keep = keep and fmt.row_scales is None  # scales in another unit (MiMo) are written on the plain grid
-        # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
-        # moves rows of one input block into two output blocks, so it is quantized afresh
-        keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
-        action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
-        return Job(
-            name,
-            action,
-            _block_outputs(base, out_shape, self.out_block, name, _block_scale_name(fmt, base)),
-            fmt,
-            self.out_block,
-            pad.parts,
-        )
+        # what the job is but for its names, once per kind of weight (a release has 100k in a few dozen)
+        key = (fmt.kind, fmt.block, fmt.row_scales is None, shape, out_shape, pad.parts)
+        known = self._block_kinds.get(key)
+        if known is None:
+            keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
+            keep = keep and fmt.row_scales is None  # scales in another unit (MiMo) are written on the plain grid
+            # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
+            # moves rows of one input block into two output blocks, so it is quantized afresh
+            keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
+            grid = _block_outputs(base, out_shape, self.out_block)[1].shape
+            known = self._block_kinds[key] = (Action.KEEP_BLOCKS if keep else Action.QUANTIZE, grid)
+        scale = _block_scale_name(fmt, base) or name + "_scale_inv"
+        outputs = (TensorSpec(name, FP8_E4M3, out_shape), TensorSpec(scale, "F32", known[1]))
+        return Job(name, known[0], outputs, fmt, self.out_block, pad.parts)
 
     def _packed_job(self, fmt: WeightFormat, shard_name: str) -> Job:
         """A packed 4-bit weight: dequantized in float32, then rounded once or quantized to FP8."""

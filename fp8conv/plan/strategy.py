@@ -58,17 +58,19 @@ def choose_strategies(
     (--max-memory): gpt-oss experts' bands are sized for the run's largest expert read, since the
     scheduler's input buffers keep that size from job to job (stream.bands_held)."""
     jobs = [job for shard in plan.shards for job in shard.jobs]
-    chosen = [strategy_of(job, index.entry(job.source), band_elements) for job in jobs]
-    pairs = list(zip(jobs, chosen, strict=True))
-    largest = max((expert_input_bytes(j) for j, s in pairs if s is Strategy.BANDED and expert_banded(j)), default=0)
+    locations = index.locations
+    chosen = [strategy_of(job, locations[job.source][1], band_elements) for job in jobs]
+    banded = [j for j, s in zip(jobs, chosen, strict=True) if s is Strategy.BANDED]
+    largest = max((expert_input_bytes(j) for j in banded if expert_banded(j)), default=0)
 
-    def run_job(job: Job, strategy: Strategy) -> RunJob:
-        if strategy is not Strategy.BANDED:
-            return RunJob.of(job, strategy)
+    def banded_job(job: Job) -> RunJob:
         elements = band_elements
         if capped and expert_banded(job):  # the budget less the larger reads' buffers
             elements -= -(-IN_SLOTS * (largest - expert_input_bytes(job)) // BYTES_PER_BAND_ELEMENT)
-        return RunJob.of(job, strategy, band_rows(job, max(1, elements)))
+        return RunJob.of(job, Strategy.BANDED, band_rows(job, max(1, elements)))
 
-    run_jobs = iter([run_job(job, strategy) for job, strategy in pairs])  # in the plan's order, shard by shard
+    # in the plan's order, shard by shard
+    run_jobs = iter(
+        [RunJob.of(j, s) if s is not Strategy.BANDED else banded_job(j) for j, s in zip(jobs, chosen, strict=True)]
+    )
     return RunPlan(plan, tuple(RunShard(s.name, tuple(islice(run_jobs, len(s.jobs)))) for s in plan.shards))

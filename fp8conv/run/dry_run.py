@@ -94,6 +94,8 @@ def dry_run(
     count = parts or (how.part[1] if how.part else None)
     if count is not None:
         part_of = {name: i + 1 for i, names in enumerate(assign_parts(plan.shards, count)) for name in names}
+    # the jobs holding memory beyond the writer's: banded or rewritten whole (held_bytes is None for the rest)
+    held = [j for j in _jobs_run(prep) if j.strategy is Strategy.BANDED or j.strategy is Strategy.WHOLE]
     return PlanSummary(
         output=str(output),
         target=plan.target,
@@ -107,10 +109,8 @@ def dry_run(
         band_elements=prep.band_elements,
         max_memory=how.max_memory,
         writer_bytes=write_limits(how.max_memory, how.tuning).nbytes,
-        band_bytes=bands_held(
-            [(j, prep.ckpt.index.entry(j.source)) for j in _jobs_run(prep) if j.strategy is Strategy.BANDED]
-        ),
-        largest_held=_largest_held(prep),
+        band_bytes=bands_held([(j, prep.ckpt.index.entry(j.source)) for j in held if j.strategy is Strategy.BANDED]),
+        largest_held=_largest_held(prep, held),
     )
 
 
@@ -136,12 +136,12 @@ def _jobs_run(prep: PreparedRun) -> list[RunJob]:
     return [job for s in prep.run.shards if s.name not in prep.keep | prep.others for job in s.jobs]
 
 
-def _largest_held(prep: PreparedRun) -> tuple[str, str, int] | None:
-    """The job that holds the most memory at once beyond its bands, why, and ~how much (stream.held_bytes,
-    what --max-memory is checked against)."""
+def _largest_held(prep: PreparedRun, jobs: list[RunJob]) -> tuple[str, str, int] | None:
+    """The job of `jobs` that holds the most memory at once beyond its bands, why, and ~how much
+    (stream.held_bytes, what --max-memory is checked against)."""
     held = [
         (found[1], job.source, found[0])
-        for job in _jobs_run(prep)
+        for job in jobs
         for found in [held_bytes(job, prep.ckpt.index.entry(job.source))]
         if found is not None
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import threading
@@ -45,10 +46,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = ELEMENT_BYTES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape, start=ELEMENT_BYTES[self.dtype])  # in C: summed over a plan's 200k
 
 
 def safetensors_header(specs: Iterable[TensorSpec], metadata: dict[str, str]) -> bytes:
