@@ -13,7 +13,9 @@ one. Layouts (real tensor counts, real shapes):
 
 `python bench/plan_scale.py` builds each, times inspect and dry-run in fresh processes (wall time and
 peak RSS from getrusage of the child) and writes bench/plan-scale.json and bench/plan-scale.md;
-`bench/bench.py` runs it too (`make bench`). `--build LAYOUT DIR` only builds one.
+`bench/bench.py` runs it too (`make bench`). `--build LAYOUT DIR` only builds one. `--against TREE`
+times another source tree (a worktree of an earlier commit) alternately with this one, run for run, and
+reports the CPU ratio: this machine's speed drifts by a third from hour to hour, a ratio far less.
 """
 
 from __future__ import annotations
@@ -356,8 +358,20 @@ def timed(cmd: list[str], log: Path) -> dict:
     }
 
 
-def measure(name: str, work: Path, reps: int = 1) -> dict:
-    """Build the layout under `work`, then time inspect and --dry-run on it (best of `reps`)."""
+# Runs `python -m fp8conv` from another source tree (argv[1]), the installed one's editable finder dropped
+BASELINE_BOOT = (
+    "import runpy, sys; tree = sys.argv.pop(1); "
+    "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+    "sys.path.insert(0, tree); import fp8conv; "
+    "assert fp8conv.__file__.startswith(tree), fp8conv.__file__; "
+    "runpy.run_module('fp8conv', run_name='__main__', alter_sys=True)"
+)
+
+
+def measure(name: str, work: Path, reps: int = 1, against: Path | None = None) -> dict:
+    """Build the layout under `work`, then time inspect and --dry-run on it (best of `reps`). `against`:
+    another source tree (an earlier commit's worktree), timed alternately with this one, run for run, so
+    the ratio holds on a shared machine whose speed drifts."""
     root = work / name
     shutil.rmtree(root, ignore_errors=True)
     tensors, config = layout(name)
@@ -388,8 +402,15 @@ def measure(name: str, work: Path, reps: int = 1) -> dict:
         "commands": {},
     }
     for label, cmd in commands.items():
-        runs = [timed(cmd, work / f"{name}-{label.split()[0]}.log") for _ in range(reps)]
-        result["commands"][label] = min(runs, key=lambda r: r["seconds"])
+        log = work / f"{name}-{label.split()[0]}.log"
+        runs, baseline = [], []
+        for _ in range(reps):
+            runs.append(timed(cmd, log))
+            if against is not None:
+                baseline.append(timed([sys.executable, "-c", BASELINE_BOOT, str(against), *cmd[3:]], log))
+        result["commands"][label] = min(runs, key=lambda r: r["cpu_s"])
+        if baseline:
+            result["commands"][label]["baseline"] = min(baseline, key=lambda r: r["cpu_s"])
     shutil.rmtree(root, ignore_errors=True)
     return result
 
@@ -400,30 +421,39 @@ def _ignore_of(config: dict) -> list[str]:
 
 
 def markdown(doc: dict) -> str:
+    against = doc.get("against")
     lines = [
         "# Planning at release scale (header-only checkpoints)",
         "",
         f"{doc['machine']}. Target (issue 24): inspect and --dry-run at 200k tensors with a 2,000-entry "
-        f"ignore list within {TARGET_S:g} s and {TARGET_RSS_MB} MB.",
+        f"ignore list within {TARGET_S:g} s and {TARGET_RSS_MB} MB. Best of {doc.get('reps', 1)} by CPU time"
+        + (f"; the baseline is {against}, run alternately with this tree." if against else "."),
         "",
-        "| layout | tensors | ignore entries | command | wall s | CPU s | peak RSS MB | rc |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| layout | tensors | ignore entries | command | wall s | CPU s | peak RSS MB | rc |"
+        + (" baseline CPU s | baseline RSS MB | CPU ratio |" if against else ""),
+        "|---|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if against else ""),
     ]
     for name, r in doc["layouts"].items():
         for label, c in r["commands"].items():
-            lines.append(
+            row = (
                 f"| {name} | {r['tensors']} | {r['ignore_entries']} | {label} | {c['seconds']} | {c['cpu_s']} | "
                 f"{c['peak_rss_mb']} | {c['rc']} |"
             )
+            if against and "baseline" in c:
+                b = c["baseline"]
+                row += f" {b['cpu_s']} | {b['peak_rss_mb']} | {c['cpu_s'] / b['cpu_s']:.2f} |"
+            lines.append(row)
     return "\n".join(lines)
 
 
-def run(work: Path, layouts: list[str], reps: int = 1) -> dict:
+def run(work: Path, layouts: list[str], reps: int = 1, against: Path | None = None, label: str | None = None) -> dict:
     import platform
 
     doc = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "layouts": {name: measure(name, work, reps) for name in layouts},
+        "reps": reps,
+        "against": label or (str(against) if against else None),
+        "layouts": {name: measure(name, work, reps, against) for name in layouts},
     }
     (HERE / "plan-scale.json").write_text(json.dumps(doc, indent=2) + "\n")
     (HERE / "plan-scale.md").write_text(markdown(doc) + "\n")
@@ -439,6 +469,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--build", nargs=2, metavar=("LAYOUT", "DIR"), help="only build one layout into DIR")
+    parser.add_argument("--against", type=Path, help="another fp8conv source tree to time alternately (a worktree)")
+    parser.add_argument("--against-label", help="how the report names it (a commit)")
     args = parser.parse_args()
     if args.build:
         tensors, config = layout(args.build[0])
@@ -447,7 +479,7 @@ def main() -> None:
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    print(markdown(run(work, args.layouts.split(","), args.reps)))
+    print(markdown(run(work, args.layouts.split(","), args.reps, args.against, args.against_label)))
 
 
 if __name__ == "__main__":

@@ -212,6 +212,8 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
     weights: dict[str, WeightFormat] = {}
     consumed: set[str] = set()
     inv, plain_scale, native = SCALE_SUFFIXES
+    # activation scales (static FP8, ModelOpt): looked for by every weight only where the checkpoint has any
+    activations = any(n.endswith(ACTIVATION_SCALE_SUFFIXES) for n in locations)
     for name, (_, entry) in locations.items():
         if name.endswith(_SCALE_NAMES):  # half the names: a scale is its weight's companion, never packed
             continue
@@ -221,7 +223,7 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
             base = name[:-7]
             found = [s for s in (base + inv, base + plain_scale, base + native) if s in locations]
             if len(found) == 1 and base + V4_SCALE_SUFFIX not in locations:
-                companions = _companions(base, locations)
+                companions = _companions(base, locations) if activations else ()
                 fmt = _classify_scaled(ctx, entry, locations[found[0]][1], companions)
                 weights[name] = fmt
                 consumed.update(fmt.consumed)

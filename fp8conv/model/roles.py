@@ -89,7 +89,7 @@ MLP_OTHER = re.compile(
 # mixer.gate, Hy3's mlp.router.gate), convolutions (Mamba / gated-delta-net conv1d), DSA indexer scores,
 # audio towers and patch mergers that are not in `vision*`.
 _UNQUANTIZED_RULES = rf"\.{_HOMES}\.gate\.weight$|\.router\.|conv1d|\.indexer\.weights_proj\.|audio|patch_merge_mlp"
-_FUSED_RULES = (
+FUSED_RULES = (
     _QKV,
     _MLA,
     re.compile(
@@ -147,7 +147,7 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
         name=f"{model_type} (roles by rule: {labels})",
         model_types=(model_type,),
         roles=tuple(roles),
-        fused=(*_FUSED_RULES, *(re.compile(p) for p in extra.fused)),
+        fused=(*FUSED_RULES, *(re.compile(p) for p in extra.fused)),
         unquantized=re.compile("(" + "|".join((_UNQUANTIZED_BASE, _UNQUANTIZED_RULES, *extra.unquantized)) + ")"),
         mlp_other=MLP_OTHER,
         refusals=tuple(refusals),

@@ -15,7 +15,7 @@ from typing import Any
 from ..dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from ..errors import CheckpointError, OptionsError
 from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
-from ..model.families import FUSED_EXPERTS, NO_ROLE_TAILS, Family, fused_module, model_type_of, role_of
+from ..model.families import FUSED_EXPERTS, NO_ROLE_TAILS, Family, fused_module, model_type_of, role_of, table_family
 from ..model.family_widths import family_of, width_disagreements
 from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from ..model.mimo_kv import fused_qkv_problems
@@ -191,7 +191,7 @@ def plan_conversion(
     )
     # the config before the problems and warnings are gathered: planning it adds to the planner's
     config = planner.output_config()
-    problems = [*cls.problems, *planner.problems, *_fused_mismatches(shards, ckpt, planner.family)]
+    problems = [*cls.problems, *planner.problems, *fused_mismatches(shards, ckpt, planner.family)]
     problems += _width_problems(ckpt, config, shards, cls, planner.family)
     problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
     warnings = [*cls.warnings, *planner.warnings]
@@ -692,7 +692,9 @@ INPUT_WIDTHS_FIX = "config.json and the tensors disagree: correct config.json (o
 def input_family(ckpt: Checkpoint, cls: Classification) -> Family | None:
     """The input's family (for a model_type the table does not name, found by rule from its tensors)."""
     if "family" not in cls.memo:
-        cls.memo["family"] = family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index)})
+        # the table's, when it names the model_type: the tensors' shapes (200k) are gathered only for the rules
+        known = table_family(ckpt.config) if ckpt.config else None
+        cls.memo["family"] = known or family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index)})
     return cls.memo["family"]
 
 
@@ -741,7 +743,7 @@ def _width_problems(
     )
 
 
-def _fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint, family: Family | None) -> list[CheckpointError]:
+def fused_mismatches(shards: list[ShardPlan], ckpt: Checkpoint, family: Family | None) -> list[CheckpointError]:
     """Modules an engine fuses must all be quantized or all not, or vLLM refuses to load them.
 
     A group can disagree only when both sides have members: the fused group of every tensor on the smaller

@@ -58,8 +58,7 @@ def choose_strategies(
     (--max-memory): gpt-oss experts' bands are sized for the run's largest expert read, since the
     scheduler's input buffers keep that size from job to job (stream.bands_held)."""
     jobs = [job for shard in plan.shards for job in shard.jobs]
-    locations = index.locations
-    chosen = [strategy_of(job, locations[job.source][1], band_elements) for job in jobs]
+    chosen = [strategy_of(job, index.entry(job.source), band_elements) for job in jobs]
     banded = [j for j, s in zip(jobs, chosen, strict=True) if s is Strategy.BANDED]
     largest = max((expert_input_bytes(j) for j in banded if expert_banded(j)), default=0)
 

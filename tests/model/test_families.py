@@ -360,11 +360,11 @@ def test_no_role_tensor_ends_like_a_scale() -> None:
 
 
 def test_fused_modules_are_their_members_start() -> None:
-    """_fused_mismatches matches only names starting with a fused module the other side has: sound only
+    """fused_mismatches matches only names starting with a fused module the other side has: sound only
     while every fused pattern's group 1 is the name's start."""
-    from fp8conv.model.roles import _FUSED_RULES, EXCEPTIONS
+    from fp8conv.model.roles import EXCEPTIONS, FUSED_RULES
 
-    patterns = {p.pattern for f in table.FAMILIES for p in f.fused} | {p.pattern for p in _FUSED_RULES}
+    patterns = {p.pattern for f in table.FAMILIES for p in f.fused} | {p.pattern for p in FUSED_RULES}
     patterns |= {p for e in EXCEPTIONS.values() for p in e.fused}
     assert len(patterns) > 5
     assert [p for p in patterns if not p.startswith("^(")] == []

@@ -46,13 +46,14 @@ def test_packed_verdicts_are_each_weights_own(tmp_path: Path, monkeypatch) -> No
     bench.write_header_only(tmp_path, tensors, config, per_shard=40)
     ckpt = open_checkpoint(tmp_path, headers_only=True)
     got = classify(ckpt.index, ckpt.config)
-    # every packed weight classified alone: a fresh verdict table for each
+    # every packed weight classified alone: in a checkpoint of its own module's tensors and the config
     alone = {}
-    real = classify_module._packed
-    for name in got.weights:
-        if name.endswith(".weight_packed"):
-            ctx = classify_module._Context(ckpt.index, got.block_size, got.block_source, [], got.settings)
-            alone[name] = real(ctx, ckpt.index.entry(name), ckpt.index.locations)
+    for name in [n for n in got.weights if n.endswith(".weight_packed")]:
+        module = name.removesuffix("weight_packed")
+        own = [t for t in tensors if t[0].startswith(module)]
+        bench.write_header_only(tmp_path / name, own, config)
+        solo = open_checkpoint(tmp_path / name, headers_only=True)
+        alone[name] = classify(solo.index, solo.config).weights[name]
     assert len(alone) == 18
     assert {n: asdict(got.weights[n]) for n in alone} == {n: asdict(f) for n, f in alone.items()}
     refused = {n: f.reason for n, f in got.weights.items() if f.kind is Kind.UNSUPPORTED}

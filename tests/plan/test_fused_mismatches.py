@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from fp8conv.dtypes import FP8_E4M3
 from fp8conv.model.families import fused_group
-from fp8conv.plan.conversion import Action, Job, ShardPlan, _fused_mismatches
+from fp8conv.plan.conversion import Action, Job, ShardPlan, fused_mismatches
 from fp8conv.storage.writer import TensorSpec
 
 
@@ -56,7 +56,7 @@ def test_fused_mismatches_are_what_matching_every_tensor_finds() -> None:
             shards = _plan(names, quantized)
             found = [
                 (p.tensor, p.problem.split(" while ")[1].split(" stays")[0])
-                for p in _fused_mismatches(shards, ckpt, None)
+                for p in fused_mismatches(shards, ckpt, None)
             ]
             assert found == _reference(shards)
             mismatched += bool(found)
