@@ -127,9 +127,8 @@ def classify(
     reread = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
     consumed.update(n for name, fmt in reread.items() if fmt is not weights.get(name) for n in fmt.consumed)
     weights = reread
-    problems += _orphan_scales(ctx, weights, consumed)
-    plain = [n for n in index.locations if n not in weights and n not in consumed]
-    plain = [n for n in plain if not n.endswith(_SCALE_NAMES)]
+    plain, orphans = _leftovers(ctx, weights, consumed)
+    problems += orphans
     warnings: list[str] = []
     listed = _listed_weights(settings, weights)
     for fmt in weights.values():
@@ -235,22 +234,27 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
     return weights, consumed
 
 
-def _orphan_scales(ctx: _Context, weights: dict[str, WeightFormat], consumed: set[str]) -> list[CheckpointError]:
-    """Scales no weight consumes: the shard holding their weight is missing."""
-    problems = []
+def _leftovers(
+    ctx: _Context, weights: dict[str, WeightFormat], consumed: set[str]
+) -> tuple[list[str], list[CheckpointError]]:
+    """The tensors no weight is or consumes, in one pass: the plain ones (passed through unchanged), and
+    the problems of scales left over (the shard holding their weight is missing)."""
+    plain, orphans = [], []
     for name in ctx.index.locations:
-        if not name.endswith(_SCALE_NAMES) or name in weights or name in consumed:
+        if name in weights or name in consumed:
             continue
-        if not FAKE_QUANTIZER.search(name):  # Mistral's have no weight
-            problems.append(
-                CheckpointError(
-                    f"is a scale but there is no FP8 weight {_weight_of(name)!r} for it",
-                    tensor=name,
-                    shard=ctx.shard(name),
-                    fix="the checkpoint is incomplete: re-download the shard that holds the weight",
-                )
-            )
-    return problems
+        (orphans if name.endswith(_SCALE_NAMES) else plain).append(name)
+    problems = [
+        CheckpointError(
+            f"is a scale but there is no FP8 weight {_weight_of(name)!r} for it",
+            tensor=name,
+            shard=ctx.shard(name),
+            fix="the checkpoint is incomplete: re-download the shard that holds the weight",
+        )
+        for name in orphans
+        if not FAKE_QUANTIZER.search(name)  # Mistral's have no weight
+    ]
+    return plain, problems
 
 
 def module_of(weight_name: str) -> str:

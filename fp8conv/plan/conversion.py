@@ -359,15 +359,20 @@ class _Planner:
         jobs = []
         # `only`: this shard's part of a folded estimate's few thousand, not its every tensor
         chosen = tensors.items() if only is None else [(n, tensors[n]) for n in only]
+        weights, plain, padding, unpadded = self.cls.weights, self.plain, self.padding, self._unpadded
         for name, entry in chosen:
-            fmt = self.cls.weights.get(name)
-            if fmt is None and name not in self.plain:
+            fmt = weights.get(name)
+            if fmt is None and name not in plain:
                 continue  # a scale or companion, written with its weight
-            try:
-                pad = self._padded(name, entry.shape, shard_name)
-            except CheckpointError as exc:
-                self.problems.append(exc)
-                pad = Pad(entry.shape)
+            if padding is None:  # one unpadded Pad per shape (frozen), not one per tensor
+                shape = entry.shape
+                pad = unpadded.get(shape) or unpadded.setdefault(shape, Pad(shape))
+            else:
+                try:
+                    pad = self._padded(name, entry.shape, shard_name)
+                except CheckpointError as exc:
+                    self.problems.append(exc)
+                    pad = Pad(entry.shape)
             if fmt is not None and fmt.kind in PACKED:
                 jobs.append(self._packed_job(fmt, shard_name))
             elif fmt is not None and fmt.kind in CONVERTIBLE:
