@@ -4,7 +4,6 @@ missing, one extra) must get its own verdict, named for itself."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import asdict
 from pathlib import Path
 
@@ -12,16 +11,7 @@ from fp8conv.model import classify as classify_module
 from fp8conv.model.classify import classify
 from fp8conv.model.weight_format import Kind
 from fp8conv.source.checkpoint import open_checkpoint
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_scale.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("plan_scale", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support.plan_scale_bench import plan_scale
 
 
 def _layer_tensors(bench, experts: int) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -33,7 +23,7 @@ def _layer_tensors(bench, experts: int) -> list[tuple[str, str, tuple[int, ...]]
 
 
 def test_packed_verdicts_are_each_weights_own(tmp_path: Path, monkeypatch) -> None:
-    bench = _bench()
+    bench = plan_scale()
     tensors = _layer_tensors(bench, experts=6)
     p = "language_model.model.layers.1.mlp.experts."
     odd = {

@@ -8,7 +8,6 @@ timed in this process, best of three, so a loaded machine slows both alike.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -16,16 +15,7 @@ from fp8conv.model.classify import classify
 from fp8conv.options import ConvertOptions
 from fp8conv.plan.conversion import plan_conversion
 from fp8conv.source.checkpoint import open_checkpoint
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_scale.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("plan_scale", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support.plan_scale_bench import plan_scale
 
 
 def _kimi_like(bench, root: Path, layers: int, experts: int) -> int:
@@ -56,7 +46,7 @@ def _planning_seconds(root: Path) -> float:
 
 
 def test_planning_time_grows_linearly_with_tensors_and_ignore_entries(tmp_path: Path) -> None:
-    bench = _bench()
+    bench = plan_scale()
     small = _kimi_like(bench, tmp_path / "small", layers=2, experts=96)
     large = _kimi_like(bench, tmp_path / "large", layers=8, experts=96)
     assert 3.9 < large / small < 4.1
