@@ -212,7 +212,10 @@ def _mtp_layers(ckpt: Checkpoint, num_hidden_layers: int | None) -> list[int]:
     """Layers numbered at or past num_hidden_layers: DeepSeek's multi-token-prediction layers."""
     if num_hidden_layers is None:
         return []
-    found = {int(m.group(1)) for name in ckpt.index.locations for m in [LAYER_RE.search(name)] if m}
+    # a name's first `layers.N.` lies in its parent module and the dot after it (its last part has no dot):
+    # searched once per module, not per tensor (a weight and its scales share one)
+    parents = {name.rpartition(".")[0] for name in ckpt.index.locations}
+    found = {int(m.group(1)) for parent in parents for m in [LAYER_RE.search(parent + ".")] if m}
     return sorted(i for i in found if i >= num_hidden_layers)
 
 
@@ -222,7 +225,10 @@ MTP_MODULE = re.compile(r"^(?:model\.)?(mtp\.(?:layers\.)?\d+)\.")
 def _mtp_modules(ckpt: Checkpoint) -> list[str]:
     """Top-level MTP / draft modules (Qwen3.5 and Nemotron-H mtp.layers.N, DeepSeek-V4's mtp.N,
     MiMo's model.mtp.layers.N), whatever num_hidden_layers says."""
-    found = {m.group(1) for name in ckpt.index.locations for m in [MTP_MODULE.match(name)] if m}
+    starts = ("mtp.", "model.mtp.")  # what every MTP_MODULE match begins with: tested first, in C
+    found = {
+        m.group(1) for name in ckpt.index.locations if name.startswith(starts) for m in [MTP_MODULE.match(name)] if m
+    }
     return sorted(found, key=lambda s: int(s.rsplit(".", 1)[1]))
 
 

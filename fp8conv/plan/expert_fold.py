@@ -26,22 +26,27 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
     keep: dict[str, int] = {}
     # experts module prefix -> expert index -> [(name past the index, what a plan reads of it)]
     modules: dict[str, dict[str, list[tuple[str, Any]]]] = {}
+    skip = len(_EXPERTS)
     for name, (_, entry) in ckpt.index.locations.items():
         at = name.rfind(_EXPERTS)
-        dot = name.find(".", at + len(_EXPERTS)) if at >= 0 else -1
-        index = name[at + len(_EXPERTS) : dot] if dot > 0 else ""
+        if at < 0:  # no expert's
+            if name in weights or name in plain:
+                keep[name] = 1
+            continue
+        dot = name.find(".", at + skip)
+        index = name[at + skip : dot] if dot > 0 else ""
         if not index.isdigit():
             if name in weights or name in plain:
                 keep[name] = 1
             continue
         # what a plan reads of the tensor, its own name left out
         fmt = weights.get(name)
-        if fmt is not None:
+        if fmt is None and name not in plain:  # a scale or companion (half the names): planned with its weight
+            reads: tuple[Any, ...] = (entry.dtype, entry.shape, False, None, None)
+        elif fmt is not None:
             reads = (entry.dtype, entry.shape, True, listed(module_of(name)), _format(fmt, name))
-        elif name in plain:
+        else:
             reads = (entry.dtype, entry.shape, True, listed(module_of(name)), None)
-        else:  # a scale or companion: planned with its weight
-            reads = (entry.dtype, entry.shape, False, None, None)
         prefix = name[: at + len(_EXPERTS)]
         experts = modules.get(prefix)
         if experts is None:
