@@ -20,6 +20,7 @@ from ..source.config import CONFIG_NAME
 from ..source.index import CheckpointIndex
 from ..source.mistral_native import FAKE_QUANTIZER, NATIVE_ACTIVATION_SUFFIX, NATIVE_SCALE_SUFFIX
 from ..storage.safetensors_file import TensorEntry
+from .ignore_list import IgnoreList
 from .mimo_kv import mimo_row_scales
 from .mxfp8 import classify_mxfp8
 from .packed_formats import classify_packed
@@ -96,6 +97,7 @@ class _Context:
     _sorted_names: list[str] | None = None
     # (weight shape, scale shape, scale dtype, a fused gate_up) -> the WeightFormat those make (_classify_scaled)
     verdicts: dict[tuple[Any, ...], WeightFormat] = field(default_factory=dict)
+    activation_scales: bool = True  # any tensor named like an activation scale (_classify_weights)
     # a packed weight's layout -> (its verdict, the module it was made for) (_packed)
     packed_verdicts: dict[tuple[Any, ...], tuple[WeightFormat, str]] = field(default_factory=dict)
 
@@ -118,11 +120,10 @@ def classify(
     block, block_source = _block_size(settings, block_size, problems)
     ctx = _Context(index, block, block_source, problems, settings)
     # every module's listing found at once (classify, plans and folds ask it); a scale is no module
-    modules = (
-        {module_of(n) for n in index.locations if not n.endswith(_SCALE_NAMES)} if settings.not_converted else set()
-    )
-    if settings.not_converted:
-        settings.ignore_list().prime(modules)
+    ignore = settings.ignore_list() if settings.not_converted else None
+    modules = {module_of(n) for n in index.locations if not n.endswith(_SCALE_NAMES)} if ignore else set()
+    if ignore is not None:
+        ignore.prime(modules)
     weights, consumed = _classify_weights(ctx)
     reread = mimo_row_scales(index, config, weights, block)  # MiMo's K/V scales made per KV head
     consumed.update(n for name, fmt in reread.items() if fmt is not weights.get(name) for n in fmt.consumed)
@@ -130,7 +131,7 @@ def classify(
     plain, orphans = _leftovers(ctx, weights, consumed)
     problems += orphans
     warnings: list[str] = []
-    listed = _listed_weights(settings, weights)
+    listed = _listed_weights(ignore, weights) if ignore is not None else set()
     for fmt in weights.values():
         if fmt.kind in (Kind.UNVERIFIED, Kind.UNSUPPORTED):
             problems.append(
@@ -159,14 +160,10 @@ def classify(
     )
 
 
-def _listed_weights(settings: QuantSettings, weights: dict[str, WeightFormat]) -> set[str]:
-    """The weights whose module the ignore list names, from the few modules it matched (not 100k lookups)."""
-    if not settings.not_converted:
-        return set()
-    listed = settings.ignore_list().matched()
-    if listed is None:  # not primed: each weight asked
-        return {w for w in weights if settings.lists_as_not_converted(module_of(w))}
-    return {w for m in listed for w in (m + ".weight", m) if w in weights and module_of(w) == m}
+def _listed_weights(ignore: IgnoreList, weights: dict[str, WeightFormat]) -> set[str]:
+    """The weights whose module the (primed) ignore list names, from the few modules it matched, not 100k
+    lookups."""
+    return {w for m in ignore.matched() for w in (m + ".weight", m) if w in weights and module_of(w) == m}
 
 
 UNMATCHED_NAMED = 3  # entries a warning names; inspect --json lists them all
@@ -210,23 +207,11 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
     locations = ctx.index.locations  # a dict: membership as a set's, without building one
     weights: dict[str, WeightFormat] = {}
     consumed: set[str] = set()
-    inv, plain_scale, native = SCALE_SUFFIXES
     # activation scales (static FP8, ModelOpt): looked for by every weight only where the checkpoint has any
-    activations = any(n.endswith(ACTIVATION_SCALE_SUFFIXES) for n in locations)
+    ctx.activation_scales = any(n.endswith(ACTIVATION_SCALE_SUFFIXES) for n in locations)
     for name, (_, entry) in locations.items():
         if name.endswith(_SCALE_NAMES):  # half the names: a scale is its weight's companion, never packed
             continue
-        # the 100k FP8 weights of a release, inline: an FP8 `.weight` with exactly one scale (_classify_one's
-        # first case)
-        if entry.dtype == FP8_E4M3 and name.endswith(".weight"):
-            base = name[:-7]
-            found = [s for s in (base + inv, base + plain_scale, base + native) if s in locations]
-            if len(found) == 1 and base + V4_SCALE_SUFFIX not in locations:
-                companions = _companions(base, locations) if activations else ()
-                fmt = _classify_scaled(ctx, entry, locations[found[0]][1], companions)
-                weights[name] = fmt
-                consumed.update(fmt.consumed)
-                continue
         fmt = _classify_one(ctx, entry, locations)
         if fmt is not None:
             weights[name] = fmt
@@ -274,6 +259,10 @@ def _classify_one(ctx: _Context, entry: TensorEntry, names: Container[str]) -> W
     if name.endswith(".weight"):
         base: str | None = name[:-7]
         scales = [scale for suffix in SCALE_SUFFIXES if (scale := base + suffix) in names]
+        # a release's 100k FP8 weights: exactly one scale (no DeepSeek-V4 `.scale` beside it) says the layout
+        if entry.dtype == FP8_E4M3 and len(scales) == 1 and base + V4_SCALE_SUFFIX not in names:
+            companions = _companions(base, names) if ctx.activation_scales else ()
+            return _classify_scaled(ctx, entry, ctx.index.entry(scales[0]), companions)
     elif name.endswith(PACKED_SUFFIXES):
         return _packed(ctx, entry, names)
     elif name.endswith(_SCALE_NAMES):

@@ -195,21 +195,25 @@ class IgnoreList:
             dot = module.find(".", dot + 1)
         return False
 
-    def matched(self) -> frozenset[str] | None:
-        """The modules prime() found listed; None before it ran."""
-        return self._hits if self._primed is not None else None
+    def matched(self) -> frozenset[str]:
+        """The modules prime() found listed (none before it ran)."""
+        return self._hits
 
     def unmatched(self, modules: Iterable[str]) -> list[str]:
         """The entries (refused ones aside) that match none of `modules`, in list order. Asked of the
         modules prime() had, each entry is tried on the ones it found listed only: every module an entry
         matches is among them, so a regex no longer scans 200k names to find it has no match."""
         primed = self._primed
-        if primed is not None and primed.given is modules:  # the very set prime() had: not compared again
-            found = _Modules(self._hits)
+        # the very set prime() had is not compared again
+        if primed is None or not (primed.given is modules or primed.exact == _as_set(modules)):
+            found = _Modules(modules)
         else:
-            modules = modules if isinstance(modules, (set, frozenset)) else set(modules)
-            found = _Modules(self._hits) if primed is not None and primed.exact == modules else _Modules(modules)
+            found = _Modules(self._hits)
         return [e for e in dict.fromkeys(self.entries) if e not in self.refused and not found.has_match(e)]
+
+
+def _as_set(modules: Iterable[str]) -> set[str] | frozenset[str]:
+    return modules if isinstance(modules, (set, frozenset)) else set(modules)
 
 
 class _Modules:

@@ -140,7 +140,7 @@ class ShardPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum([o.nbytes for j in self.jobs for o in j.outputs])
+        return sum([j.nbytes for j in self.jobs])
 
 
 @dataclass(frozen=True)
@@ -359,20 +359,16 @@ class _Planner:
         jobs = []
         # `only`: this shard's part of a folded estimate's few thousand, not its every tensor
         chosen = tensors.items() if only is None else [(n, tensors[n]) for n in only]
-        weights, plain, padding, unpadded = self.cls.weights, self.plain, self.padding, self._unpadded
+        weights, plain = self.cls.weights, self.plain
         for name, entry in chosen:
             fmt = weights.get(name)
             if fmt is None and name not in plain:
                 continue  # a scale or companion, written with its weight
-            if padding is None:  # one unpadded Pad per shape (frozen), not one per tensor
-                shape = entry.shape
-                pad = unpadded.get(shape) or unpadded.setdefault(shape, Pad(shape))
-            else:
-                try:
-                    pad = self._padded(name, entry.shape, shard_name)
-                except CheckpointError as exc:
-                    self.problems.append(exc)
-                    pad = Pad(entry.shape)
+            try:
+                pad = self._padded(name, entry.shape, shard_name)
+            except CheckpointError as exc:
+                self.problems.append(exc)
+                pad = Pad(entry.shape)
             if fmt is not None and fmt.kind in PACKED:
                 jobs.append(self._packed_job(fmt, shard_name))
             elif fmt is not None and fmt.kind in CONVERTIBLE:
@@ -419,8 +415,8 @@ class _Planner:
             # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
             # moves rows of one input block into two output blocks, so it is quantized afresh
             keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
-            grid = _block_outputs(base, out_shape, self.out_block)[1].shape
-            known = self._block_kinds[key] = (Action.KEEP_BLOCKS if keep else Action.QUANTIZE, grid)
+            action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
+            known = self._block_kinds[key] = (action, _grid(out_shape, self.out_block))
         scale = _block_scale_name(fmt, base) or name + "_scale_inv"
         outputs = (TensorSpec(name, FP8_E4M3, out_shape), TensorSpec(scale, "F32", known[1]))
         return Job(name, known[0], outputs, fmt, self.out_block, pad.parts)
@@ -623,10 +619,9 @@ def _block_outputs(
     scale_name: str | None = None,
 ) -> tuple[TensorSpec, ...]:
     weight = weight or base + ".weight"
-    grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
     return (
         TensorSpec(weight, FP8_E4M3, shape),
-        TensorSpec(scale_name or weight + "_scale_inv", "F32", grid),
+        TensorSpec(scale_name or weight + "_scale_inv", "F32", _grid(shape, block)),
     )
 
 

@@ -26,15 +26,10 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
     keep: dict[str, int] = {}
     # experts module prefix -> expert index -> [(name past the index, what a plan reads of it)]
     modules: dict[str, dict[str, list[tuple[str, Any]]]] = {}
-    skip = len(_EXPERTS)
     for name, (_, entry) in ckpt.index.locations.items():
         at = name.rfind(_EXPERTS)
-        if at < 0:  # no expert's
-            if name in weights or name in plain:
-                keep[name] = 1
-            continue
-        dot = name.find(".", at + skip)
-        index = name[at + skip : dot] if dot > 0 else ""
+        dot = name.find(".", at + len(_EXPERTS)) if at >= 0 else -1
+        index = name[at + len(_EXPERTS) : dot] if dot > 0 else ""
         if not index.isdigit():
             if name in weights or name in plain:
                 keep[name] = 1
@@ -83,10 +78,10 @@ def _format(fmt: WeightFormat, name: str) -> tuple[Any, ...]:
         fmt.reason,
         fmt.fix,
         _relative(fmt.scale, module),
-        tuple([_relative(c, module) for c in fmt.companions]) if fmt.companions else (),
-        _relative(fmt.global_scale, module) if fmt.global_scale is not None else None,
-        _relative(fmt.shape_tensor, module) if fmt.shape_tensor is not None else None,
-        _relative(fmt.out_name, module) if fmt.out_name is not None else None,
+        tuple(_relative(c, module) for c in fmt.companions) if fmt.companions else (),
+        _relative(fmt.global_scale, module),
+        _relative(fmt.shape_tensor, module),
+        _relative(fmt.out_name, module),
     )
 
 
