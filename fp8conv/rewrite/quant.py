@@ -56,4 +56,5 @@ def _outputs(
     grid = (*shape[:-2], math.ceil(n / out_block[0]), math.ceil(k / out_block[1]))
     q = torch.empty(shape, dtype=torch.float8_e4m3fn)
     scale = torch.ones(grid, dtype=torch.float32)
-    return out_block, q, scale, q.view(-1, n, k), scale.view(-1, grid[-2], grid[-1])
+    m = math.prod(shape[:-2])  # not view(-1, ...): a weight with no rows leaves -1 ambiguous
+    return out_block, q, scale, q.view(m, n, k), scale.view(m, grid[-2], grid[-1])
