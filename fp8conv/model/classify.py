@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,9 @@ class _Context:
     # (weight shape, scale shape, scale dtype, a fused gate_up) -> the WeightFormat those make (_classify_scaled)
     verdicts: dict[tuple[Any, ...], WeightFormat] = field(default_factory=dict)
     activation_scales: bool = True  # any tensor named like an activation scale (_classify_weights)
+    # module -> its weight scales in SCALE_SUFFIXES order; the modules with a DeepSeek-V4 `.scale` (_scale_names)
+    weight_scales: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    v4_scaled: set[str] = field(default_factory=set)
     # a packed weight's layout -> (its verdict, the module it was made for) (_packed)
     packed_verdicts: dict[tuple[Any, ...], tuple[WeightFormat, str]] = field(default_factory=dict)
 
@@ -207,8 +210,7 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
     locations = ctx.index.locations  # a dict: membership as a set's, without building one
     weights: dict[str, WeightFormat] = {}
     consumed: set[str] = set()
-    # activation scales (static FP8, ModelOpt): looked for by every weight only where the checkpoint has any
-    ctx.activation_scales = any(n.endswith(ACTIVATION_SCALE_SUFFIXES) for n in locations)
+    ctx.weight_scales, ctx.v4_scaled, ctx.activation_scales = _scale_names(locations)
     for name, (_, entry) in locations.items():
         if name.endswith(_SCALE_NAMES):  # half the names: a scale is its weight's companion, never packed
             continue
@@ -217,6 +219,37 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
             weights[name] = fmt
             consumed.update(fmt.consumed)
     return weights, consumed
+
+
+_WEIGHT_SCALE_TAILS = {suffix[1:]: i for i, suffix in enumerate(SCALE_SUFFIXES)}  # suffixes without their dot
+_ACTIVATION_TAILS = frozenset(suffix[1:] for suffix in ACTIVATION_SCALE_SUFFIXES)
+
+
+def _scale_names(names: Iterable[str]) -> tuple[dict[str, tuple[str, ...]], set[str], bool]:
+    """In one pass: each module's weight scales (in SCALE_SUFFIXES order), the modules with a DeepSeek-V4
+    `.scale`, and whether any tensor is an activation scale (static FP8, ModelOpt: only then looked for by
+    every weight). A name ends with a suffix `.x` (x without a dot) exactly when its last part is x: one
+    dict lookup per name, where a weight's three candidate scale names were built and looked up each."""
+    scales: dict[str, tuple[str, ...]] = {}
+    v4: set[str] = set()
+    several = []
+    activation = False
+    for name in names:
+        module, _, tail = name.rpartition(".")
+        if tail in _WEIGHT_SCALE_TAILS:
+            found = scales.get(module)
+            if found is None:
+                scales[module] = (name,)
+            else:
+                scales[module] = (*found, name)
+                several.append(module)
+        elif tail == "scale":
+            v4.add(module)
+        elif tail in _ACTIVATION_TAILS:
+            activation = True
+    for module in several:
+        scales[module] = tuple(sorted(scales[module], key=lambda n: _WEIGHT_SCALE_TAILS[n.rpartition(".")[2]]))
+    return scales, v4, activation
 
 
 def _leftovers(
@@ -258,9 +291,9 @@ def _classify_one(ctx: _Context, entry: TensorEntry, names: Container[str]) -> W
     name = entry.name
     if name.endswith(".weight"):
         base: str | None = name[:-7]
-        scales = [scale for suffix in SCALE_SUFFIXES if (scale := base + suffix) in names]
+        scales = ctx.weight_scales.get(base, ())
         # a release's 100k FP8 weights: exactly one scale (no DeepSeek-V4 `.scale` beside it) says the layout
-        if entry.dtype == FP8_E4M3 and len(scales) == 1 and base + V4_SCALE_SUFFIX not in names:
+        if entry.dtype == FP8_E4M3 and len(scales) == 1 and base not in ctx.v4_scaled:
             companions = _companions(base, names) if ctx.activation_scales else ()
             return _classify_scaled(ctx, entry, ctx.index.entry(scales[0]), companions)
     elif name.endswith(PACKED_SUFFIXES):
@@ -270,9 +303,9 @@ def _classify_one(ctx: _Context, entry: TensorEntry, names: Container[str]) -> W
     elif name.endswith(V4_SCALE_SUFFIX) and name.removesuffix(V4_SCALE_SUFFIX) + ".weight" in names:
         return None  # DeepSeek-V4's companion; consumed by its weight (or left plain if that is float)
     else:
-        base, scales = None, []
-    if base and base + V4_SCALE_SUFFIX in names and entry.dtype in (FP8_E4M3, "I8", "U8"):
-        scales.append(base + V4_SCALE_SUFFIX)
+        base, scales = None, ()
+    if base and base in ctx.v4_scaled and entry.dtype in (FP8_E4M3, "I8", "U8"):
+        scales = (*scales, base + V4_SCALE_SUFFIX)
     if scales and entry.dtype in ("I8", "U8"):  # never by element size: by the scale and config.json
         return classify_packed(ctx.index, ctx.settings, name, names, _companions(base, names) if base else ())
     if entry.dtype != FP8_E4M3:
@@ -283,7 +316,7 @@ def _classify_one(ctx: _Context, entry: TensorEntry, names: Container[str]) -> W
 
 
 def _not_fp8(
-    ctx: _Context, entry: TensorEntry, base: str | None, scales: list[str], names: Container[str]
+    ctx: _Context, entry: TensorEntry, base: str | None, scales: tuple[str, ...], names: Container[str]
 ) -> WeightFormat | None:
     """A tensor that is not float8_e4m3fn: another FP8 refused, a float one with a stray scale flagged."""
     name = entry.name
@@ -327,7 +360,9 @@ def _bare_fp8(ctx: _Context, entry: TensorEntry, names: Container[str]) -> Weigh
     )
 
 
-def _fp8_weight(ctx: _Context, entry: TensorEntry, base: str, scales: list[str], names: Container[str]) -> WeightFormat:
+def _fp8_weight(
+    ctx: _Context, entry: TensorEntry, base: str, scales: tuple[str, ...], names: Container[str]
+) -> WeightFormat:
     """An FP8 `.weight`: exactly one scale, whose shape then says the layout."""
     name = entry.name
     if len(scales) > 1:

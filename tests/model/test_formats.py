@@ -140,6 +140,17 @@ def test_unsupported_formats_are_named_never_guessed(tmp_path, tensors, reason):
         fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="bf16"))
 
 
+def test_two_scales_are_named_in_one_order_whatever_the_file_order(tmp_path):
+    """The shards list x.weight_scale first, then x.weight_scale_inv, then the weight; the refusal names the
+    scales in the order their suffixes are tried, _inv first, as it did when each was looked up by name."""
+    tensors = {"x.weight_scale": torch.ones(1, 1), "x.weight_scale_inv": torch.ones(1, 1), "x.weight": fp8((4, 4))}
+    ckpt = open_checkpoint(write_checkpoint(tmp_path / "c", tensors, fp8_block_config(), shards=3))
+    assert list(ckpt.index.locations) == list(tensors)
+    fmt = classify(ckpt.index, ckpt.config).weights["x.weight"]
+    assert fmt.reason == "has both x.weight_scale_inv and x.weight_scale; which one applies is ambiguous"
+    assert fmt.companions == ("x.weight_scale",)
+
+
 def test_unknown_quant_method_is_refused(tmp_path):
     cls = _classify(tmp_path, {"x.weight": torch.zeros(2, 2)}, {"quantization_config": {"quant_method": "awq"}})
     assert "'awq' is not supported" in cls.problems[0].one_line()
