@@ -14,6 +14,7 @@ import fp8conv
 from fp8conv.cli.commands import main
 from fp8conv.errors import OutputError
 from fp8conv.options import ConvertOptions, RunOptions
+from fp8conv.run import prepare
 from fp8conv.storage.out_dir import TEMP_SUFFIX
 from fp8conv.storage.preread import Preread
 from fp8conv.storage.writer import ShardWriter
@@ -188,16 +189,24 @@ def test_a_failed_write_is_raised_once_and_no_thread_of_the_run_is_left(make_tin
 
 @pytest.mark.parametrize("refused", [False, True])
 def test_warm_start_is_cancelled_and_joined_when_the_run_ends(make_tiny, tmp_path, monkeypatch, refused):
-    """The CLI's read-ahead still running when the run ends (here it would wait 30 s): stopped, not left."""
+    """The CLI's read-ahead still running when the run ends (here it would wait 30 s): stopped, not left.
+    The run opens its input only once the read-ahead is reading: a refusal is otherwise quick enough, on a
+    loaded host, to cancel the read-ahead before it began (and then there is nothing running to stop)."""
     tiny = make_tiny()
     waiting = threading.Event()
+    real_open = prepare.open_checkpoint
 
     def read(self, path, ranges, direct, cancelled=None):
         waiting.set()
         assert cancelled is not None
         cancelled.wait(30)
 
+    def open_when_reading(*args, **kwargs):
+        waiting.wait(20)
+        return real_open(*args, **kwargs)
+
     monkeypatch.setattr(Preread, "read", read)
+    monkeypatch.setattr(prepare, "open_checkpoint", open_when_reading)
     out = tmp_path / "out"
     if refused:  # refused before anything is written
         out.mkdir()
