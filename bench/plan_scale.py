@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ELEMENT_BYTES = {"F8_E4M3": 1, "BF16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1}
+ELEMENT_BYTES = {"F8_E4M3": 1, "BF16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "F8_E8M0": 1}
 TENSORS_PER_SHARD = 1500
 # issue 24: at 200k tensors and a 2,000-entry ignore list, within this
 TARGET_S, TARGET_RSS_MB = 3.0, 400

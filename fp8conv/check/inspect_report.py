@@ -21,6 +21,9 @@ from ..source.checkpoint import Checkpoint, open_checkpoint
 from .deepgemm_ready import deepgemm_readiness
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Encoders beside the decoder, whose layers are numbered on their own (Step-3.7's 47 vision layers beside 45
+# decoder layers): never multi-token-prediction layers
+TOWER = re.compile(r"(?:^|\.)(?:vision\w*|visual|audio\w*|sound\w*)\.")
 
 
 @dataclass
@@ -88,11 +91,9 @@ def inspect(
     partial = _partial_block_tensors(ckpt, cls)
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
     block = cls.block_size or DEFAULT_BLOCK
-    shapes = _shapes(ckpt, cls)
-    tp_bad = tp_report(
-        ckpt.config, block, names=role_examples(ckpt, cls), shapes=shapes, family=input_family(ckpt, cls)
-    )
     family = input_family(ckpt, cls)
+    # no shapes: they would only find the family again, which input_family found from these very shapes
+    tp_bad = tp_report(ckpt.config, block, names=role_examples(ckpt, cls), family=family)
     widths = input_width_problems(ckpt, cls, "config.json and the tensors disagree: correct config.json")
     warnings = _warnings(ckpt, cls, scales, family)
     return InspectReport(
@@ -215,22 +216,28 @@ def _mtp_layers(ckpt: Checkpoint, num_hidden_layers: int | None) -> list[int]:
     # a name's first `layers.N.` lies in its parent module and the dot after it (its last part has no dot):
     # searched once per module, not per tensor (a weight and its scales share one)
     parents = {name.rpartition(".")[0] for name in ckpt.index.locations}
-    found = {int(m.group(1)) for parent in parents for m in [LAYER_RE.search(parent + ".")] if m}
-    return sorted(i for i in found if i >= num_hidden_layers)
+    found = set()
+    for parent in parents:
+        m = LAYER_RE.search(parent + ".")
+        # the few modules past num_hidden_layers are asked whether they are a tower's, or in a top-level MTP
+        # module (listed by _mtp_modules: MiMo's model.mtp.layers.N)
+        if m and int(m.group(1)) >= num_hidden_layers and not (TOWER.search(parent) or parent.startswith(MTP_STARTS)):
+            found.add(int(m.group(1)))
+    return sorted(found)
 
 
-MTP_MODULE = re.compile(r"^(?:model\.)?(mtp\.(?:layers\.)?\d+)\.")
+MTP_MODULE = re.compile(r"^((?:model\.)?mtp\.(?:layers\.)?\d+)\.")  # the module as named: MiMo's keeps model.
+MTP_STARTS = ("mtp.", "model.mtp.")
 
 
 def _mtp_modules(ckpt: Checkpoint) -> list[str]:
     """Top-level MTP / draft modules (Qwen3.5 and Nemotron-H mtp.layers.N, DeepSeek-V4's mtp.N,
     MiMo's model.mtp.layers.N), whatever num_hidden_layers says."""
-    starts = ("mtp.", "model.mtp.")  # what every MTP_MODULE match begins with: tested first, in C
     found = {
-        m.group(1) for name in ckpt.index.locations if name.startswith(starts) for m in [MTP_MODULE.match(name)] if m
+        m.group(1)
+        for name in ckpt.index.locations
+        if name.startswith(MTP_STARTS)  # what every MTP_MODULE match begins with: tested first, in C
+        for m in [MTP_MODULE.match(name)]
+        if m
     }
     return sorted(found, key=lambda s: int(s.rsplit(".", 1)[1]))
-
-
-def _shapes(ckpt: Checkpoint, cls: Classification) -> dict[str, tuple[int, ...]]:
-    return {name: shape for name, shape, _ in cls.input_shapes(ckpt.index)}

@@ -50,8 +50,11 @@ def render_report(r: InspectReport) -> str:
         lines.append(f"  TP={tp:<3} " + ("ok" if not bad else "not divisible: " + "; ".join(bad)))
         for roles, size in r.padded_output_bytes.get(tp, {}).items():
             lines.append(f"          --pad-for-tp {tp} --pad-roles {roles}: --to block ~{gib(size)}")
-    if any(r.tp_indivisible.values()):
+    if any(r.tp_indivisible.values()) and r.padded_output_bytes:
         lines.append("  (convert --to block --pad-for-tp N [--pad-roles ...] zero-pads the MLP widths to fix this)")
+    elif any(r.tp_indivisible.values()):  # no padded plan could be made: convert refuses --pad-for-tp too
+        why = "convert --to block --pad-for-tp N --dry-run says why"
+        lines.append(f"  (--pad-for-tp cannot pad this checkpoint: {why})")
     if r.deepgemm_ready is not None:
         lines.append(f"DeepGEMM-ready: {r.deepgemm_ready}")
     if r.not_converted_unmatched:

@@ -28,8 +28,9 @@ def in_vision(name: str) -> bool:
 
 
 # Containers whose tensors may carry an MLP width: a name in one that no role claims is refused
-# by --pad-for-tp rather than left at the old width.
-MLP_CONTAINER = re.compile(_LAYER + r"(?:mlp|feed_forward|block_sparse_moe|moe|ffn)\.")
+# by --pad-for-tp rather than left at the old width. Gemma-4 keeps its routed experts directly under the
+# layer (`layers.L.experts.*`).
+MLP_CONTAINER = re.compile(_LAYER + r"(?:mlp|feed_forward|block_sparse_moe|moe|ffn|experts)\.")
 # Fused 3-D expert parameters (transformers 5, Llama-4): group(1) is the module an engine builds from them.
 FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(?:gate_up_proj|gate_proj|up_proj|down_proj)$")
 # The bias of an MLP's down projection is hidden-sized: no width, never padded.

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, OptionsError
+from ..source.config import CONFIG_NAME
 from .families import (
     _UNQUANTIZED_BASE,
     OUTPUT_BIAS,
@@ -110,6 +111,24 @@ class MlpPadding:
         return is_language_mlp(name) or (i >= 0 and name[: i + len(".mixer.")] in self.family.mlp_mixers)
 
 
+def _paddable_family(config: dict[str, Any] | None, family: Family | None) -> Family:
+    """The family whose roles --pad-for-tp pads, or the refusal saying why there is none."""
+    if family is None and not config:  # Mistral-native releases: params.json alone
+        raise OptionsError(
+            f"--pad-for-tp reads the MLP widths it pads from {CONFIG_NAME}, which this checkpoint does not have",
+            fix="convert without --pad-for-tp",
+        )
+    if family is None:
+        raise OptionsError(
+            f"--pad-for-tp does not know model_type {model_type_of(config)!r}: which tensors use which MLP "
+            "width is in fp8conv's family table",
+            fix="convert without --pad-for-tp",
+        )
+    if family.refusals:
+        raise OptionsError(f"--pad-for-tp: {family.refusals[0]}", fix="convert without --pad-for-tp")
+    return family
+
+
 def plan_mlp_padding(
     config: dict[str, Any] | None,
     tp: int,
@@ -121,15 +140,7 @@ def plan_mlp_padding(
     """Pad each chosen role's width to a multiple of tp * lcm(bn, bk): every rank then holds whole blocks
     of gate/up rows (block_n) and of down columns (block_k). Roles no tensor plays are left alone; a
     config key two roles share is padded for both or neither. `family`: one found by rule (roles.py)."""
-    family = family or family_of(config)
-    if family is None:
-        raise OptionsError(
-            f"--pad-for-tp does not know model_type {model_type_of(config)!r}: which tensors use which MLP "
-            "width is in fp8conv's family table",
-            fix="convert without --pad-for-tp",
-        )
-    if family.refusals:
-        raise OptionsError(f"--pad-for-tp: {family.refusals[0]}", fix="convert without --pad-for-tp")
+    family = _paddable_family(config, family or family_of(config))
     c = text_config(config or {})
     chosen = groups or ROLE_GROUPS
     present: dict[int, str] = {}  # role index -> one tensor playing it
@@ -174,10 +185,13 @@ def plan_mlp_padding(
 
 def updated_widths_config(config: dict[str, Any], padding: MlpPadding) -> None:
     """Write the padded widths back into the (text) config, in place; the planner then checks every
-    tensor of every role against them."""
+    tensor of every role against them. A top-level copy of a text_config width (Qwen2.5-VL's configs
+    repeat the text model's keys beside text_config) is updated too, or it would disagree with the tensors."""
     c = text_config(config)
     for key, value in padding.padded.items():
         if key in c:
+            if c is not config and config.get(key) == c[key]:
+                config[key] = value
             c[key] = value
 
 
@@ -195,10 +209,13 @@ def tp_report(
     that no tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has)."""
     family = family or family_of(config, shapes)
     widths = mlp_widths(config, shapes, family)
+    roles = family.roles if family is not None else ()
     if family is not None and names is not None:
-        used = {found[0].width.label for name in names for found in [role_of(family, name)] if found}
-        widths = {label: w for label, w in widths.items() if label in used}
-    group = {r.width.label: r.group for r in family.roles} if family else {}
+        used = {found[0] for name in names for found in [role_of(family, name)] if found}
+        roles = tuple(r for r in family.roles if r in used)
+        widths = {label: w for label, w in widths.items() if label in {r.width.label for r in roles}}
+    # every group sized by the label (Llama-4's routed and shared experts both by intermediate_size)
+    group = {label: ", ".join(dict.fromkeys(r.group for r in roles if r.width.label == label)) for label in widths}
     report: dict[str, list[str]] = {}
     for tp in tps:
         bad = []
@@ -206,6 +223,6 @@ def tp_report(
             per_rank = w / tp
             whole = w % tp == 0 and (w // tp) % block[0] == 0 and (tp == 1 or (w // tp) % block[1] == 0)
             if not whole:
-                bad.append(f"{group.get(label, 'mlp')} {label} {w} -> {per_rank:g}/rank")
+                bad.append(f"{group.get(label) or 'mlp'} {label} {w} -> {per_rank:g}/rank")
         report[str(tp)] = bad
     return report

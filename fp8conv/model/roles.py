@@ -38,7 +38,9 @@ from .families import (
 
 _GATE_UP = r"(?:gate_proj|up_proj|w1|w3)"
 _DOWN = r"(?:down_proj|w2)"
-_EXPERT_HOME = r"(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)\."
+# Experts sit in an MLP module, or (Gemma-4 26B-A4B: layers.N.experts.gate_up_proj beside layers.N.mlp and
+# layers.N.router) in the decoder layer itself
+_EXPERT_HOME = r"(?:(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)\.)?"
 _SHARED_HOME = (
     r"(?:(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)\.)?(?:shared_experts?|share_expert|shared_mlp)\."
 )
@@ -76,6 +78,10 @@ WIDTH_CANDIDATES: dict[str, tuple[Width, ...]] = {
         Width("share_expert_dim"),
         Width("moe_intermediate_size", "n_shared_experts"),
         Width("moe_intermediate_size", "num_shared_experts"),
+        # dots3_note (transformers configuration_dots3_note.py): shared_experts_intermediate_size * n_shared_experts
+        Width("shared_experts_intermediate_size", "n_shared_experts"),
+        Width("shared_experts_intermediate_size"),
+        Width("shared_intermediate_size"),  # MiniMax-M3 (transformers configuration_minimax_m3_vl.py)
         Width("intermediate_size"),
     ),
 }
@@ -218,6 +224,12 @@ def _match_width(
         ):
             fits.append(width)
     keys = list(dict.fromkeys(w.key for w in fits))
+    named = [w for w in fits if "share" in w.key]
+    if group == "shared" and len(keys) > 1 and len({w.key for w in named}) == 1:
+        # a key naming the shared experts sizes them wherever a config has one (Nemotron-H, MiniMax-M3,
+        # dots3_note, Qwen2-MoE); the generic keys it equals (moe_intermediate_size, intermediate_size) are
+        # the routed experts', padded with theirs to the same width
+        return named[0], ""
     if len(keys) == 1:
         return fits[0], ""
     stated = {w.label: w.of(c) for w in WIDTH_CANDIDATES[group] if w.of(c) is not None}

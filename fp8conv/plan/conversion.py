@@ -322,11 +322,14 @@ class _Planner:
         # transformers-5 FineGrainedFP8Config saves write quantization_config.expert_dtype "fp8" too
         self.deepseek_v4 = cls.settings.expert_dtype is not None and model_type_of(ckpt.config) == "deepseek_v4"
         if options.pad_for_tp:
-            if self.deepseek_v4 or any(w.kind in PACKED for w in cls.weights.values()):
+            packed = next((w.weight for w in cls.weights.values() if w.kind in PACKED), None)
+            if self.deepseek_v4 or packed is not None:
                 # its MLP names (ffn.experts.E.w1, *_blocks, weight_packed) are not the ones padding knows:
-                # config.json would claim padded widths the tensors do not have
+                # config.json would claim padded widths the tensors do not have. Named by a packed weight
                 raise OptionsError(
                     "--pad-for-tp does not know the MLP layout of DeepSeek-V4 or packed 4-bit checkpoints",
+                    tensor=packed,
+                    shard=None if packed is None else ckpt.index.shard_of(packed).name,
                     fix="convert without --pad-for-tp",
                 )
             self.padding = plan_mlp_padding(

@@ -368,3 +368,136 @@ def test_transformers_loads_the_bf16_output(built, name, tmp_path):
             if prefix.replace("up_proj", p) in written
         ]
         assert same_bits(state[key][1], torch.cat(rows)), key
+
+
+def test_padded_widths_update_a_top_level_copy(built, tmp_path):
+    """Multimodal configs saved by older transformers (Qwen2.5-VL's) repeat the text model's widths at the
+    top level beside text_config: --pad-for-tp updates both copies, or the top-level one disagrees with
+    the tensors for any reader of the top level."""
+    folder = tmp_path / "in"
+    shutil.copytree(built("qwen3.6-35b-a3b-fp8").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    keys = ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+    config |= {k: config["text_config"][k] for k in keys} | {"intermediate_size": 4304}  # not a text width
+    (folder / "config.json").write_text(json.dumps(config))
+    fp8conv.convert(folder, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        assert written[key] == written["text_config"][key] == 1024, key
+    assert written["hidden_size"] == 96 and written["intermediate_size"] == 4304
+    out = load_dir(tmp_path / "out")
+    assert out["model.language_model.layers.0.mlp.experts.2.down_proj.weight"].shape == (96, 1024)
+
+
+def _gemma4_moe(folder: Path) -> Path:
+    """Gemma-4 26B-A4B (transformers 5.24 modeling_gemma4.py): each decoder layer has a dense `mlp` and,
+    with enable_moe_block, `router.proj` and fused 3-D experts in the layer itself (`layers.N.experts.
+    gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), not under an MLP module; block FP8 as transformers'
+    FP8Experts saves them ([E, N/128, K/128] `*_scale_inv`)."""
+    b = _Builder("block")
+    lm = "model.language_model."
+    b.plain(lm + "embed_tokens.weight", (300, 96))
+    for layer in range(2):
+        p = f"{lm}layers.{layer}."
+        b.plain(p + "input_layernorm.weight", (96,))
+        for proj, shape in (("gate_proj", (330, 96)), ("up_proj", (330, 96)), ("down_proj", (96, 330))):
+            b.linear(p + "mlp." + proj, shape)
+        b.plain(p + "router.proj.weight", (E, 96))
+        b.quantized(p + "experts.gate_up_proj", p + "experts.gate_up_proj_scale_inv", b._random((E, 272, 96)))
+        b.quantized(p + "experts.down_proj", p + "experts.down_proj_scale_inv", b._random((E, 96, 136)))
+    text = {"model_type": "gemma4_text", "hidden_size": 96, "intermediate_size": 330, "num_hidden_layers": 2}
+    text |= {"enable_moe_block": True, "num_experts": E, "moe_intermediate_size": 136, "vocab_size": 300}
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text}
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    b.write(folder, config | {"quantization_config": qc})
+    return folder
+
+
+def test_gemma4_layer_level_experts_padded_for_tp8(tmp_path):
+    """The layer-level fused experts are the routed MLP (moe_intermediate_size): --pad-for-tp pads them with
+    the dense MLP, each gate / up half to 1024 rows, rather than leaving 136 / 8 = 17 rows per rank, which
+    no engine splits into 128-row blocks."""
+    src = _gemma4_moe(tmp_path / "in")
+    fp8conv.convert(src, tmp_path / "plain", ConvertOptions(to="block"))
+    fp8conv.convert(src, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    text = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
+    assert (text["intermediate_size"], text["moe_intermediate_size"]) == (1024, 1024)
+    plain, out = load_dir(tmp_path / "plain"), load_dir(tmp_path / "out")
+    p = "model.language_model.layers.1.experts."
+    assert out[p + "gate_up_proj"].shape == (E, 2048, 96) and out[p + "gate_up_proj_scale_inv"].shape == (E, 16, 1)
+    assert out[p + "down_proj"].shape == (E, 96, 1024) and out[p + "down_proj_scale_inv"].shape == (E, 1, 8)
+    got, ref = decode(out, p + "gate_up_proj"), decode(plain, p + "gate_up_proj")
+    for half in range(2):  # gate rows, then up rows, each followed by zeros; requantized (a block held both)
+        kept = ref[:, half * 136 : (half + 1) * 136]
+        assert within_fp8_bound(got[:, half * 1024 : half * 1024 + 136], kept, ref.abs().amax())
+        assert not got[:, half * 1024 + 136 : (half + 1) * 1024].count_nonzero()
+    got, ref = decode(out, p + "down_proj"), decode(plain, p + "down_proj")
+    assert same_bits(got[..., :136], ref) and not got[..., 136:].count_nonzero()
+
+
+def test_dots3_shared_width_key_is_not_left_stale(built, tmp_path):
+    """dots3_note sizes its shared experts by shared_experts_intermediate_size * n_shared_experts (transformers
+    configuration_dots3_note.py), equal to moe_intermediate_size in its defaults: --pad-for-tp pads that key
+    with the shared experts, not moe_intermediate_size alone (exit 0 with the key at the old width, a config
+    transformers builds 136-wide shared experts from)."""
+
+    def dots3(c: dict) -> None:
+        c.update(model_type="dots3_note_text", shared_experts_intermediate_size=136)
+
+    folder = _edited(built("glm-5.2-fp8"), tmp_path / "in", dots3)
+    fp8conv.convert(folder, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["moe_intermediate_size"], written["shared_experts_intermediate_size"]) == (1024, 1024)
+    assert load_dir(tmp_path / "out")["model.layers.2.mlp.shared_experts.down_proj.weight"].shape == (96, 1024)
+
+
+def _minimax_m3_shared(folder: Path, shared: int) -> Path:
+    """MiniMax-M3's text model: routed experts sized by intermediate_size, shared experts by
+    shared_intermediate_size (transformers 5.24 modeling_minimax_m3_vl.py; 3072 both in the release)."""
+    b = _Builder("block")
+    p = "language_model.model.layers.0.block_sparse_moe."
+    for e in range(E):
+        for proj, shape in (("w1", (136, 96)), ("w3", (136, 96)), ("w2", (96, 136))):
+            b.linear(f"{p}experts.{e}.{proj}", shape)
+    for proj, shape in (("gate_proj", (shared, 96)), ("up_proj", (shared, 96)), ("down_proj", (96, shared))):
+        b.linear(f"{p}shared_experts.{proj}", shape)
+    b.plain(p + "gate.weight", (E, 96), torch.float32)
+    text = {"hidden_size": 96, "intermediate_size": 136, "shared_intermediate_size": shared, "num_hidden_layers": 1}
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    b.write(folder, {"model_type": "minimax_m3_vl", "text_config": text, "quantization_config": qc})
+    return folder
+
+
+def test_minimax_m3_shared_width_key(tmp_path):
+    """--pad-for-tp pads shared_intermediate_size with the shared experts, whether it equals intermediate_size
+    (the routed experts' key, as in the release) or not, rather than intermediate_size alone (the config's
+    other key left at the old width, exit 0) or refusing for no key."""
+    for shared in (136, 200):
+        src = _minimax_m3_shared(tmp_path / f"in{shared}", shared)
+        fp8conv.convert(src, tmp_path / f"out{shared}", ConvertOptions(to="block", pad_for_tp=8))
+        text = json.loads((tmp_path / f"out{shared}" / "config.json").read_text())["text_config"]
+        assert (text["intermediate_size"], text["shared_intermediate_size"]) == (1024, 1024)
+        out = load_dir(tmp_path / f"out{shared}")
+        name = "language_model.model.layers.0.block_sparse_moe.shared_experts.down_proj.weight"
+        assert out[name].shape == (96, 1024)
+
+
+def test_nemotron_shared_width_equal_to_routed_is_padded(tmp_path):
+    """Nemotron-H sizes its shared experts by moe_shared_expert_intermediate_size (transformers
+    modeling_nemotron_h.py); when it equals moe_intermediate_size * n_shared_experts both fit, and the key
+    naming the shared experts is the one padded (the routed experts pad the other), not a refusal."""
+    b = _Builder("tensor")
+    p = "backbone.layers.0.mixer."
+    for e in range(E):
+        b.linear(f"{p}experts.{e}.up_proj", (136, 96))
+        b.linear(f"{p}experts.{e}.down_proj", (96, 136))
+    b.linear(p + "shared_experts.up_proj", (136, 96))
+    b.linear(p + "shared_experts.down_proj", (96, 136))
+    b.plain(p + "gate.weight", (E, 96), torch.float32)
+    config = {"model_type": "nemotron_h", "hidden_size": 96, "hybrid_override_pattern": "E", "num_hidden_layers": 1}
+    config |= {"moe_intermediate_size": 136, "moe_shared_expert_intermediate_size": 136, "n_shared_experts": 1}
+    b.write(tmp_path / "in", config | {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}})
+    fp8conv.convert(tmp_path / "in", tmp_path / "out", ConvertOptions(to="block", pad_for_tp=8))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["moe_intermediate_size"], written["moe_shared_expert_intermediate_size"]) == (1024, 1024)
+    assert load_dir(tmp_path / "out")[p + "shared_experts.down_proj.weight"].shape == (96, 1024)
