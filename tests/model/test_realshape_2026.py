@@ -276,7 +276,9 @@ def _regex_list(layers: int) -> list[str]:
     entries = [f"re:.*layers\\.{i}\\.{k}$" for i in range(layers) for k in kinds]
     # no literal run of 3 (tried on every module), case-insensitive, alternations, a wildcard, plain names
     entries += ["re:.*\\.[0-9]\\.up_proj$", "re:(?i).*VISUAL.*", "re:.*(in_proj_b|foo)$", "model.*.gate", "lm_head"]
-    return [*entries, "re:^mtp\\..*", "re:model\\.language_model\\.layers\\.1\\.mlp\\.experts\\.1[0-9]\\.gate_proj"]
+    entries += ["re:^mtp\\..*", "re:model\\.language_model\\.layers\\.1\\.mlp\\.experts\\.1[0-9]\\.gate_proj"]
+    # consecutive modules holding one literal run, all matching: none may be skipped on to the next
+    return [*entries, "re:model\\.language_model\\.layers\\.2\\.mlp\\.experts\\.1[0-9]\\..*"]
 
 
 def test_primed_regex_entries_answer_as_the_entries_do(tmp_path):
@@ -287,8 +289,9 @@ def test_primed_regex_entries_answer_as_the_entries_do(tmp_path):
     unprimed = {m: IgnoreList(_regex_list(6)).matches(m) for m in modules}
     ignore.prime(modules)
     assert {m: ignore.matches(m) for m in modules} == unprimed
-    # in_proj_a, conv1d, gate, in_proj_b per layer; experts 0-9 up_proj per layer; visual; lm_head; layer 1's 10-19
-    assert sum(unprimed.values()) == 6 * 4 + 6 * 10 + 1 + 1 + 10
+    # in_proj_a, conv1d, gate, in_proj_b per layer; experts 0-9 up_proj per layer; visual; lm_head; layer 1's
+    # gate_proj 10-19; layer 2's up_proj and gate_proj 10-19
+    assert sum(unprimed.values()) == 6 * 4 + 6 * 10 + 1 + 1 + 10 + 20
 
 
 def test_regex_entries_cost_the_modules_holding_their_literal(tmp_path):

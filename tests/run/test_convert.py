@@ -448,22 +448,28 @@ def test_direct_and_buffered_io_write_the_same_checkpoint(tiny, tmp_path, monkey
     assert dir_snapshot(tmp_path / "direct") == dir_snapshot(tmp_path / "buffered")
 
 
-@pytest.mark.parametrize("to", ["channel", "block", "bf16"])
-def test_weight_with_no_rows_converts(tmp_path, to):
-    """A [0, K] FP8 weight (its grid [0, gk]) is written with no rows and its [0, 1] / [0, gk] scale, not a
-    traceback from the [-1, 0, K] view the rewriters take."""
+# block FP8 --to block keeps its blocks (no rewrite): a [0, K] weight is requantized from channel scales
+@pytest.mark.parametrize("to, scale", [("channel", "block"), ("block", "channel"), ("bf16", "block")])
+def test_weight_with_no_rows_converts(tmp_path, to, scale):
+    """A [0, K] FP8 weight is written with no rows and its [0, 1] / [0, gk] scale, not a traceback from the
+    [-1, 0, K] view the quantizing rewriters take (channel and block); bf16 guards the dequantizer's."""
     from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
 
+    block = scale == "block"
     tensors = {
         "model.layers.0.mlp.down_proj.weight": fp8((96, 200)),
-        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.full((1, 2), 0.01),
+        "model.layers.0.mlp.down_proj.weight_scale_inv" if block else "model.layers.0.mlp.down_proj.weight_scale": (
+            torch.full((1, 2), 0.01) if block else torch.full((96, 1), 0.01)
+        ),
         "model.layers.0.self_attn.o_proj.weight": fp8((0, 200)),
-        "model.layers.0.self_attn.o_proj.weight_scale_inv": torch.zeros((0, 2)),
+        "model.layers.0.self_attn.o_proj.weight_scale_inv"
+        if block
+        else "model.layers.0.self_attn.o_proj.weight_scale": (torch.zeros((0, 2)) if block else torch.zeros((0, 1))),
     }
-    write_checkpoint(tmp_path / "in", tensors, fp8_block_config())
+    write_checkpoint(tmp_path / "in", tensors, fp8_block_config((128, 128) if block else None))
     fp8conv.convert(tmp_path / "in", tmp_path / "out", ConvertOptions(to=to))
     out = load_dir(tmp_path / "out")
     assert out["model.layers.0.self_attn.o_proj.weight"].shape == (0, 200)
-    scale = {"channel": "weight_scale", "block": "weight_scale_inv"}.get(to)
-    if scale is not None:
-        assert out["model.layers.0.self_attn.o_proj." + scale].shape == ((0, 1) if to == "channel" else (0, 2))
+    name = {"channel": "weight_scale", "block": "weight_scale_inv"}.get(to)
+    if name is not None:
+        assert out["model.layers.0.self_attn.o_proj." + name].shape == ((0, 1) if to == "channel" else (0, 2))
