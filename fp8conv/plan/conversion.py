@@ -195,9 +195,9 @@ def plan_conversion(
     problems += _width_problems(ckpt, config, shards, cls, planner.family)
     problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
     warnings = [*cls.warnings, *planner.warnings]
-    if config is None:
-        warnings.append("the input has no config.json, so the output has none either")
     native = _plan_mistral_native(ckpt, cls, planner, shards)
+    if config is None and native is None:  # Mistral-native files have params.json, rewritten for the output
+        warnings.append("the input has no config.json, so the output has none either")
     if native is None:
         files, native_problems_, native_warnings = _plan_mistral_params(ckpt, config, options.to), (), ()
     else:

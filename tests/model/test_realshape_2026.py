@@ -322,3 +322,29 @@ def test_mtp_modules_are_named_as_in_the_checkpoint(tmp_path):
     bench.write_header_only(tmp_path / "c", tensors, config | {"quantization_config": quant})
     report = fp8conv.inspect(tmp_path / "c")
     assert (report.mtp_layers, report.mtp_modules) == ([], ["model.mtp.layers.0", "model.mtp.layers.1"])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_no_config_json_is_warned_where_nothing_else_describes_the_output(tmp_path, native):
+    """Mistral-native files carry params.json, which the output gets rewritten: no warning that the output
+    has no config.json. Plain shards without either do get it."""
+    bench = plan_scale()
+    tensors = bench.bf16("tok_embeddings.weight", (512, H))
+    tensors += [
+        ("layers.0.feed_forward.w1.weight", "F8_E4M3", (INTER, H)),
+        ("layers.0.feed_forward.w1.qscale_weight", "F32", ()),
+    ]
+    bench.write_header_only(tmp_path / "c", tensors, {})
+    (tmp_path / "c" / "config.json").unlink()
+    if native:
+        (tmp_path / "c" / "model.safetensors.index.json").unlink()
+        (tmp_path / "c" / "model-00001-of-00001.safetensors").rename(tmp_path / "c" / "consolidated.safetensors")
+        params = {"dim": H, "n_layers": 1, "hidden_dim": INTER, "n_heads": 2, "vocab_size": 512}
+        (tmp_path / "c" / "params.json").write_text(
+            json.dumps(params | {"quantization": {"qformat_weight": "fp8_e4m3"}})
+        )
+    ckpt = open_checkpoint(tmp_path / "c", headers_only=True)
+    plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config), ConvertOptions(to="bf16"))
+    assert plan.problems == ()
+    warned = "the input has no config.json, so the output has none either" in plan.warnings
+    assert warned is not native
