@@ -150,7 +150,7 @@ def classify(
             warnings.append(f"{fmt.weight} is {what} although {settings.where} lists its module as not converted")
     if settings.method is not None and not weights:
         warnings.append(f"{settings.where} declares quant_method {settings.method!r} but no tensor is FP8")
-    unmatched = _unmatched_not_converted(modules, settings, warnings)
+    unmatched = _unmatched_not_converted(modules, settings, warnings, config)
     return Classification(
         weights=weights,
         plain=plain,
@@ -172,11 +172,17 @@ def _listed_weights(ignore: IgnoreList, weights: dict[str, WeightFormat]) -> set
 UNMATCHED_NAMED = 3  # entries a warning names; inspect --json lists them all
 
 
-def _unmatched_not_converted(modules: set[str], settings: QuantSettings, warnings: list[str]) -> list[str]:
-    """The ignore list's entries that match no tensor's module, warned about once with a count."""
+def _unmatched_not_converted(
+    modules: set[str], settings: QuantSettings, warnings: list[str], config: dict[str, Any] | None
+) -> list[str]:
+    """The ignore list's entries that match no tensor's module, warned about once with a count. A model that
+    ties its word embeddings has an lm_head with no tensor of its own (it is the embedding), which
+    compressed-tensors lists all the same: that entry names a module, and is not reported."""
     if not settings.not_converted:
         return []
     unmatched = settings.ignore_list().unmatched(modules)
+    if _ties_embeddings(config):
+        unmatched = [e for e in unmatched if e != "lm_head" and not e.endswith(".lm_head")]
     if unmatched:
         named = ", ".join(repr(e) for e in unmatched[:UNMATCHED_NAMED])
         more = f" and {len(unmatched) - UNMATCHED_NAMED} more" if len(unmatched) > UNMATCHED_NAMED else ""
@@ -185,6 +191,11 @@ def _unmatched_not_converted(modules: set[str], settings: QuantSettings, warning
             f"({named}{more}): they change nothing, and no other tensor is taken for them"
         )
     return unmatched
+
+
+def _ties_embeddings(config: dict[str, Any] | None) -> bool:
+    sections = [config or {}, (config or {}).get("text_config")]
+    return any(isinstance(c, dict) and c.get("tie_word_embeddings") is True for c in sections)
 
 
 def _block_size(

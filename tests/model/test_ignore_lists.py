@@ -106,7 +106,7 @@ def test_entries_naming_no_tensor_are_listed_in_order() -> None:
     ]
 
 
-def _glm_like(tmp_path: Path, ignore: list[str]) -> Path:
+def _glm_like(tmp_path: Path, ignore: list[str], lm_head: bool = True) -> Path:
     """GLM-5's names: block FP8 attention, a bf16 indexer.weights_proj, and its list's stale entry."""
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(2):
@@ -115,7 +115,8 @@ def _glm_like(tmp_path: Path, ignore: list[str]) -> Path:
             tensors[p + name + ".weight"] = fp8((128, 256), seed=layer)
             tensors[p + name + ".weight_scale_inv"] = torch.ones(1, 2)
         tensors[p + "indexer.weights_proj.weight"] = torch.ones(32, 256, dtype=torch.bfloat16)
-    tensors["lm_head.weight"] = torch.ones(64, 256, dtype=torch.bfloat16)
+    if lm_head:
+        tensors["lm_head.weight"] = torch.ones(64, 256, dtype=torch.bfloat16)
     config = fp8_block_config() | {"model_type": "glm_moe_dsa", "num_hidden_layers": 2}
     config["quantization_config"]["modules_to_not_convert"] = ignore
     return write_checkpoint(tmp_path / "glm", tensors, config)
@@ -193,3 +194,15 @@ def test_unsafe_or_broken_regex_is_one_line_refusal(tmp_path: Path, entry: str, 
     assert "Traceback (most recent call last)" not in refused.stderr
     assert first.startswith("error: " + expected)
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_lm_head_is_no_stale_entry(tmp_path: Path, tied: bool) -> None:
+    """Gemma-4's configs tie the word embeddings and list lm_head, which has no tensor of its own (it is the
+    embedding): not reported as matching nothing. Untied, an lm_head with no tensor is reported."""
+    root = _glm_like(tmp_path, ["lm_head", "model.layers.0.self_attn.indexer.weights_proj"], lm_head=False)
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": tied}))
+    report = inspect(root)
+    assert report.not_converted_unmatched == ([] if tied else ["lm_head"])
+    assert any("match no tensor" in w for w in report.warnings) is not tied
