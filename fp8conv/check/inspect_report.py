@@ -11,10 +11,10 @@ from typing import Any
 
 from ..errors import Fp8ConvError
 from ..model.classify import Classification, Kind, classify, has_partial_blocks
-from ..model.families import ROLE_GROUPS, Family, model_type_of, role_of
-from ..model.mlp_layout import tp_report
+from ..model.families import ROLE_GROUPS, Family, model_type_of, text_config
+from ..model.mlp_layout import RoleSplit, tp_report
 from ..options import DEFAULT_BLOCK, TARGETS, ConvertOptions
-from ..plan.conversion import input_family, input_width_problems, plan_conversion, role_examples
+from ..plan.conversion import input_family, input_width_problems, plan_conversion, role_splits
 from ..plan.expert_fold import expert_fold
 from ..records import collector_paused
 from ..source.checkpoint import Checkpoint, open_checkpoint
@@ -92,8 +92,7 @@ def inspect(
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
     block = cls.block_size or DEFAULT_BLOCK
     family = input_family(ckpt, cls)
-    # no shapes: they would only find the family again, which input_family found from these very shapes
-    tp_bad = tp_report(ckpt.config, block, names=role_examples(ckpt, cls), family=family)
+    tp_bad = tp_report(ckpt.config, block, role_splits(ckpt, cls), family)
     widths = input_width_problems(ckpt, cls, "config.json and the tensors disagree: correct config.json")
     warnings = _warnings(ckpt, cls, scales, family)
     return InspectReport(
@@ -115,7 +114,7 @@ def inspect(
         tp_indivisible=tp_bad,
         padded_output_bytes={}
         if widths
-        else padded_output_bytes(ckpt, cls, [int(tp) for tp, bad in tp_bad.items() if bad]),
+        else padded_output_bytes(ckpt, cls, block, [int(tp) for tp, bad in tp_bad.items() if bad]),
         family=family.name if family else None,
         problems=[p.one_line() for p in [*cls.problems, *widths, *scale_problems]],
         warnings=warnings,
@@ -160,25 +159,37 @@ def inspect_invocation(block_size: tuple[int, int] | None, revision: str | None,
     return " ".join(words + ([f"--revision {revision}"] if revision else []))
 
 
-def pad_role_choices(names: list[str], family: Family | None) -> list[tuple[str, ...]]:
-    """Every MLP role the checkpoint has; and, when it has routed experts, the roles left once they are not
-    padded (expert-parallel experts are not split across ranks), minus any role sharing their width key."""
-    if family is None:
+def pad_role_choices(
+    splits: list[RoleSplit], config: dict[str, Any] | None, tp: int, block: tuple[int, int]
+) -> list[tuple[str, ...]]:
+    """The --pad-roles worth offering at this TP: every MLP role the checkpoint has; and, when it has routed
+    experts, the roles left once they are not padded (expert-parallel experts are not split across ranks),
+    minus any role sharing their width key, offered only where it pads something and leaves no role it
+    drops split into partial blocks."""
+    c = text_config(config or {})
+    whole = {id(s): w is None or s.whole_per_rank(w, tp, block) for s in splits for w in [s.role.width.of(c)]}
+    if all(whole.values()):
         return []
-    roles = {found[0] for name in names for found in [role_of(family, name)] if found}
-    everything = tuple(g for g in ROLE_GROUPS if any(r.group == g for r in roles))
-    routed_keys = {r.width.key for r in roles if r.group == "routed"}
+    everything = tuple(g for g in ROLE_GROUPS if any(s.role.group == g for s in splits))
+    routed_keys = {s.role.width.key for s in splits if s.role.group == "routed"}
     rest = tuple(
-        g for g in everything if g != "routed" and all(r.width.key not in routed_keys for r in roles if r.group == g)
+        g
+        for g in everything
+        if g != "routed" and all(s.role.width.key not in routed_keys for s in splits if s.role.group == g)
     )
-    return [everything] + ([rest] if rest and routed_keys else [])
+    dropped = [s for s in splits if s.role.group not in rest and s.role.group != "routed"]
+    pads = any(not whole[id(s)] for s in splits if s.role.group in rest)
+    useful = routed_keys and rest and pads and all(whole[id(s)] for s in dropped)
+    return [everything] + ([rest] if useful else [])
 
 
-def padded_output_bytes(ckpt: Checkpoint, cls: Classification, tps: list[int]) -> dict[str, dict[str, int]]:
+def padded_output_bytes(
+    ckpt: Checkpoint, cls: Classification, block: tuple[int, int], tps: list[int]
+) -> dict[str, dict[str, int]]:
     """--to block --pad-for-tp N bytes for each TP size and role choice, from the plans convert would run."""
     sizes: dict[str, dict[str, int]] = {}
     for tp in tps:
-        for roles in pad_role_choices(role_examples(ckpt, cls), input_family(ckpt, cls)):
+        for roles in pad_role_choices(role_splits(ckpt, cls), ckpt.config, tp, block):
             try:  # the options check themselves when made (an empty role list is refused there)
                 nbytes, problems = _planned_bytes(ckpt, cls, ConvertOptions(to="block", pad_for_tp=tp, pad_roles=roles))
             except Fp8ConvError:

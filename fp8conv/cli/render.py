@@ -45,7 +45,10 @@ def render_report(r: InspectReport) -> str:
     if len(r.partial_block_tensors) > PARTIAL_LINES:
         lines.append(f"  ... and {len(r.partial_block_tensors) - PARTIAL_LINES} more (--json lists them all)")
     block = f"{r.block_size[0]}x{r.block_size[1]}" if r.block_size else "{}x{}".format(*DEFAULT_BLOCK)
-    lines.append(f"tensor parallel: MLP widths that do not split into whole {block} blocks per rank")
+    if r.tp_indivisible:
+        lines.append(f"tensor parallel: MLP widths that do not split into whole {block} blocks per rank")
+    else:  # no config.json (Mistral-native files): no width is known, so none is called ok
+        lines.append("tensor parallel: not checked: no config.json states this checkpoint's MLP widths")
     for tp, bad in r.tp_indivisible.items():
         lines.append(f"  TP={tp:<3} " + ("ok" if not bad else "not divisible: " + "; ".join(bad)))
         for roles, size in r.padded_output_bytes.get(tp, {}).items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,8 @@ from .families import (
     OUTPUT_BIAS,
     ROLE_GROUPS,
     Family,
+    MlpRole,
+    Width,
     fused_group,
     is_language_mlp,
     layer_factor,
@@ -48,6 +50,27 @@ def mlp_widths(
         return widths_by_role(config, shapes, family)
     c = text_config(config or {})
     return {k: v for k in _GENERIC_WIDTH_KEYS for v in [c.get(k)] if isinstance(v, int) and v > 0}
+
+
+@dataclass(frozen=True)
+class RoleSplit:
+    """An MLP role as the checkpoint has it, with what decides how an engine may split its width across
+    tensor-parallel ranks (vLLM validate_fp8_block_shape, and Fp8MoEMethod for experts)."""
+
+    role: MlpRole
+    example: str  # its first tensor in file order (a packed 4-bit weight by the name it unpacks to)
+    block_fp8: bool = True  # some tensor of it is FP8 in a --to block output: the block rules apply
+    gated: bool = True  # a gate projection beside the up one: engines merge [gate; up] into one GEMM
+
+    def whole_per_rank(self, width: int, tp: int, block: tuple[int, int]) -> bool:
+        """Whether `width` splits over `tp` ranks as engines need. Unquantized: evenly. Block FP8: each rank's
+        gate/up rows whole block_n and its down columns whole block_k; on one rank only a merged [gate; up]
+        (the gate's rows) and experts (Fp8MoEMethod) are checked, a plain up projection is not."""
+        if not self.block_fp8:
+            return width % tp == 0
+        if tp == 1:
+            return width % block[0] == 0 or not (self.gated or self.role.group == "routed")
+        return width % tp == 0 and (width // tp) % block[0] == 0 and (width // tp) % block[1] == 0
 
 
 @dataclass(frozen=True)
@@ -133,22 +156,20 @@ def plan_mlp_padding(
     config: dict[str, Any] | None,
     tp: int,
     block: tuple[int, int],
-    names: Iterable[str],
+    splits: Sequence[RoleSplit],
     groups: tuple[str, ...] | None = None,
     family: Family | None = None,
 ) -> MlpPadding:
     """Pad each chosen role's width to a multiple of tp * lcm(bn, bk): every rank then holds whole blocks
     of gate/up rows (block_n) and of down columns (block_k). Roles no tensor plays are left alone; a
-    config key two roles share is padded for both or neither. `family`: one found by rule (roles.py)."""
+    config key two roles share is padded for both or neither. `splits`: the roles the checkpoint has
+    (role_splits); `family`: one found by rule (roles.py). Warns where the run pads nothing, and where a
+    role left out (but routed experts, which expert parallelism does not split) still splits into partial
+    blocks at this TP."""
     family = _paddable_family(config, family or family_of(config))
     c = text_config(config or {})
     chosen = groups or ROLE_GROUPS
-    present: dict[int, str] = {}  # role index -> one tensor playing it
-    for name in names:
-        found = role_of(family, name)
-        if found is not None:
-            present.setdefault(family.roles.index(found[0]), name)
-    roles = [(family.roles[i], example) for i, example in sorted(present.items())]
+    roles = [(s.role, s.example) for s in splits]
     warnings = [
         f"--pad-roles {g}: no {g} MLP tensor in this {model_type_of(config)} checkpoint"
         for g in chosen
@@ -180,7 +201,40 @@ def plan_mlp_padding(
                 fix="add it to config.json, or convert without --pad-for-tp",
             )
         padded[role.width.key] = -(-width // unit) * unit
+    warnings += _padding_warnings(c, tp, block, splits, chosen, padded)
     return MlpPadding(family, c, tuple(chosen), padded, warnings)
+
+
+def _padding_warnings(
+    c: dict[str, Any],
+    tp: int,
+    block: tuple[int, int],
+    splits: Sequence[RoleSplit],
+    chosen: tuple[str, ...],
+    padded: dict[str, int],
+) -> list[str]:
+    """A padding that changes no width; a dense or shared role left out that still splits into partial blocks
+    at this TP (routed experts left out are expert-parallel's, which does not split them)."""
+    warnings, blocks = [], f"{block[0]}x{block[1]}"
+    if all(c[key] == width for key, width in padded.items()):
+        padded_groups = {s.role.group for s in splits if s.role.group in chosen}
+        warnings.append(
+            f"--pad-for-tp {tp} pads nothing: the {', '.join(g for g in ROLE_GROUPS if g in padded_groups)} MLP "
+            f"widths already split into whole {blocks} blocks on {tp} ranks"
+        )
+    for split in splits:
+        width = split.role.width.of(c)
+        left = split.role.group not in chosen and split.role.group != "routed"
+        if left and width is not None and not split.whole_per_rank(width, tp, block):
+            # the roles padded with it: those sharing its config key are padded together or not at all
+            with_it = {split.role.group} | {s.role.group for s in splits if s.role.width.key == split.role.width.key}
+            needed = ",".join(g for g in ROLE_GROUPS if g in chosen or g in with_it)
+            warnings.append(
+                f"--pad-roles {','.join(chosen)} leaves the {split.role.group} MLP ({split.role.width.label} "
+                f"{width} -> {width / tp:g}/rank, e.g. {split.example}) in partial {blocks} blocks at TP {tp}: "
+                f"engines splitting it over {tp} ranks refuse it (--pad-roles {needed} pads it)"
+            )
+    return warnings
 
 
 def updated_widths_config(config: dict[str, Any], padding: MlpPadding) -> None:
@@ -195,34 +249,41 @@ def updated_widths_config(config: dict[str, Any], padding: MlpPadding) -> None:
             c[key] = value
 
 
+TP_SIZES = (1, 2, 4, 8, 16, 32)
+
+
 def tp_report(
     config: dict[str, Any] | None,
     block: tuple[int, int],
-    tps: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-    names: Iterable[str] | None = None,
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
-    family: Family | None = None,
+    splits: Sequence[RoleSplit],
+    family: Family | None,
+    tps: tuple[int, ...] = TP_SIZES,
 ) -> dict[str, list[str]]:
-    """For each TP size, the MLP widths whose per-rank slice is not whole blocks, as vLLM's
-    validate_fp8_block_shape checks them: gate/up rows (merged, column-parallel) by block_n at any TP,
-    down columns (row-parallel) by block_k once split across ranks. With `names`, a known family's widths
-    that no tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has)."""
-    family = family or family_of(config, shapes)
-    widths = mlp_widths(config, shapes, family)
-    roles = family.roles if family is not None else ()
-    if family is not None and names is not None:
-        used = {found[0] for name in names for found in [role_of(family, name)] if found}
-        roles = tuple(r for r in family.roles if r in used)
-        widths = {label: w for label, w in widths.items() if label in {r.width.label for r in roles}}
-    # every group sized by the label (Llama-4's routed and shared experts both by intermediate_size)
-    group = {label: ", ".join(dict.fromkeys(r.group for r in roles if r.width.label == label)) for label in widths}
+    """For each TP size, the MLP widths whose per-rank slice engines refuse (RoleSplit.whole_per_rank), a
+    width label's roles together. `splits`: the roles the checkpoint has, so a known family's widths that no
+    tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has). A checkpoint of
+    no family has its config's generic width keys checked as block FP8. {} without a config.json: no
+    width is known, nothing is checked."""
+    if not config:
+        return {}
+    c = text_config(config)
+    by_label: dict[str, tuple[int, list[RoleSplit]]] = {}
+    if family is None:
+        by_label = {label: (w, []) for label, w in mlp_widths(config, None, None).items()}
+    for split in splits if family is not None else ():
+        width = split.role.width.of(c)
+        if width is not None:
+            by_label.setdefault(split.role.width.label, (width, []))[1].append(split)
     report: dict[str, list[str]] = {}
     for tp in tps:
         bad = []
-        for label, w in widths.items():
-            per_rank = w / tp
-            whole = w % tp == 0 and (w // tp) % block[0] == 0 and (tp == 1 or (w // tp) % block[1] == 0)
-            if not whole:
-                bad.append(f"{group.get(label) or 'mlp'} {label} {w} -> {per_rank:g}/rank")
+        for label, (w, found) in by_label.items():
+            checks = found or [None]  # no role known: checked as a merged block-FP8 MLP
+            if not all((s or _GENERIC).whole_per_rank(w, tp, block) for s in checks):
+                groups = ", ".join(dict.fromkeys(s.role.group for s in found)) or "mlp"
+                bad.append(f"{groups} {label} {w} -> {w / tp:g}/rank")
         report[str(tp)] = bad
     return report
+
+
+_GENERIC = RoleSplit(MlpRole("dense", Width("intermediate_size"), ()), "")

@@ -22,6 +22,7 @@ from ..model.mimo_kv import fused_qkv_problems
 from ..model.mlp_layout import (
     MlpPadding,
     Pad,
+    RoleSplit,
     is_quantizable_linear,
     plan_mlp_padding,
     text_config,
@@ -336,7 +337,7 @@ class _Planner:
                 ckpt.config,
                 options.pad_for_tp,
                 self.out_block,
-                role_examples(ckpt, cls),
+                role_splits(ckpt, cls),
                 options.pad_roles,
                 self.family,
             )
@@ -701,19 +702,42 @@ def input_family(ckpt: Checkpoint, cls: Classification) -> Family | None:
     return cls.memo["family"]
 
 
-def role_examples(ckpt: Checkpoint, cls: Classification) -> list[str]:
-    """The first tensor (in file order) of each MLP role the input has: all that padding, its role choices
-    and the TP table read of the names, found in one pass instead of one per plan."""
-    if "role_examples" not in cls.memo:
-        family, first = input_family(ckpt, cls), {}
-        for name in ckpt.index.locations if family is not None else ():
+# a role tensor of a gated MLP: engines merge its gate with the up projection (vLLM MergedColumnParallelLinear)
+_GATED = re.compile(r"(?:\.(?:gate_proj|w1)\.weight|gate_up_proj(?:\.weight)?)$")
+
+
+def role_splits(ckpt: Checkpoint, cls: Classification) -> list[RoleSplit]:
+    """Each MLP role the input has, in the family's order: its first tensor (in file order), whether a --to
+    block run writes any of its tensors as FP8 and whether it is gated (mlp_layout.RoleSplit). Found in one
+    pass for every plan and report. A packed 4-bit weight plays the role of the weight it unpacks to."""
+    if "role_splits" not in cls.memo:
+        family, found = input_family(ckpt, cls), {}
+        weights, settings = cls.weights, cls.settings
+        quantize_floats = family is not None and not any(w.kind in CONVERTIBLE | PACKED for w in weights.values())
+        for name, (_, entry) in ckpt.index.locations.items() if family is not None else ():
             if name.endswith(NO_ROLE_TAILS):
                 continue
-            found = role_of(family, name)
-            if found is not None:
-                first.setdefault(id(found[0]), name)
-        cls.memo["role_examples"] = list(first.values())
-    return cls.memo["role_examples"]
+            fmt = weights.get(name)
+            named = fmt.out_name if fmt is not None and fmt.kind in PACKED and fmt.out_name else name
+            hit = role_of(family, named)
+            if hit is None:
+                continue
+            role, tensor = hit
+            split = found.get(id(role))  # by identity: a role's hash walks its patterns
+            if split is not None and split.block_fp8 and split.gated:
+                continue  # nothing more to learn of this role (a release's 100k expert weights)
+            fp8 = fmt is not None and fmt.kind in CONVERTIBLE | PACKED
+            if not fp8 and quantize_floats:  # a bf16 checkpoint: its Linears quantized as the planner does
+                linear = is_quantizable_linear(name, entry.dtype, len(entry.shape), family)
+                fp8 = linear and not settings.lists_as_not_converted(module_of(name))
+            gated = tensor.parts > 1 or _GATED.search(named) is not None
+            if split is None:
+                found[id(role)] = RoleSplit(role, named, fp8, gated)
+            elif (fp8 and not split.block_fp8) or (gated and not split.gated):
+                found[id(role)] = replace(split, block_fp8=split.block_fp8 or fp8, gated=split.gated or gated)
+        order = family.roles if family is not None else ()
+        cls.memo["role_splits"] = sorted(found.values(), key=lambda split: order.index(split.role))
+    return cls.memo["role_splits"]
 
 
 def input_width_problems(ckpt: Checkpoint, cls: Classification, fix: str = INPUT_WIDTHS_FIX) -> list[CheckpointError]:

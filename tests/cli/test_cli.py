@@ -243,7 +243,10 @@ def test_pad_for_tp_from_the_cli(runner, tiny, tmp_path):
 def test_pad_roles_from_the_cli(runner, tiny, tmp_path):
     out = tmp_path / "padded"
     args = ["convert", str(tiny.path), "--to", "block", "--pad-for-tp", "4", "-o", str(out), "-q"]
-    assert runner.invoke(main, [*args, "--pad-roles", "dense"]).exit_code == 0
+    dense = runner.invoke(main, [*args, "--pad-roles", "dense"])
+    assert dense.exit_code == 0
+    # the shared experts share moe_intermediate_size with the routed ones, left 48 rows per rank: said
+    assert "--pad-roles dense leaves the shared MLP (moe_intermediate_size * n_shared_experts 192" in dense.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["intermediate_size"] == 512 and config["moe_intermediate_size"] == 192  # routed left alone
     unknown = runner.invoke(main, [*args, "--pad-roles", "dense,experts", "--overwrite"])
@@ -254,7 +257,7 @@ def test_pad_roles_from_the_cli(runner, tiny, tmp_path):
     assert coupled.exit_code == 1 and "add routed to --pad-roles" in coupled.stderr
     shown = runner.invoke(main, ["inspect", str(tiny.path)]).stdout
     assert "--pad-for-tp 4 --pad-roles dense,shared,routed: --to block ~" in shown
-    assert "--pad-for-tp 4 --pad-roles dense: --to block ~" in shown
+    assert "--pad-for-tp 4 --pad-roles dense: --to block ~" not in shown  # it leaves the shared experts so
 
 
 def test_tuning_is_hidden_and_a_bad_one_is_a_usage_error(runner, tiny, tmp_path):

@@ -188,7 +188,8 @@ def test_pad_roles_refuses_to_split_a_shared_width_key(built, tmp_path):
             fixture.path, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=4, pad_roles=("dense", "shared"))
         )
     assert not (tmp_path / "out").exists()
-    assert set(fp8conv.inspect(fixture.path).padded_output_bytes["4"]) == {"dense,shared,routed", "dense"}
+    # --pad-roles dense (expert parallelism) is no choice here: it leaves those shared experts in partial blocks
+    assert set(fp8conv.inspect(fixture.path).padded_output_bytes["4"]) == {"dense,shared,routed"}
 
 
 def test_mixtral_widths_follow_their_tensors(built, tmp_path):
