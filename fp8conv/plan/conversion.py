@@ -714,20 +714,24 @@ def role_splits(ckpt: Checkpoint, cls: Classification) -> list[RoleSplit]:
         family, found = input_family(ckpt, cls), {}
         weights, settings = cls.weights, cls.settings
         quantize_floats = family is not None and not any(w.kind in CONVERTIBLE | PACKED for w in weights.values())
-        for name, (_, entry) in ckpt.index.locations.items() if family is not None else ():
+        packed = {n: w.out_name for n, w in weights.items() if w.kind in PACKED and w.out_name}
+        for name in ckpt.index.locations if family is not None else ():
             if name.endswith(NO_ROLE_TAILS):
                 continue
-            fmt = weights.get(name)
-            named = fmt.out_name if fmt is not None and fmt.kind in PACKED and fmt.out_name else name
-            hit = role_of(family, named)
+            named, hit = name, role_of(family, name)  # asked of every name: the width checks ask it again
+            if hit is None and name in packed:
+                named = packed[name]
+                hit = role_of(family, named)
             if hit is None:
                 continue
             role, tensor = hit
             split = found.get(id(role))  # by identity: a role's hash walks its patterns
             if split is not None and split.block_fp8 and split.gated:
                 continue  # nothing more to learn of this role (a release's 100k expert weights)
+            fmt = weights.get(name)
             fp8 = fmt is not None and fmt.kind in CONVERTIBLE | PACKED
             if not fp8 and quantize_floats:  # a bf16 checkpoint: its Linears quantized as the planner does
+                entry = ckpt.index.entry(name)
                 linear = is_quantizable_linear(name, entry.dtype, len(entry.shape), family)
                 fp8 = linear and not settings.lists_as_not_converted(module_of(name))
             gated = tensor.parts > 1 or _GATED.search(named) is not None
