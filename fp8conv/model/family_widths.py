@@ -23,18 +23,6 @@ def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...
     return rule_family(config, shapes)
 
 
-def widths_by_role(
-    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
-) -> dict[str, int]:
-    """Each MLP width the (text) config states, by its label ('intermediate_size', ...). `family`: the
-    one already found for these shapes."""
-    family = family or family_of(config, shapes)
-    if family is None:
-        return {}
-    c = text_config(config or {})
-    return {r.width.label: w for r in family.roles for w in [r.width.of(c)] if w is not None}
-
-
 def width_disagreements(
     config: dict[str, Any] | None,
     tensors: Iterable[tuple[str, tuple[int, ...], str]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,6 @@ from .families import (
     ROLE_GROUPS,
     Family,
     MlpRole,
-    Width,
     fused_group,
     is_language_mlp,
     layer_factor,
@@ -26,30 +25,17 @@ from .families import (
     text_config,
     width_axis,
 )
-from .family_widths import family_of, widths_by_role
+from .family_widths import family_of
 
 __all__ = ["fused_group", "text_config"]
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 NEVER_QUANTIZED = re.compile("(" + _UNQUANTIZED_BASE + ")")  # families the table does not know
-# Keys an unknown family's config may use for its MLP widths: shown by inspect, never padded.
-_GENERIC_WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def is_quantizable_linear(name: str, dtype: str, ndim: int, family: Family | None = None) -> bool:
     unquantized = family.unquantized if family is not None else NEVER_QUANTIZED
     return name.endswith(".weight") and dtype in FLOAT_DTYPES and ndim in (2, 3) and not unquantized.search(name)
-
-
-def mlp_widths(
-    config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...]] | None = None, family: Family | None = None
-) -> dict[str, int]:
-    """Each intermediate width the MLP tensors use, by its config label."""
-    family = family or family_of(config, shapes)
-    if family is not None:
-        return widths_by_role(config, shapes, family)
-    c = text_config(config or {})
-    return {k: v for k in _GENERIC_WIDTH_KEYS for v in [c.get(k)] if isinstance(v, int) and v > 0}
 
 
 @dataclass(frozen=True)
@@ -261,16 +247,14 @@ def tp_report(
 ) -> dict[str, list[str]]:
     """For each TP size, the MLP widths whose per-rank slice engines refuse (RoleSplit.whole_per_rank), a
     width label's roles together. `splits`: the roles the checkpoint has, so a known family's widths that no
-    tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has). A checkpoint of
-    no family has its config's generic width keys checked as block FP8. {} without a config.json: no
-    width is known, nothing is checked."""
-    if not config:
+    tensor uses are left out (an all-MoE Qwen3 states an intermediate_size no layer has). {} without a
+    family, which a checkpoint with a config.json always has (the table's, else one by rule): no width is
+    known, nothing is checked."""
+    if not config or family is None:
         return {}
     c = text_config(config)
     by_label: dict[str, tuple[int, list[RoleSplit]]] = {}
-    if family is None:
-        by_label = {label: (w, []) for label, w in mlp_widths(config, None, None).items()}
-    for split in splits if family is not None else ():
+    for split in splits:
         width = split.role.width.of(c)
         if width is not None:
             by_label.setdefault(split.role.width.label, (width, []))[1].append(split)
@@ -278,12 +262,8 @@ def tp_report(
     for tp in tps:
         bad = []
         for label, (w, found) in by_label.items():
-            checks = found or [None]  # no role known: checked as a merged block-FP8 MLP
-            if not all((s or _GENERIC).whole_per_rank(w, tp, block) for s in checks):
-                groups = ", ".join(dict.fromkeys(s.role.group for s in found)) or "mlp"
+            if not all(s.whole_per_rank(w, tp, block) for s in found):
+                groups = ", ".join(dict.fromkeys(s.role.group for s in found))
                 bad.append(f"{groups} {label} {w} -> {w / tp:g}/rank")
         report[str(tp)] = bad
     return report
-
-
-_GENERIC = RoleSplit(MlpRole("dense", Width("intermediate_size"), ()), "")
