@@ -55,6 +55,13 @@ class Classification:
     def quant_method(self) -> str | None:
         return self.settings.method
 
+    def holds_quantized(self) -> bool:
+        """Whether any weight is FP8 or packed 4-bit; else (a bf16 checkpoint) an FP8 target quantizes its
+        Linears. Asked by every plan and the TP table: found once."""
+        if "holds_quantized" not in self.memo:
+            self.memo["holds_quantized"] = any(w.kind in CONVERTIBLE | PACKED for w in self.weights.values())
+        return self.memo["holds_quantized"]
+
     @property
     def checkpoint_format(self) -> str:
         kinds = {w.kind for w in self.weights.values()}

@@ -314,9 +314,7 @@ class _Planner:
         if options.to == "mxfp8":
             self.out_block = MXFP8_GROUP
         # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
-        self.quantize_floats = options.to != "bf16" and not any(
-            w.kind in CONVERTIBLE | PACKED for w in cls.weights.values()
-        )
+        self.quantize_floats = options.to != "bf16" and not cls.holds_quantized()
         # a model_type the table does not name has its roles found by rule from the tensors (roles.py)
         self.family = input_family(ckpt, cls)
         self.padding: MlpPadding | None = None
@@ -713,7 +711,7 @@ def role_splits(ckpt: Checkpoint, cls: Classification) -> list[RoleSplit]:
     if "role_splits" not in cls.memo:
         family, found = input_family(ckpt, cls), {}
         weights, settings = cls.weights, cls.settings
-        quantize_floats = family is not None and not any(w.kind in CONVERTIBLE | PACKED for w in weights.values())
+        quantize_floats = family is not None and not cls.holds_quantized()
         packed = {n: w.out_name for n, w in weights.items() if w.kind in PACKED and w.out_name}
         for name in ckpt.index.locations if family is not None else ():
             if name.endswith(NO_ROLE_TAILS):
