@@ -181,7 +181,8 @@ class IgnoreList:
         """Answer `matches` for every one of `modules` (a checkpoint's: 200k) in one pass from the entries'
         side, by the rules matches() applies: each plain name's exact module, its subtree and the modules
         it ends found by bisection in sorted lists, each wildcard group tried on its parent's subtree only,
-        the regexes on every module. unmatched() then reuses the sorted lists."""
+        a regex with a literal run (required_literal) on the modules holding it, the rest on every module.
+        unmatched() then reuses the sorted lists."""
         found = _Modules(modules)
         hits: set[str] = set()
         for name in self._names:
