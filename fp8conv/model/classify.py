@@ -241,6 +241,7 @@ def _classify_weights(ctx: _Context) -> tuple[dict[str, WeightFormat], set[str]]
 
 _WEIGHT_SCALE_TAILS = {suffix[1:]: i for i, suffix in enumerate(SCALE_SUFFIXES)}  # suffixes without their dot
 _ACTIVATION_TAILS = frozenset(suffix[1:] for suffix in ACTIVATION_SCALE_SUFFIXES)
+_V4_SCALE_TAIL = V4_SCALE_SUFFIX[1:]
 
 
 def _scale_names(names: Iterable[str]) -> tuple[dict[str, tuple[str, ...]], set[str], bool]:
@@ -261,7 +262,7 @@ def _scale_names(names: Iterable[str]) -> tuple[dict[str, tuple[str, ...]], set[
             else:
                 scales[module] = (*found, name)
                 several.append(module)
-        elif tail == "scale":
+        elif tail == _V4_SCALE_TAIL:
             v4.add(module)
         elif tail in _ACTIVATION_TAILS:
             activation = True
