@@ -91,9 +91,12 @@ def inspect(
     partial = _partial_block_tensors(ckpt, cls)
     dtypes = Counter(e.dtype for _, e in ckpt.index.locations.values())
     block = cls.block_size or DEFAULT_BLOCK
-    family = input_family(ckpt, cls)
-    tp_bad = tp_report(ckpt.config, block, role_splits(ckpt, cls), family)
-    widths = input_width_problems(ckpt, cls, "config.json and the tensors disagree: correct config.json")
+    # roles found from the folded checkpoint (expert_fold, made for the estimates anyway): a module's agreeing
+    # experts are asked once, not 100k times
+    fold = expert_fold(ckpt, cls)
+    family = input_family(ckpt, cls, among=fold)
+    tp_bad = tp_report(ckpt.config, block, role_splits(ckpt, cls, among=fold), family)
+    widths = input_width_problems(ckpt, cls, "config.json and the tensors disagree: correct config.json", among=fold)
     warnings = _warnings(ckpt, cls, scales, family)
     return InspectReport(
         source=str(source),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Container
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -691,12 +691,18 @@ def _without_empty(shards: list[ShardPlan]) -> list[ShardPlan]:
 INPUT_WIDTHS_FIX = "config.json and the tensors disagree: correct config.json (or the tensors)"
 
 
-def input_family(ckpt: Checkpoint, cls: Classification) -> Family | None:
-    """The input's family (for a model_type the table does not name, found by rule from its tensors)."""
+def input_family(ckpt: Checkpoint, cls: Classification, among: Container[str] | None = None) -> Family | None:
+    """The input's family (for a model_type the table does not name, found by rule from its tensors).
+    `among`: find it from these tensors alone (inspect's expert_fold: one expert of each module standing for
+    the others, which agree with it in name past the index and shape, all the rules read); the first call
+    decides, every later one gets its answer."""
     if "family" not in cls.memo:
         # the table's, when it names the model_type: the tensors' shapes (200k) are gathered only for the rules
         known = table_family(ckpt.config) if ckpt.config else None
-        cls.memo["family"] = known or family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index)})
+        shapes = cls.input_shapes(ckpt.index)
+        cls.memo["family"] = known or family_of(
+            ckpt.config, {n: shape for n, shape, _ in shapes if among is None or n in among}
+        )
     return cls.memo["family"]
 
 
@@ -704,16 +710,18 @@ def input_family(ckpt: Checkpoint, cls: Classification) -> Family | None:
 _GATED = re.compile(r"(?:\.(?:gate_proj|w1)\.weight|gate_up_proj(?:\.weight)?)$")
 
 
-def role_splits(ckpt: Checkpoint, cls: Classification) -> list[RoleSplit]:
+def role_splits(ckpt: Checkpoint, cls: Classification, among: Container[str] | None = None) -> list[RoleSplit]:
     """Each MLP role the input has, in the family's order: its first tensor (in file order), whether a --to
     block run writes any of its tensors as FP8 and whether it is gated (mlp_layout.RoleSplit). Found in one
-    pass for every plan and report. A packed 4-bit weight plays the role of the weight it unpacks to."""
+    pass for every plan and report. A packed 4-bit weight plays the role of the weight it unpacks to.
+    `among`: as input_family's (folded experts agree in format and listing too)."""
     if "role_splits" not in cls.memo:
-        family, found = input_family(ckpt, cls), {}
+        family, found = input_family(ckpt, cls, among), {}
         weights, settings = cls.weights, cls.settings
         quantize_floats = family is not None and not cls.holds_quantized()
         packed = {n: w.out_name for n, w in weights.items() if w.kind in PACKED and w.out_name}
-        for name in ckpt.index.locations if family is not None else ():
+        names = ckpt.index.locations if among is None else [n for n in ckpt.index.locations if n in among]
+        for name in names if family is not None else ():
             if name.endswith(NO_ROLE_TAILS):
                 continue
             named, hit = name, role_of(family, name)  # asked of every name: the width checks ask it again
@@ -742,11 +750,25 @@ def role_splits(ckpt: Checkpoint, cls: Classification) -> list[RoleSplit]:
     return cls.memo["role_splits"]
 
 
-def input_width_problems(ckpt: Checkpoint, cls: Classification, fix: str = INPUT_WIDTHS_FIX) -> list[CheckpointError]:
-    """config.json against the input's tensors, checked once whatever the number of plans."""
+def input_width_problems(
+    ckpt: Checkpoint, cls: Classification, fix: str = INPUT_WIDTHS_FIX, among: Container[str] | None = None
+) -> list[CheckpointError]:
+    """config.json against the input's tensors, checked once whatever the number of plans (and, once they
+    agree, whatever the fix a message would name). `among`: as input_family's; folded experts agree with
+    the one standing for them in shape and in all a width's verdict reads (name past the expert index,
+    layer), so a check of those tensors that finds nothing is the whole check; one that finds something is
+    made again on every tensor, which names each."""
     key = "widths:" + fix
     if key not in cls.memo:
-        cls.memo[key] = width_disagreements(ckpt.config, cls.input_shapes(ckpt.index), fix, input_family(ckpt, cls))
+        found: list[CheckpointError] | None = [] if cls.memo.get("widths agree") else None
+        shapes, family = cls.input_shapes(ckpt.index), input_family(ckpt, cls)
+        if found is None and among is not None:
+            folded = width_disagreements(ckpt.config, [t for t in shapes if t[0] in among], fix, family)
+            found = None if folded else []
+        if found is None:
+            found = width_disagreements(ckpt.config, shapes, fix, family)
+        cls.memo[key] = found
+        cls.memo["widths agree"] = not found
     return list(cls.memo[key])
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import fp8conv
 from fp8conv.model.classify import classify
 from fp8conv.options import TARGETS, ConvertOptions
-from fp8conv.plan.conversion import plan_conversion
+from fp8conv.plan.conversion import input_family, input_width_problems, plan_conversion, role_splits
 from fp8conv.plan.expert_fold import expert_fold
 from fp8conv.source.checkpoint import open_checkpoint
 from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
@@ -56,3 +57,47 @@ def test_the_folded_estimate_is_the_full_plan(tmp_path, not_converted, ragged, f
     estimates = fp8conv.inspect(path).estimated_output_bytes
     for to in TARGETS:
         assert estimates[to] == plan_conversion(ckpt, cls, ConvertOptions(to=to)).output_bytes, to
+
+
+@pytest.mark.parametrize(
+    ("not_converted", "ragged"),
+    [([], None), (["model.layers.1.mlp.experts.3.up_proj"], None), ([], 4)],
+)
+def test_roles_found_from_the_fold_are_the_full_scans(tmp_path, not_converted, ragged) -> None:
+    """inspect finds the family (by rule here: a model_type the table does not name), its role splits and the
+    width check from the folded tensors: each must be what every tensor gives."""
+    path = _moe(tmp_path / "ckpt", not_converted, ragged)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"model_type": "novel_moe"}))
+    ckpt = open_checkpoint(path)
+    folded_cls, full_cls = classify(ckpt.index, ckpt.config), classify(ckpt.index, ckpt.config)
+    fold = expert_fold(ckpt, folded_cls)
+    assert len(fold) < len(folded_cls.weights) + len(folded_cls.plain) or ragged is not None
+    folded = input_family(ckpt, folded_cls, among=fold)
+    full = input_family(ckpt, full_cls)
+    assert folded is not None and full is not None and folded.by_rule
+    assert (folded.name, folded.roles, folded.refusals, folded.mlp_mixers) == (
+        full.name,
+        full.roles,
+        full.refusals,
+        full.mlp_mixers,
+    )
+    assert role_splits(ckpt, folded_cls, among=fold) == role_splits(ckpt, full_cls)
+    fix = "correct config.json"
+    assert [p.one_line() for p in input_width_problems(ckpt, folded_cls, fix, among=fold)] == [
+        p.one_line() for p in input_width_problems(ckpt, full_cls, fix)
+    ]
+
+
+def test_a_width_the_fold_finds_wrong_is_named_for_every_expert(tmp_path) -> None:
+    """The folded width check only says whether config.json and the tensors agree; where they do not, every
+    tensor is checked, and inspect names each expert as convert does (not one per folded module)."""
+    path = _moe(tmp_path / "ckpt", [])
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"moe_intermediate_size": 2 * WIDTH}))
+    problems = fp8conv.inspect(path).problems
+    named = {p.split(":", 1)[0] for p in problems if "moe_intermediate_size says" in p}
+    assert len(named) == 2 * EXPERTS * 3, problems[:3]  # two layers of gate, up and down for every expert
+    ckpt = open_checkpoint(path)
+    cls = classify(ckpt.index, ckpt.config)
+    assert len(plan_conversion(ckpt, cls, ConvertOptions(to="bf16")).problems) >= len(named)
