@@ -21,6 +21,7 @@ from ..source.checkpoint import Checkpoint, open_checkpoint
 from .deepgemm_ready import deepgemm_readiness
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_ANY_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")  # LAYER_RE's every match, and more
 # Encoders beside the decoder, whose layers are numbered on their own (Step-3.7's 47 vision layers beside 45
 # decoder layers): never multi-token-prediction layers
 TOWER = re.compile(r"(?:^|\.)(?:vision\w*|visual|audio\w*|sound\w*)\.")
@@ -226,6 +227,11 @@ def _num_hidden_layers(config: dict[str, Any] | None) -> int | None:
 def _mtp_layers(ckpt: Checkpoint, num_hidden_layers: int | None) -> list[int]:
     """Layers numbered at or past num_hidden_layers: DeepSeek's multi-token-prediction layers."""
     if num_hidden_layers is None:
+        return []
+    # every layer index any name holds, found in C over all the names at once: mostly none is past the last
+    # decoder layer, and the names need no walk
+    indices = _ANY_LAYER_INDEX.findall("\n".join(ckpt.index.locations))
+    if all(int(i) < num_hidden_layers for i in set(indices)):
         return []
     # a name's first `layers.N.` lies in its parent module and the dot after it (its last part has no dot):
     # searched once per module, not per tensor (a weight and its scales share one)
