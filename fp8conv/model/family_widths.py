@@ -23,6 +23,14 @@ def family_of(config: dict[str, Any] | None, shapes: Mapping[str, tuple[int, ...
     return rule_family(config, shapes)
 
 
+def width_settings(config: dict[str, Any] | None, family: Family) -> tuple[Any, ...]:
+    """Every config.json value width_disagreements reads for this family: two configs with the same settings
+    give every (name, shape) the same verdict."""
+    c = text_config(config or {})
+    keys = ("hidden_size", "use_double_wide_mlp", "num_kv_shared_layers", "num_hidden_layers")
+    return (*(c.get(k) for k in keys), *(role.width.of(c) for role in family.roles))
+
+
 def width_disagreements(
     config: dict[str, Any] | None,
     tensors: Iterable[tuple[str, tuple[int, ...], str]],

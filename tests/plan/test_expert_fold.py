@@ -101,3 +101,28 @@ def test_a_width_the_fold_finds_wrong_is_named_for_every_expert(tmp_path) -> Non
     ckpt = open_checkpoint(path)
     cls = classify(ckpt.index, ckpt.config)
     assert len(plan_conversion(ckpt, cls, ConvertOptions(to="bf16")).problems) >= len(named)
+
+
+def test_the_output_widths_are_checked_unless_they_are_the_inputs(tmp_path, monkeypatch) -> None:
+    """The plan checks its output's config.json against the output's tensors, and skips that check only
+    when it is the input's (same widths stated, every tensor as it was). Two bugs it must still catch: a
+    padding that left config.json's width as it was, and a config.json rewritten with another width."""
+    import fp8conv.plan.conversion as conversion
+
+    path = _moe(tmp_path / "ckpt", [])
+    ckpt = open_checkpoint(path)
+    bug = "the output's config.json would disagree with its tensors"
+    padded = ConvertOptions(to="block", pad_for_tp=2)
+    assert not [p for p in plan_conversion(ckpt, classify(ckpt.index, ckpt.config), padded).problems if bug in str(p)]
+    monkeypatch.setattr(conversion, "updated_widths_config", lambda config, padding: None)
+    problems = plan_conversion(ckpt, classify(ckpt.index, ckpt.config), padded).problems
+    assert any(bug in str(p) and "moe_intermediate_size says 128" in str(p) for p in problems)
+    monkeypatch.undo()
+    real_rewrite = conversion.rewrite_for_block
+
+    def rewrite_with_another_width(config, block, ignore):
+        return real_rewrite(config, block, ignore) | {"moe_intermediate_size": 2 * WIDTH}
+
+    monkeypatch.setattr(conversion, "rewrite_for_block", rewrite_with_another_width)
+    problems = plan_conversion(ckpt, classify(ckpt.index, ckpt.config), ConvertOptions(to="block")).problems
+    assert any(bug in str(p) and "moe_intermediate_size says 256" in str(p) for p in problems)
