@@ -321,8 +321,11 @@ _ROLES_IN_LAYER: dict[str, dict[str, tuple[MlpRole, MlpTensor] | None]] = {}
 
 
 # Every role tensor's pattern ends `\.weight$`, `\.bias$` or `_proj$` (a test holds them to it), so no name
-# ending in a scale's suffix is a role's: the passes over a release's names skip its half that are scales
-NO_ROLE_TAILS = ("_scale_inv", "_scale", ".scale", ".qscale_weight", ".qscale_act")
+# ending in a scale's suffix is a role's, nor a packed 4-bit weight's own or its shape's (a packed weight
+# plays its role under the name it unpacks to): the passes over a release's names skip them (half its names;
+# two thirds of Kimi-K2.5's)
+NO_ROLE_TAILS = ("_scale_inv", "_scale", ".scale", ".qscale_weight", ".qscale_act", ".weight_packed", ".weight_shape")
+NO_ROLE_TAILS += ("_blocks", "_scales")  # gpt-oss's MXFP4 experts
 
 # family name -> tensor name -> role_of's answer: planning asks it of every name five or six times
 _ROLES_BY_NAME: dict[str, dict[str, tuple[MlpRole, MlpTensor] | None]] = {}

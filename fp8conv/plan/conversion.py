@@ -732,9 +732,8 @@ def role_splits(ckpt: Checkpoint, cls: Classification, among: Container[str] | N
         packed = {n: w.out_name for n, w in weights.items() if w.kind in PACKED and w.out_name}
         names = ckpt.index.locations if among is None else [n for n in ckpt.index.locations if n in among]
         for name in names if family is not None else ():
-            if name.endswith(NO_ROLE_TAILS):
-                continue
-            named, hit = name, role_of(family, name)  # asked of every name: the width checks ask it again
+            # asked of every name but scales and packed weights: the width checks ask it again
+            named, hit = name, None if name.endswith(NO_ROLE_TAILS) else role_of(family, name)
             if hit is None and name in packed:
                 named = packed[name]
                 hit = role_of(family, named)
