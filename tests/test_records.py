@@ -7,6 +7,7 @@ import dataclasses
 import gc
 
 import pytest
+import torch
 
 from fp8conv.model.weight_format import Kind, WeightFormat
 from fp8conv.plan.conversion import Action, Job, RunJob, ShardPlan, Strategy
@@ -57,5 +58,36 @@ def test_the_collector_is_paused_and_restored_as_it_was(enabled: bool):
         with pytest.raises(RuntimeError), collector_paused():
             raise RuntimeError("planning failed")
         assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_the_dry_run_summary_is_made_with_the_collector_paused(tmp_path, monkeypatch):
+    """A dry run's summary walks every job while the plan's records are alive: with the collector on, a full
+    collection over them took a tenth of a release's dry run."""
+    import fp8conv.run.dry_run as dry_run_module
+    from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
+
+    path = write_checkpoint(
+        tmp_path / "in",
+        {
+            "model.layers.0.mlp.down_proj.weight": fp8((256, 256)),
+            "model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(2, 2),
+        },
+        fp8_block_config(),
+    )
+    seen: list[bool] = []
+    real = dry_run_module._shard_summary
+
+    def summary(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dry_run_module, "_shard_summary", summary)
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        dry_run_module.dry_run(path, tmp_path / "out")
+        assert seen == [False] and gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()

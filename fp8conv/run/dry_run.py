@@ -14,6 +14,7 @@ from ..output.finish import assign_parts
 from ..plan.bands import BASE_BYTES, bands_held, held_bytes, write_limits
 from ..plan.conversion import RunJob, Strategy
 from ..plan.strategy import RunShard
+from ..records import collector_paused
 from .prepare import PreparedRun, prepare
 
 # What a dry run leaves to the real run: it needs torch, or the tensors' bytes.
@@ -77,6 +78,7 @@ class PlanSummary:
         return asdict(self) | {"totals": totals}
 
 
+@collector_paused()  # the summary's pass over 100k jobs is made with the plan's millions of records alive
 def dry_run(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str],
