@@ -77,13 +77,13 @@ def test_the_dry_run_summary_is_made_with_the_collector_paused(tmp_path, monkeyp
         fp8_block_config(),
     )
     seen: list[bool] = []
-    real = dry_run_module._shard_summary
+    real = dry_run_module.bands_held  # the summary's last pass over the jobs
 
-    def summary(*args, **kwargs):
+    def held(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dry_run_module, "_shard_summary", summary)
+    monkeypatch.setattr(dry_run_module, "bands_held", held)
     was = gc.isenabled()
     gc.enable()
     try:
