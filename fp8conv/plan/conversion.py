@@ -55,6 +55,7 @@ from ..source.mistral_native import (
     native_scale_name,
 )
 from ..storage.writer import TensorSpec
+from .expert_fold import shape_fold
 
 SAFETENSORS_METADATA = {"format": "pt"}
 DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
@@ -702,17 +703,16 @@ INPUT_WIDTHS_FIX = "config.json and the tensors disagree: correct config.json (o
 
 
 def input_family(ckpt: Checkpoint, cls: Classification, among: Container[str] | None = None) -> Family | None:
-    """The input's family (for a model_type the table does not name, found by rule from its tensors).
-    `among`: find it from these tensors alone (inspect's expert_fold: one expert of each module standing for
-    the others, which agree with it in name past the index and shape, all the rules read); the first call
-    decides, every later one gets its answer."""
+    """The input's family; for a model_type the table does not name, found by rule from the tensors of
+    `among` (inspect's expert_fold), else of shape_fold: one expert standing for each module's others, which
+    agree with it in name past the index and shape, all the rules read. The first call decides."""
     if "family" not in cls.memo:
         # the table's, when it names the model_type: the tensors' shapes (200k) are gathered only for the rules
         known = table_family(ckpt.config) if ckpt.config else None
-        shapes = cls.input_shapes(ckpt.index)
-        cls.memo["family"] = known or family_of(
-            ckpt.config, {n: shape for n, shape, _ in shapes if among is None or n in among}
-        )
+        if known is None and ckpt.config:
+            asked = shape_fold(ckpt, cls) if among is None else among
+            known = family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index) if n in asked})
+        cls.memo["family"] = known
     return cls.memo["family"]
 
 
@@ -724,7 +724,8 @@ def role_splits(ckpt: Checkpoint, cls: Classification, among: Container[str] | N
     """Each MLP role the input has, in the family's order: its first tensor (in file order), whether a --to
     block run writes any of its tensors as FP8 and whether it is gated (mlp_layout.RoleSplit). Found in one
     pass for every plan and report. A packed 4-bit weight plays the role of the weight it unpacks to.
-    `among`: as input_family's (folded experts agree in format and listing too)."""
+    `among`: ask these tensors alone (inspect's expert_fold, whose folded experts agree with the one standing
+    for them in name past the index, shape, format and listing: all this reads); the first call decides."""
     if "role_splits" not in cls.memo:
         family, found = input_family(ckpt, cls, among), {}
         weights, settings = cls.weights, cls.settings
@@ -763,19 +764,19 @@ def input_width_problems(
     ckpt: Checkpoint, cls: Classification, fix: str = INPUT_WIDTHS_FIX, among: Container[str] | None = None
 ) -> list[CheckpointError]:
     """config.json against the input's tensors, checked once whatever the number of plans (and, once they
-    agree, whatever the fix a message would name). `among`: as input_family's; folded experts agree with
-    the one standing for them in shape and in all a width's verdict reads (name past the expert index,
-    layer), so a check of those tensors that finds nothing is the whole check; one that finds something is
-    made again on every tensor, which names each."""
+    agree, whatever the fix a message would name). Asked first of the folded tensors, `among` (inspect's
+    expert_fold) or the shape_fold the rules made, when there is one: folded experts agree with the one
+    standing for them in shape and in all a width's verdict reads (name past the expert index, layer), so a
+    check of those that finds nothing is the whole check; one that finds something is made again on every
+    tensor, which names each. (Without a fold, every tensor at once: a fold costs more than that check.)"""
     key = "widths:" + fix
     if key not in cls.memo:
-        found: list[CheckpointError] | None = [] if cls.memo.get("widths agree") else None
-        shapes, family = cls.input_shapes(ckpt.index), input_family(ckpt, cls)
-        if found is None and among is not None:
-            folded = width_disagreements(ckpt.config, [t for t in shapes if t[0] in among], fix, family)
-            found = None if folded else []
-        if found is None:
-            found = width_disagreements(ckpt.config, shapes, fix, family)
+        found: list[CheckpointError] = []
+        if not cls.memo.get("widths agree"):
+            shapes, family = cls.input_shapes(ckpt.index), input_family(ckpt, cls, among)
+            asked = among if among is not None else cls.memo.get("shape_fold")
+            if asked is None or width_disagreements(ckpt.config, [t for t in shapes if t[0] in asked], fix, family):
+                found = width_disagreements(ckpt.config, shapes, fix, family)
         cls.memo[key] = found
         cls.memo["widths agree"] = not found
     return list(cls.memo[key])

@@ -1,11 +1,15 @@
-"""Routed experts folded for estimates: inspect sizes eight plans (four targets, padded TP choices), and a
-release has 100k+ expert tensors that differ only by their index. The experts of one module whose
-tensors agree in everything a plan reads (names past the index, dtypes, shapes, formats, ignore-list
-listing) are planned once, by the lowest index, which then stands for all of them. Any disagreement
-(one expert listed in an ignore list, one shape off) leaves that module's experts unfolded.
+"""Routed experts folded: a release has 100k+ expert tensors that differ only by their index, and the
+questions asked of a checkpoint as a whole are asked once of one expert standing for the others of its
+module when they agree in everything the question reads. Any disagreement (one expert listed in an
+ignore list, one shape off) leaves that module's experts unfolded.
 
-Only sizes and whether a plan has problems are read from a folded plan (a problem of one expert is one
-of each); a run plans every tensor."""
+- `expert_fold`, for inspect (its eight estimate plans: four targets, padded TP choices; its role and width
+  questions): experts that agree in everything a plan reads (names past the index, dtypes, shapes, formats,
+  ignore-list listing) are planned once, by the lowest index. Only sizes and whether a plan has problems are
+  read from a folded plan (a problem of one expert is one of each); a run plans every tensor.
+- `shape_fold`, for the MLP role rules of a model_type the table does not name (and the width check after
+  them), which read a tensor's name past the expert index and its shape: the names to ask.
+"""
 
 from __future__ import annotations
 
@@ -27,9 +31,7 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
     # experts module prefix -> expert index -> [(name past the index, what a plan reads of it)]
     modules: dict[str, dict[str, list[tuple[str, Any]]]] = {}
     for name, (_, entry) in ckpt.index.locations.items():
-        at = name.rfind(_EXPERTS)
-        dot = name.find(".", at + len(_EXPERTS)) if at >= 0 else -1
-        index = name[at + len(_EXPERTS) : dot] if dot > 0 else ""
+        at, dot, index = _split(name)
         if not index.isdigit():
             if name in weights or name in plain:
                 keep[name] = 1
@@ -52,18 +54,57 @@ def expert_fold(ckpt: Checkpoint, cls: Classification) -> dict[str, int]:
         else:
             tensors.append((name[dot:], reads))
     for prefix, experts in modules.items():
-        first = min(experts, key=int)
-        signature, ordered = experts[first], sorted(experts[first])
-        # each expert's tensors mostly come in its first's order: compared as they are before sorted
-        folded = all(len(t) == len(signature) and (t == signature or sorted(t) == ordered) for t in experts.values())
+        first = _agreeing(experts)
         for index, tensors in experts.items():
-            if folded and index != first:
+            if first is not None and index != first:
                 continue
             for rest, (_, _, planned, _, _) in tensors:
                 if planned:
-                    keep[f"{prefix}{index}{rest}"] = len(experts) if folded else 1
+                    keep[f"{prefix}{index}{rest}"] = len(experts) if first is not None else 1
     cls.memo["expert_fold"] = keep
     return keep
+
+
+def shape_fold(ckpt: Checkpoint, cls: Classification) -> set[str]:
+    """The names the role rules and width checks need ask: every name outside experts modules; of a module
+    whose experts agree in their names past the index and their shapes (a packed weight's unpacked, as
+    Classification.input_shapes gives them), the lowest index's; every expert of a module that does not."""
+    if "shape_fold" in cls.memo:
+        return cls.memo["shape_fold"]
+    asked: set[str] = set()
+    # experts module prefix -> expert index -> [(name past the index, shape)]
+    modules: dict[str, dict[str, list[tuple[str, tuple[int, ...]]]]] = {}
+    for name, shape, _ in cls.input_shapes(ckpt.index):
+        at, dot, index = _split(name)
+        if not index.isdigit():
+            asked.add(name)
+            continue
+        modules.setdefault(name[: at + len(_EXPERTS)], {}).setdefault(index, []).append((name[dot:], shape))
+    for prefix, experts in modules.items():
+        first = _agreeing(experts)
+        asked.update(
+            f"{prefix}{index}{rest}" for index in (experts if first is None else [first]) for rest, _ in experts[index]
+        )
+    cls.memo["shape_fold"] = asked
+    return asked
+
+
+def _split(name: str) -> tuple[int, int, str]:
+    """Where a name's last `.experts.` starts, the dot after its index, and the index ("" for none, or
+    something not an index when not digits)."""
+    at = name.rfind(_EXPERTS)
+    dot = name.find(".", at + len(_EXPERTS)) if at >= 0 else -1
+    return at, dot, name[at + len(_EXPERTS) : dot] if dot > 0 else ""
+
+
+def _agreeing(experts: dict[str, list[tuple[str, Any]]]) -> str | None:
+    """The lowest expert index when every expert's (name past the index, what is read) list is its, in
+    any order; else None."""
+    first = min(experts, key=int)
+    signature, ordered = experts[first], sorted(experts[first])
+    # each expert's tensors mostly come in its first's order: compared as they are before sorted
+    same = all(len(t) == len(signature) and (t == signature or sorted(t) == ordered) for t in experts.values())
+    return first if same else None
 
 
 def _format(fmt: WeightFormat, name: str) -> tuple[Any, ...]:

@@ -11,18 +11,19 @@ import torch
 
 import fp8conv
 from fp8conv.model.classify import classify
+from fp8conv.model.family_widths import family_of, width_disagreements
 from fp8conv.options import TARGETS, ConvertOptions
 from fp8conv.plan.conversion import input_family, input_width_problems, plan_conversion, role_splits
-from fp8conv.plan.expert_fold import expert_fold
+from fp8conv.plan.expert_fold import expert_fold, shape_fold
 from fp8conv.source.checkpoint import open_checkpoint
 from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
 
 EXPERTS, H, WIDTH = 6, 256, 128
 
 
-def _moe(path: Path, not_converted: list[str], ragged_expert: int | None = None) -> Path:
-    """Two MoE layers of block-FP8 experts (one expert of another width when `ragged_expert`), a bf16
-    gate, and an ignore list."""
+def _moe(path: Path, not_converted: list[str], ragged_expert: int | None = None, bf16: bool = False) -> Path:
+    """Two MoE layers of block-FP8 experts (one expert of another width when `ragged_expert`; bf16 experts
+    when `bf16`), a bf16 gate, and an ignore list."""
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(2):
         p = f"model.layers.{layer}.mlp."
@@ -30,6 +31,9 @@ def _moe(path: Path, not_converted: list[str], ragged_expert: int | None = None)
         for e in range(EXPERTS):
             width = WIDTH // 2 if e == ragged_expert else WIDTH
             for name, shape in (("gate_proj", (width, H)), ("up_proj", (width, H)), ("down_proj", (H, width))):
+                if bf16:
+                    tensors[f"{p}experts.{e}.{name}.weight"] = torch.ones(shape, dtype=torch.bfloat16)
+                    continue
                 tensors[f"{p}experts.{e}.{name}.weight"] = fp8(shape, seed=e)
                 tensors[f"{p}experts.{e}.{name}.weight_scale_inv"] = torch.ones(
                     -(-shape[0] // 128), -(-shape[1] // 128)
@@ -59,22 +63,41 @@ def test_the_folded_estimate_is_the_full_plan(tmp_path, not_converted, ragged, f
         assert estimates[to] == plan_conversion(ckpt, cls, ConvertOptions(to=to)).output_bytes, to
 
 
+# experts.0 of both layers listed as not converted: a bf16 checkpoint's other experts are quantized
+_EXPERT_0 = [f"model.layers.{layer}.mlp.experts.0.{p}_proj" for layer in range(2) for p in ("gate", "up", "down")]
+
+
 @pytest.mark.parametrize(
-    ("not_converted", "ragged"),
-    [([], None), (["model.layers.1.mlp.experts.3.up_proj"], None), ([], 4)],
+    ("not_converted", "ragged", "bf16"),
+    [
+        ([], None, False),
+        (["model.layers.1.mlp.experts.3.up_proj"], None, False),
+        ([], 4, False),
+        (_EXPERT_0, None, True),
+    ],
 )
-def test_roles_found_from_the_fold_are_the_full_scans(tmp_path, not_converted, ragged) -> None:
-    """inspect finds the family (by rule here: a model_type the table does not name), its role splits and the
-    width check from the folded tensors: each must be what every tensor gives."""
-    path = _moe(tmp_path / "ckpt", not_converted, ragged)
+@pytest.mark.parametrize("fold", ["shape", "expert"])
+def test_roles_found_from_the_folds_are_the_full_scans(tmp_path, not_converted, ragged, bf16, fold) -> None:
+    """The family (by rule here: a model_type the table does not name) and the width check are asked of the
+    folded tensors (a plan's: shape_fold's; inspect's: expert_fold's), inspect's role splits of expert_fold's:
+    each must be what every tensor gives (family_widths asked of all the shapes, role_splits of every name).
+    A bf16 checkpoint whose experts.0 are listed folds by shape but not by listing, and the role splits must
+    still see its other experts quantized."""
+    path = _moe(tmp_path / "ckpt", not_converted, ragged, bf16)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"model_type": "novel_moe"}))
     ckpt = open_checkpoint(path)
     folded_cls, full_cls = classify(ckpt.index, ckpt.config), classify(ckpt.index, ckpt.config)
-    fold = expert_fold(ckpt, folded_cls)
-    assert len(fold) < len(folded_cls.weights) + len(folded_cls.plain) or ragged is not None
-    folded = input_family(ckpt, folded_cls, among=fold)
-    full = input_family(ckpt, full_cls)
+    shapes = folded_cls.input_shapes(ckpt.index)
+    among = None if fold == "shape" else expert_fold(ckpt, folded_cls)
+    folded = input_family(ckpt, folded_cls, among)
+    asked = shape_fold(ckpt, folded_cls) if among is None else among
+    # nothing folds with an expert of another shape, nor by listing where every layer's experts.0 is listed
+    weights = [name for name, _, _ in shapes if name.endswith(".weight")]
+    assert (len([n for n in weights if n in asked]) < len(weights)) == (
+        ragged is None and not (bf16 and fold == "expert")
+    )
+    full = family_of(ckpt.config, {name: shape for name, shape, _ in shapes})
     assert folded is not None and full is not None and folded.by_rule
     assert (folded.name, folded.roles, folded.refusals, folded.mlp_mixers) == (
         full.name,
@@ -82,10 +105,11 @@ def test_roles_found_from_the_fold_are_the_full_scans(tmp_path, not_converted, r
         full.refusals,
         full.mlp_mixers,
     )
-    assert role_splits(ckpt, folded_cls, among=fold) == role_splits(ckpt, full_cls)
+    assert role_splits(ckpt, folded_cls, among=expert_fold(ckpt, folded_cls)) == role_splits(ckpt, full_cls)
+    assert any(s.block_fp8 for s in role_splits(ckpt, full_cls)) or ragged is not None
     fix = "correct config.json"
-    assert [p.one_line() for p in input_width_problems(ckpt, folded_cls, fix, among=fold)] == [
-        p.one_line() for p in input_width_problems(ckpt, full_cls, fix)
+    assert [p.one_line() for p in input_width_problems(ckpt, folded_cls, fix, among)] == [
+        p.one_line() for p in width_disagreements(ckpt.config, shapes, fix, folded)
     ]
 
 
