@@ -9,7 +9,7 @@ from typing import Any
 
 from ..plan.conversion import SAFETENSORS_METADATA, ConversionPlan, ShardPlan
 from ..source.config import dump_json
-from ..storage.writer import safetensors_header
+from ..storage.writer import safetensors_header_size
 from .manifest import Manifest
 
 BLOCK_BYTES = 4096  # what a small file takes on disk at least (ext4, xfs)
@@ -29,7 +29,7 @@ def output_bytes(
 ) -> int:
     """What this run adds to OUT, at most: `written` are the shards it writes, `copied_sizes` the sizes
     of the files it copies."""
-    total = sum(_blocks(len(safetensors_header(s.specs, SAFETENSORS_METADATA)) + s.nbytes) for s in written)
+    total = sum(_blocks(safetensors_header_size(s.specs, SAFETENSORS_METADATA) + s.nbytes) for s in written)
     total += sum(_blocks(n) for n in copied_sizes) + _blocks(len(card_note or ""))
     docs: list[dict[str, Any]] = list(plan.json_files.values())
     if plan.write_index:
