@@ -36,7 +36,8 @@ def output_bytes(
         docs.append(plan.index_document())
     if plan.config is not None:
         docs.append(plan.config)
-    total += sum(_blocks(len(dump_json(d))) for d in docs)
+    texts = [dump_json(d) for d in docs]
+    total += sum(_blocks(len(t)) for t in texts)
     record = {
         "options": manifest.options,
         "input": manifest.input,
@@ -44,5 +45,23 @@ def output_bytes(
         "extra": manifest.extra,
         "finalize": {"copy_files": plan.copy_files, "json_files": plan.json_files, "docs": docs},
     }
-    manifest_bytes = _blocks(len(json.dumps(record, indent=2)) + 1024)
+    manifest_bytes = _blocks(_record_length(record, texts) + 1024)
     return total + 2 * manifest_bytes + 2 * BLOCK_BYTES  # the manifest and its temporary; .fp8conv and the lock
+
+
+_DOCS_DEPTH = 3  # record -> "finalize" -> "docs" -> each document
+
+
+def _record_length(record: dict[str, Any], texts: list[bytes]) -> int:
+    """len(json.dumps(record, indent=2)), its documents (record["finalize"]["docs"]) taken from their text as
+    written (`texts`, dump_json's) rather than encoded again (a release's index is 200k names): the same
+    text, ASCII, but each line after the first indented by its depth. Encoded whole when a text is not ASCII
+    (the record escapes what dump_json writes as UTF-8)."""
+    docs = record["finalize"]["docs"]
+    if not docs or not all(t.isascii() for t in texts):
+        return len(json.dumps(record, indent=2))
+    empty = len(json.dumps({**record, "finalize": {**record["finalize"], "docs": []}}, indent=2))
+    # "[" then each document on its own line at its depth, "," between them, "]" on a line one level out
+    items = sum(len(t) - 1 + (t.count(b"\n") - 1) * 2 * _DOCS_DEPTH + 1 + 2 * _DOCS_DEPTH for t in texts)
+    listed = 2 + items + (len(texts) - 1) + 1 + 2 * (_DOCS_DEPTH - 1)
+    return empty - len("[]") + listed
