@@ -15,10 +15,10 @@ from fp8conv.options import ConvertOptions
 from fp8conv.output import sizes
 from fp8conv.output.manifest import Manifest
 from fp8conv.output.sizes import output_bytes
-from fp8conv.plan.conversion import SAFETENSORS_METADATA, plan_conversion
+from fp8conv.plan.conversion import SAFETENSORS_METADATA, Action, ConversionPlan, Job, ShardPlan, plan_conversion
 from fp8conv.source.checkpoint import open_checkpoint
 from fp8conv.source.config import dump_json
-from fp8conv.storage.writer import safetensors_header
+from fp8conv.storage.writer import TensorSpec, safetensors_header
 
 BLOCK = 1  # the count's filesystem block, made one byte: a count off by a byte shows
 
@@ -55,3 +55,23 @@ def test_the_count_is_the_plain_definitions(make_tiny, monkeypatch, json_files, 
     for note in (None, "a model card note"):
         counted = output_bytes(plan, list(plan.shards), [10, 5000], manifest, note)
         assert counted == _reference(plan, [10, 5000], manifest, note)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv", "lm_head.weight"],
+        ["ünïcødé.weight", 'quo"te.weight', "plain.weight"],  # names the index writes as UTF-8 or escaped
+        ["twice.weight", "twice.weight", "once.weight"],  # a name twice: the index's dict keeps one
+    ],
+)
+def test_the_index_is_counted_as_written(monkeypatch, names) -> None:
+    monkeypatch.setattr(sizes, "BLOCK_BYTES", BLOCK)
+    specs = [TensorSpec(name, "BF16", (i + 1, 3)) for i, name in enumerate(names)]
+    shards = [
+        ShardPlan("model-00001-of-00002.safetensors", [Job(specs[0].name, Action.COPY, (specs[0],))]),
+        ShardPlan("mödel-2.safetensors", [Job(s.name, Action.COPY, (s,)) for s in specs[1:]]),
+    ]
+    plan = ConversionPlan(ConvertOptions(to="bf16"), shards, True, {"model_type": "x"}, (), ())
+    manifest = Manifest("0.1.0", {"to": "bf16"}, {})
+    assert output_bytes(plan, shards, [], manifest, None) == _reference(plan, [], manifest, None)
