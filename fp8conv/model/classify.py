@@ -93,6 +93,15 @@ class Classification:
         self.memo["input_shapes"] = (index, shapes)
         return shapes
 
+    def unpacked_names(self) -> dict[str, str]:
+        """A packed 4-bit weight's name -> the name it unpacks to (X.weight_packed -> X.weight, X_blocks ->
+        X): the name whose MLP role it plays, checked by its unpacked shape (input_shapes)."""
+        if "unpacked_names" not in self.memo:
+            self.memo["unpacked_names"] = {
+                name: fmt.out_name for name, fmt in self.weights.items() if fmt.kind in PACKED and fmt.out_name
+            }
+        return self.memo["unpacked_names"]
+
 
 @dataclass
 class _Context:

@@ -36,14 +36,17 @@ def width_disagreements(
     tensors: Iterable[tuple[str, tuple[int, ...], str]],
     fix: str,
     family: Family | None = None,
+    unpacked: Mapping[str, str] | None = None,
 ) -> list[CheckpointError]:
     """Every (name, shape, shard) whose MLP width differs from the one the (text) config states for
     its role: transformers and vLLM build the layer from config.json and stop on the size mismatch.
     A family found by rule has each role's key matched to its tensors: this then checks the output
     (the padded widths written where the roles' keys are). `family`: the input's, for its output (the roles
-    found on the input's names, checked against the widths written); else found here."""
+    found on the input's names, checked against the widths written); else found here. `unpacked`: a packed
+    4-bit weight's name -> the name it unpacks to (X.weight_packed -> X.weight), whose role it has (its
+    shape given unpacked, as Classification.input_shapes gives it)."""
     tensors = list(tensors)
-    family = family or family_of(config, {name: shape for name, shape, _ in tensors})
+    family = family or family_of(config, role_shapes(tensors, unpacked))
     if family is None:
         return []
     c = text_config(config or {})
@@ -53,14 +56,16 @@ def width_disagreements(
     # 200k role tensors come in a few dozen of these
     misfits: dict[tuple[int, tuple[int, ...], int], int | None] = {}
     problems = []
+    unpacked = unpacked or {}
     for name, shape, shard in tensors:
-        if name.endswith(NO_ROLE_TAILS):
+        role_name = unpacked.get(name, name)
+        if role_name.endswith(NO_ROLE_TAILS):
             continue
-        found = role_of(family, name)
+        found = role_of(family, role_name)
         if found is None:
             continue
         role, tensor = found
-        factor = layer_factor(c, role.group, name) if double_wide else 1
+        factor = layer_factor(c, role.group, role_name) if double_wide else 1
         key = (id(tensor), shape, factor)  # the family's own MlpTensors, alive as long as it is
         if key not in misfits:
             width = role.width.of(c)
@@ -70,9 +75,10 @@ def width_disagreements(
         if width is None:
             continue
         what = f"{tensor.parts} x {width}" if tensor.parts > 1 else str(width)
+        shown = f"{list(shape)} unpacked" if role_name != name else str(list(shape))
         problems.append(
             CheckpointError(
-                f"has shape {list(shape)} but config.json's {role.width.label} says {what} along its "
+                f"has shape {shown} but config.json's {role.width.label} says {what} along its "
                 f"intermediate dimension ({role.group} MLP of {model_type_of(config)})",
                 tensor=name,
                 shard=shard,
@@ -80,3 +86,13 @@ def width_disagreements(
             )
         )
     return problems
+
+
+def role_shapes(
+    tensors: Iterable[tuple[str, tuple[int, ...], str]], unpacked: Mapping[str, str] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """name -> shape of (name, shape, shard) tensors, a packed weight under the name it unpacks to: what the
+    role rules read."""
+    if not unpacked:
+        return {name: shape for name, shape, _ in tensors}
+    return {unpacked.get(name, name): shape for name, shape, _ in tensors}

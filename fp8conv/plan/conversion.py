@@ -18,7 +18,7 @@ from ..dtypes import DEQUANT_TARGETS, ELEMENT_BYTES, FP8_E4M3, FP8_MAX_GAUDI2, F
 from ..errors import CheckpointError, OptionsError
 from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from ..model.families import FUSED_EXPERTS, NO_ROLE_TAILS, Family, fused_module, model_type_of, role_of, table_family
-from ..model.family_widths import family_of, width_disagreements, width_settings
+from ..model.family_widths import family_of, role_shapes, width_disagreements, width_settings
 from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from ..model.mimo_kv import fused_qkv_problems
 from ..model.mlp_layout import (
@@ -711,7 +711,8 @@ def input_family(ckpt: Checkpoint, cls: Classification, among: Container[str] | 
         known = table_family(ckpt.config) if ckpt.config else None
         if known is None and ckpt.config:
             asked = shape_fold(ckpt, cls) if among is None else among
-            known = family_of(ckpt.config, {n: shape for n, shape, _ in cls.input_shapes(ckpt.index) if n in asked})
+            shapes = [t for t in cls.input_shapes(ckpt.index) if t[0] in asked]
+            known = family_of(ckpt.config, role_shapes(shapes, cls.unpacked_names()))
         cls.memo["family"] = known
     return cls.memo["family"]
 
@@ -765,18 +766,18 @@ def input_width_problems(
 ) -> list[CheckpointError]:
     """config.json against the input's tensors, checked once whatever the number of plans (and, once they
     agree, whatever the fix a message would name). Asked first of the folded tensors, `among` (inspect's
-    expert_fold) or the shape_fold the rules made, when there is one: folded experts agree with the one
-    standing for them in shape and in all a width's verdict reads (name past the expert index, layer), so a
-    check of those that finds nothing is the whole check; one that finds something is made again on every
-    tensor, which names each. (Without a fold, every tensor at once: a fold costs more than that check.)"""
+    expert_fold) or shape_fold's (the rules' own, made here for a family of the table): folded experts agree
+    with the one standing for them in shape and in all a width's verdict reads (name past the expert index,
+    layer), so a check of those that finds nothing is the whole check; one that finds something is made again
+    on every tensor, which names each. A packed 4-bit weight is asked as the weight it unpacks to."""
     key = "widths:" + fix
     if key not in cls.memo:
         found: list[CheckpointError] = []
         if not cls.memo.get("widths agree"):
             shapes, family = cls.input_shapes(ckpt.index), input_family(ckpt, cls, among)
-            asked = among if among is not None else cls.memo.get("shape_fold")
-            if asked is None or width_disagreements(ckpt.config, [t for t in shapes if t[0] in asked], fix, family):
-                found = width_disagreements(ckpt.config, shapes, fix, family)
+            asked, unpacked = among if among is not None else shape_fold(ckpt, cls), cls.unpacked_names()
+            if width_disagreements(ckpt.config, [t for t in shapes if t[0] in asked], fix, family, unpacked):
+                found = width_disagreements(ckpt.config, shapes, fix, family, unpacked)
         cls.memo[key] = found
         cls.memo["widths agree"] = not found
     return list(cls.memo[key])
@@ -792,7 +793,7 @@ def _width_problems(
     """config.json and the tensors must agree on every MLP width, in the input and in the output (whose
     roles are the input's: the same names, padded where --pad-for-tp pads them)."""
     problems = input_width_problems(ckpt, cls)
-    if problems or config is None or _widths_as_input(ckpt, config, shards, family):
+    if problems or config is None or _widths_as_input(ckpt, config, shards, cls, family):
         return problems
     # each job's weight: its scales and companions are no MLP role's tensors (their grids are no widths)
     outputs = ((j.spec.name, j.spec.shape, s.name) for s in shards for j in s.jobs)
@@ -804,17 +805,23 @@ def _width_problems(
     )
 
 
-def _widths_as_input(ckpt: Checkpoint, config: dict[str, Any], shards: list[ShardPlan], family: Family | None) -> bool:
+def _widths_as_input(
+    ckpt: Checkpoint, config: dict[str, Any], shards: list[ShardPlan], cls: Classification, family: Family | None
+) -> bool:
     """Whether the output's width check is the input's, which found nothing: the same config values read and
-    every job's weight its input tensor, same name and shape (nothing padded, renamed or unpacked). A pass
-    over the jobs costs a fifth of asking each of a release's 100k weights its role again."""
+    every job's weight what the input's check read, same name and shape (its input tensor; a packed weight
+    unpacked, by the name and shape it unpacks to; nothing padded or renamed). A pass over the jobs costs a
+    fifth of asking each of a release's 100k weights its role again."""
     if family is None or ckpt.config is None or width_settings(config, family) != width_settings(ckpt.config, family):
         return False
-    locations = ckpt.index.locations
+    locations, unpacked = ckpt.index.locations, cls.unpacked_names()
     for shard in shards:
         for job in shard.jobs:
             spec = job.outputs[0]
-            if spec.name != job.source or spec.shape != locations[job.source][1].shape:
+            if spec.name == job.source and spec.shape == locations[job.source][1].shape:
+                continue
+            fmt = job.fmt  # (unpacked to its own name: a ModelOpt uint8 X.weight)
+            if fmt is None or spec.name != unpacked.get(job.source) or spec.shape != fmt.shape:
                 return False
     return True
 
