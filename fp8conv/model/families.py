@@ -83,6 +83,17 @@ class MlpRole:
 
 
 @dataclass(frozen=True)
+class WidthMisfit:
+    """A role found by rule whose tensors have a width that config.json states under none of the keys an
+    engine may size that role by, though it states some: config.json and the tensors disagree."""
+
+    group: str  # dense / shared / routed
+    tensor: str  # one of them (as the rules read it: a packed weight by the name it unpacks to)
+    shape: tuple[int, ...]
+    stated: tuple[tuple[str, int], ...]  # each candidate key config.json states, with its value
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -100,6 +111,7 @@ class Family:
     # A family the table does not name, its roles found by rule (roles.py): why --pad-for-tp cannot pad it
     # (widths no config key matches, or two keys match), and the `mixer.` modules that are MLPs
     refusals: tuple[str, ...] = ()
+    misfits: tuple[WidthMisfit, ...] = ()  # the roles among those refusals that config.json gets wrong
     mlp_mixers: frozenset[str] = frozenset()
     by_rule: bool = False
 

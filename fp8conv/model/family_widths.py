@@ -75,7 +75,7 @@ def width_disagreements(
         if width is None:
             continue
         what = f"{tensor.parts} x {width}" if tensor.parts > 1 else str(width)
-        shown = f"{list(shape)} unpacked" if role_name != name else str(list(shape))
+        shown = f"{list(shape)} unpacked" if name in unpacked else str(list(shape))
         problems.append(
             CheckpointError(
                 f"has shape {shown} but config.json's {role.width.label} says {what} along its "

@@ -4,7 +4,9 @@ Engines load MLP tensors by a few naming conventions (`mlp.experts.{E}.{gate,up,
 `experts.gate_up_proj` / `down_proj`, Step-3.5's stacked `moe.{gate,up,down}_proj.weight`, `w1/w2/w3`,
 `shared_expert(s)` / `share_expert` / `shared_mlp`, Nemotron-H's `mixer.`). Each role found is given the
 config key whose value its tensors have; a role whose tensors fit no candidate key, or two keys, is not
-guessed: --pad-for-tp is refused naming the tensors and the keys. What rules cannot know (fused groups an
+guessed: --pad-for-tp is refused naming the tensors and the keys. One whose tensors have none of the widths
+config.json states under keys naming the role (Family.misfits) disagrees with config.json: every target is
+refused, as for a family of the table. What rules cannot know (fused groups an
 engine builds, modules engines keep unquantized whatever the config says, unusual width keys) is in
 EXCEPTIONS, by model_type. No torch.
 """
@@ -26,6 +28,7 @@ from .families import (
     MlpRole,
     MlpTensor,
     Width,
+    WidthMisfit,
     _gate_up_down,
     in_vision,
     layer_factor,
@@ -140,6 +143,7 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     found, mixers = _role_tensors(shapes)
     roles: list[MlpRole] = []
     refusals: list[str] = []
+    misfits: list[WidthMisfit] = []
     for group in ("dense", "routed", "shared"):
         if found[group]:
             width, refusal = _match_width(group, found[group], c, hidden)
@@ -147,6 +151,9 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
                 roles.append(MlpRole(group, width, ROLE_TENSORS[group]))
             else:
                 refusals.append(refusal)
+            misfit = _misfit(group, found[group], c, hidden, width, roles)
+            if misfit is not None:
+                misfits.append(misfit)
     extra = EXCEPTIONS.get(model_type, Exceptions())
     labels = ", ".join(f"{r.group} {r.width.label}" for r in roles) or "no MLP roles"
     family = Family(
@@ -157,6 +164,7 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
         unquantized=re.compile("(" + "|".join((_UNQUANTIZED_BASE, _UNQUANTIZED_RULES, *extra.unquantized)) + ")"),
         mlp_other=MLP_OTHER,
         refusals=tuple(refusals),
+        misfits=tuple(misfits),
         mlp_mixers=mixers,
         by_rule=True,
         block_fused_experts=extra.block_fused_experts,
@@ -247,3 +255,48 @@ def _match_width(
         f"no config.json key gives the {group} MLP's width: {misfit[0]} has shape {list(misfit[1])}, "
         f"candidates {stated or 'none'}"
     )
+
+
+# The candidate keys that name a role (an engine sizes the role by one of them when config.json has it);
+# the others are generic (intermediate_size sizes dense MLPs, or experts where no key names them)
+_NAMES_ROLE = {"dense": (), "routed": ("moe", "expert"), "shared": ("share",)}
+
+
+def _naming_keys(group: str, c: dict[str, Any], found: list[MlpRole]) -> list[tuple[Width, int]]:
+    """The candidate keys config.json has that name the role, with their values. A routed role with no
+    moe_/expert_ key is named by intermediate_size when no dense role is sized by it (Mixtral's convention:
+    the experts' width, as in MiniMax-M3, whose dense layers have dense_intermediate_size)."""
+    words = _NAMES_ROLE[group]
+    stated = [(w, value) for w in WIDTH_CANDIDATES[group] if (value := w.of(c)) is not None]
+    naming = [(w, value) for w, value in stated if not words or any(word in w.key for word in words)]
+    if (
+        group == "routed"
+        and not naming
+        and not any(r.group == "dense" and r.width.key == "intermediate_size" for r in found)
+    ):
+        naming = [(w, value) for w, value in stated if w.key == "intermediate_size"]
+    return naming
+
+
+def _misfit(
+    group: str,
+    tensors: dict[tuple[int, tuple[int, ...]], str],
+    c: dict[str, Any],
+    hidden: int | None,
+    matched: Width | None,
+    found: list[MlpRole],
+) -> WidthMisfit | None:
+    """The role's tensors against config.json when it has keys naming the role (_naming_keys: a dense MLP's
+    are all its candidates, moe_/expert_ keys name the routed experts, share_ keys the shared ones) and the
+    tensors fit none of them: no key fits (`matched` None), or only a generic one does. None when a key
+    naming the role fits, or config.json has none (nothing an engine is known to size the role by, as the
+    rules warn). `found`: the roles matched before this one."""
+    naming = _naming_keys(group, c, found)
+    if not naming or (matched is not None and matched in [w for w, _ in naming]):
+        return None
+    kinds = [(name, shape, ROLE_TENSORS[group][i]) for (i, shape), name in tensors.items()]
+    for name, shape, tensor in kinds:
+        widths = [value * layer_factor(c, group, name) for _, value in naming]
+        if all(width_axis(tensor, shape, width, hidden) is None for width in widths):
+            return WidthMisfit(group, name, shape, tuple((w.label, value) for w, value in naming))
+    return None

@@ -647,7 +647,9 @@ SPECS: dict[str, Spec] = {
     ),
     "gpt-oss": Spec(
         "gpt_oss",
-        dict(_SMALL, hidden_size=224, num_local_experts=4, num_experts_per_tok=2),
+        # intermediate_size a multiple of MXFP4's 32: down_proj's blocks hold whole groups of it (330 held
+        # 320, a width config.json disagreed with)
+        dict(_SMALL, hidden_size=224, intermediate_size=320, num_local_experts=4, num_experts_per_tok=2),
         "mxfp4",
         lambda cfg: {
             "quant_method": "mxfp4",
