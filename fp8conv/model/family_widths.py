@@ -44,7 +44,8 @@ def width_disagreements(
     (the padded widths written where the roles' keys are). `family`: the input's, for its output (the roles
     found on the input's names, checked against the widths written); else found here. `unpacked`: a packed
     4-bit weight's name -> the name it unpacks to (X.weight_packed -> X.weight), whose role it has (its
-    shape given unpacked, as Classification.input_shapes gives it)."""
+    shape given unpacked, as Classification.input_shapes gives it). A family found by rule adds each role
+    whose tensors have none of the widths config.json states under keys naming it (Family.misfits)."""
     tensors = list(tensors)
     family = family or family_of(config, role_shapes(tensors, unpacked))
     if family is None:
@@ -80,6 +81,36 @@ def width_disagreements(
             CheckpointError(
                 f"has shape {shown} but config.json's {role.width.label} says {what} along its "
                 f"intermediate dimension ({role.group} MLP of {model_type_of(config)})",
+                tensor=name,
+                shard=shard,
+                fix=fix,
+            )
+        )
+    return problems + _misfit_problems(config, family, tensors, unpacked, fix)
+
+
+def _misfit_problems(
+    config: dict[str, Any] | None,
+    family: Family,
+    tensors: list[tuple[str, tuple[int, ...], str]],
+    unpacked: Mapping[str, str],
+    fix: str,
+) -> list[CheckpointError]:
+    """A role found by rule whose tensors have no width config.json states for it (Family.misfits): engines
+    size the layer by config.json and stop on the mismatch, as for a family of the table. Named by the tensor
+    the file holds (a packed weight's, read by the rules as the name it unpacks to)."""
+    if not family.misfits:
+        return []
+    held = {unpacked.get(name, name): (name, shard) for name, _, shard in tensors}
+    problems = []
+    for misfit in family.misfits:
+        name, shard = held.get(misfit.tensor, (misfit.tensor, None))
+        stated = ", ".join(f"{label} {value}" for label, value in misfit.stated)
+        shown = f"{list(misfit.shape)} unpacked" if name in unpacked else str(list(misfit.shape))
+        problems.append(
+            CheckpointError(
+                f"has shape {shown}, but none of the widths config.json states for the {misfit.group} MLP is its "
+                f"({stated}; {model_type_of(config)}, roles by rule)",
                 tensor=name,
                 shard=shard,
                 fix=fix,

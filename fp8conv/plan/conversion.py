@@ -781,35 +781,9 @@ def input_width_problems(
             folded = None if asked is None else [t for t in shapes if t[0] in asked]
             if folded is None or width_disagreements(ckpt.config, folded, fix, family, unpacked):
                 found = width_disagreements(ckpt.config, shapes, fix, family, unpacked)
-            found += _misfit_problems(ckpt, family, unpacked, fix)
         cls.memo[key] = found
         cls.memo["widths agree"] = not found
     return list(cls.memo[key])
-
-
-def _misfit_problems(
-    ckpt: Checkpoint, family: Family | None, unpacked: dict[str, str], fix: str
-) -> list[CheckpointError]:
-    """A role found by rule whose tensors have no width config.json states for it (Family.misfits): engines
-    size the layer by config.json and stop on the mismatch, as for a family of the table."""
-    if family is None or not family.misfits:
-        return []
-    packed = {out: name for name, out in unpacked.items()}  # the rules read a packed weight by its unpacked name
-    problems = []
-    for misfit in family.misfits:
-        tensor = packed.get(misfit.tensor, misfit.tensor)
-        stated = ", ".join(f"{label} {value}" for label, value in misfit.stated)
-        unpacked_shape = " unpacked" if tensor in unpacked else ""
-        problems.append(
-            CheckpointError(
-                f"has shape {list(misfit.shape)}{unpacked_shape}, but none of the widths config.json states for the "
-                f"{misfit.group} MLP is its ({stated}; {model_type_of(ckpt.config)}, roles by rule)",
-                tensor=tensor,
-                shard=ckpt.index.shard_of(tensor).name if tensor in ckpt.index.locations else None,
-                fix=fix,
-            )
-        )
-    return problems
 
 
 def _width_problems(

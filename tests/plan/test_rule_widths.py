@@ -106,3 +106,16 @@ def test_experts_sized_by_intermediate_size_are_held_to_it(tmp_path: Path) -> No
     wrong = _rule_moe(tmp_path / "wrong", mixtral=True, intermediate_size=ROUTED // 2)
     said = f"none of the widths config.json states for the routed MLP is its (intermediate_size {ROUTED // 2};"
     assert [p for p in fp8conv.inspect(wrong).problems if said in p], fp8conv.inspect(wrong).problems
+
+
+def test_verify_holds_an_output_to_the_widths_config_json_states(tmp_path: Path) -> None:
+    """verify checks the output's config.json against its tensors on its own, a family by rule included."""
+    path = _rule_moe(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    fp8conv.convert(path, out, ConvertOptions(to="bf16"))
+    assert fp8conv.verify(path, out).failures == []
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"moe_intermediate_size": ROUTED // 2}))
+    said = f"none of the widths config.json states for the routed MLP is its (moe_intermediate_size {ROUTED // 2};"
+    failures = fp8conv.verify(path, out).failures
+    assert any(said in f for f in failures), failures
