@@ -111,7 +111,7 @@ class Family:
     # A family the table does not name, its roles found by rule (roles.py): why --pad-for-tp cannot pad it
     # (widths no config key matches, or two keys match), and the `mixer.` modules that are MLPs
     refusals: tuple[str, ...] = ()
-    misfits: tuple[WidthMisfit, ...] = ()  # the roles among those refusals that config.json gets wrong
+    misfits: tuple[WidthMisfit, ...] = ()  # roles whose width config.json states wrong (roles._misfit)
     mlp_mixers: frozenset[str] = frozenset()
     by_rule: bool = False
 
