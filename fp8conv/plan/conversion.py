@@ -731,7 +731,7 @@ def role_splits(ckpt: Checkpoint, cls: Classification, among: Container[str] | N
         family, found = input_family(ckpt, cls, among), {}
         weights, settings = cls.weights, cls.settings
         quantize_floats = family is not None and not cls.holds_quantized()
-        packed = {n: w.out_name for n, w in weights.items() if w.kind in PACKED and w.out_name}
+        packed = cls.unpacked_names()
         names = ckpt.index.locations if among is None else [n for n in ckpt.index.locations if n in among]
         for name in names if family is not None else ():
             # asked of every name but scales and packed weights: the width checks ask it again
