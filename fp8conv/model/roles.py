@@ -2,7 +2,8 @@
 
 Engines load MLP tensors by a few naming conventions (`mlp.experts.{E}.{gate,up,down}_proj`, fused 3-D
 `experts.gate_up_proj` / `down_proj`, Step-3.5's stacked `moe.{gate,up,down}_proj.weight`, `w1/w2/w3`,
-`shared_expert(s)` / `share_expert` / `shared_mlp`, Nemotron-H's `mixer.`). Each role found is given the
+`shared_expert(s)` / `share_expert` / `shared_mlp`, Nemotron-H's `mixer.`, a 2-D fused `mlp.gate_up_proj`,
+Granite's `input_linear` / `output_linear`). Each role found is given the
 config key whose value its tensors have; a role whose tensors fit no candidate key, or two keys, is not
 guessed: --pad-for-tp is refused naming the tensors and the keys. One whose tensors have none of the widths
 config.json states under keys naming the role (Family.misfits) disagrees with config.json: every target is
@@ -47,7 +48,9 @@ _EXPERT_HOME = r"(?:(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)\.)?"
 _SHARED_HOME = (
     r"(?:(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)\.)?(?:shared_experts?|share_expert|shared_mlp)\."
 )
-_DENSE_HOME = r"(?:mlp|feed_forward|ffn|mixer)\."
+# (Kimi-Linear's dense first layer is a `block_sparse_moe` of gate/up/down_proj; LongCat-Flash has two dense
+# MLPs per layer, `mlps.0` and `mlps.1`)
+_DENSE_HOME = r"(?:mlp|feed_forward|ffn|mixer|block_sparse_moe|mlps\.\d+)\."
 
 
 def _fused(home: str) -> tuple[MlpTensor, ...]:
@@ -66,21 +69,46 @@ _STACKED = (
     MlpTensor(re.compile(r"moe\.(?:gate_proj|up_proj)\.weight$"), -2),
     MlpTensor(re.compile(r"moe\.down_proj\.weight$"), -1),
 )
+
+
+def _fused_gate_up(home: str) -> tuple[MlpTensor, ...]:
+    """One 2-D [gate; up] Linear [2I, H] (GLM-4, Phi-3: gate_up_proj) with its down_proj; Granite's
+    input_linear / output_linear, the same two (3-D [E, 2I, H] / [E, H, I] for its experts)."""
+    return (
+        MlpTensor(re.compile(home + r"(?:gate_up_proj|input_linear)\.weight$"), -2, parts=2),
+        MlpTensor(re.compile(home + r"output_linear\.weight$"), -1),
+    )
+
+
 ROLE_TENSORS: dict[str, tuple[MlpTensor, ...]] = {
-    "routed": _gate_up_down(_EXPERT_HOME + r"experts\.\d+\.", _GATE_UP, _DOWN) + _fused(_EXPERT_HOME) + _STACKED,
-    "shared": _gate_up_down(_SHARED_HOME, _GATE_UP, _DOWN),
-    "dense": _gate_up_down(_DENSE_HOME, _GATE_UP, _DOWN),
+    "routed": _gate_up_down(_EXPERT_HOME + r"experts\.\d+\.", _GATE_UP, _DOWN)
+    + _fused(_EXPERT_HOME)
+    + _STACKED
+    + _fused_gate_up(r"block_sparse_moe\."),
+    "shared": _gate_up_down(_SHARED_HOME, _GATE_UP, _DOWN) + _fused_gate_up(_SHARED_HOME),
+    "dense": _gate_up_down(_DENSE_HOME, _GATE_UP, _DOWN) + _fused_gate_up(r"(?:mlp|feed_forward|ffn)\."),
 }
 # The config keys each role's width may have, most specific first; a role takes the one its tensors fit.
 WIDTH_CANDIDATES: dict[str, tuple[Width, ...]] = {
-    "dense": (Width("intermediate_size"), Width("intermediate_size_mlp"), Width("dense_intermediate_size")),
-    "routed": (Width("moe_intermediate_size"), Width("intermediate_size"), Width("expert_intermediate_size")),
+    "dense": (
+        Width("intermediate_size"),
+        Width("intermediate_size_mlp"),
+        Width("dense_intermediate_size"),
+        Width("ffn_hidden_size"),  # LongCat-Flash (transformers configuration_longcat_flash.py)
+    ),
+    "routed": (
+        Width("moe_intermediate_size"),
+        Width("intermediate_size"),
+        Width("expert_intermediate_size"),
+        Width("expert_ffn_hidden_size"),  # LongCat-Flash
+    ),
     "shared": (
         Width("shared_expert_intermediate_size"),
         Width("moe_shared_expert_intermediate_size"),
         Width("share_expert_dim"),
         Width("moe_intermediate_size", "n_shared_experts"),
         Width("moe_intermediate_size", "num_shared_experts"),
+        Width("moe_intermediate_size", "moe_num_shared_experts"),  # ERNIE-4.5-MoE (modeling_ernie4_5_moe.py)
         # dots3_note (transformers configuration_dots3_note.py): shared_experts_intermediate_size * n_shared_experts
         Width("shared_experts_intermediate_size", "n_shared_experts"),
         Width("shared_experts_intermediate_size"),
@@ -89,15 +117,20 @@ WIDTH_CANDIDATES: dict[str, tuple[Width, ...]] = {
     ),
 }
 _HOMES = r"(?:mlp|feed_forward|block_sparse_moe|ffn|mixer|moe)"
-# Inside an MLP and without a width: routers and their biases, norms, latent projections (hidden-sized)
+# Inside an MLP and without a width: routers (Hunyuan's gate.wg, Granite's router.layer) and their biases (ERNIE's
+# moe_statics), norms, latent projections (hidden-sized), activation parameters (Apertus' xIELU act_fn.alpha_p ...)
 MLP_OTHER = re.compile(
-    rf"\.{_HOMES}\.(?:(?:router\.)?gate\.\w+|router\.\w+|e_score_correction_bias|expert_bias|router_bias"
-    r"|experts\.e_score_correction_bias|shared_expert_gate\.weight|fc[12]_latent_proj\.\w+|\w*norm\w*\.\w+)$"
+    rf"\.{_HOMES}\.(?:(?:router\.)?gate\.(?:wg\.)?\w+|router\.(?:\w+\.)?\w+|(?:moe_statics\.)?e_score_correction_bias"
+    r"|expert_bias|router_bias|experts\.e_score_correction_bias|shared_expert_gate\.weight|fc[12]_latent_proj\.\w+"
+    r"|\w*norm\w*\.\w+|act_fn\.\w+)$"
 )
 # Kept unquantized by every engine whatever the config says: routers (Step's moe.gate, Nemotron's
-# mixer.gate, Hy3's mlp.router.gate), convolutions (Mamba / gated-delta-net conv1d), DSA indexer scores,
-# audio towers and patch mergers that are not in `vision*`.
-_UNQUANTIZED_RULES = rf"\.{_HOMES}\.gate\.weight$|\.router\.|conv1d|\.indexer\.weights_proj\.|audio|patch_merge_mlp"
+# mixer.gate, Hy3's mlp.router.gate, Hunyuan's mlp.gate.wg: vLLM hunyuan_v1.py builds it with quant_config=None),
+# convolutions (Mamba / gated-delta-net conv1d), DSA indexer scores, audio towers and patch mergers that are not
+# in `vision*`.
+_UNQUANTIZED_RULES = (
+    rf"\.{_HOMES}\.gate\.(?:wg\.)?weight$|\.router\.|conv1d|\.indexer\.weights_proj\.|audio|patch_merge_mlp"
+)
 FUSED_RULES = (
     _QKV,
     _MLA,

@@ -1,0 +1,228 @@
+"""Families the table does not name, found by rule: the naming conventions of model types transformers 5.24
+has that no test elsewhere builds (ERNIE-4.5-MoE, Hunyuan-MoE, GLM-4, Granite-4 hybrid, Apertus, Kimi-Linear,
+LongCat-Flash). Each is a real transformers model saved in its original layout (save_pretrained writes the
+checkpoint's own names: per-expert tensors, routers, activation parameters), block-quantized by this file's
+own code, then converted with --pad-for-tp 4 and checked the way an engine reads it: transformers builds the
+model from the output's config.json and its dequantized tensors, finds every parameter at the shape config.json
+gives it, and computes what the unpadded input computes (tests/support/reductions.py's tolerance).
+
+Each was refused by --pad-for-tp before its rule existed (a tensor inside an MLP with no role, or a width key
+the rules did not know); Hunyuan's router (mlp.gate.wg), which vLLM builds unquantized, was quantized by a
+bf16 -> FP8 run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp8conv
+from fp8conv import ConvertOptions
+from tests.support.reductions import assert_same_function
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+E4M3_MAX = 448.0
+TOKENS = torch.tensor([[2, 9, 41, 5, 88, 201, 13, 4, 60]])
+BASE = dict(
+    hidden_size=200,
+    num_hidden_layers=2,
+    vocab_size=256,
+    intermediate_size=330,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MLA = dict(num_key_value_heads=4, head_dim=16, kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+MOE = dict(num_experts_per_tok=2)
+
+# model_type -> (config, {config key: the width it has in the input}); every key listed is padded to whole
+# 128-blocks per rank at TP 4 (a multiple of 512) and must be the width of the tensors of its role
+MODELS: dict[str, tuple[dict, dict[str, int]]] = {
+    # shared experts sized moe_intermediate_size * moe_num_shared_experts; router stats under moe_statics
+    "ernie4_5_moe": (
+        BASE | dict(moe_intermediate_size=136, moe_num_experts=4, moe_k=2, moe_num_shared_experts=2, use_bias=False),
+        {"moe_intermediate_size": 136, "intermediate_size": 330},
+    ),
+    # the router is mlp.gate.wg; its shared_mlp has intermediate_size (336: transformers' grouped_mm wants
+    # 16-byte strides)
+    "hunyuan_v1_moe": (BASE | dict(intermediate_size=336, num_experts=4, moe_topk=2), {"intermediate_size": 336}),
+    # one fused 2-D [gate; up] Linear, mlp.gate_up_proj [2I, H] (halves of whole blocks: kept as they are)
+    "glm4": (BASE | dict(intermediate_size=256), {"intermediate_size": 256}),
+    # block_sparse_moe.input_linear [E, 2I, H] / output_linear, shared_mlp.input_linear [2I, H], router.layer
+    "granitemoehybrid": (
+        BASE
+        | dict(
+            intermediate_size=136,
+            num_local_experts=4,
+            shared_intermediate_size=256,
+            layer_types=["attention", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=100,
+            **MOE,
+        ),
+        {"intermediate_size": 136, "shared_intermediate_size": 256},
+    ),
+    # xIELU's parameters inside the MLP (mlp.act_fn.alpha_p ...), up/down only
+    "apertus": (BASE, {"intermediate_size": 330}),
+    # the dense first layer is a block_sparse_moe of gate/up/down_proj; experts w1/w2/w3
+    "kimi_linear": (
+        BASE
+        | MLA
+        | dict(
+            layer_types=["full_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse"],
+            moe_intermediate_size=136,
+            num_experts=4,
+            num_shared_experts=1,
+            num_experts_per_token=2,
+        ),
+        {"intermediate_size": 330, "moe_intermediate_size": 136},
+    ),
+    # two dense MLPs per layer (mlps.0, mlps.1) of ffn_hidden_size, experts of expert_ffn_hidden_size
+    "longcat_flash": (
+        BASE
+        | MLA
+        | dict(
+            ffn_hidden_size=330,
+            expert_ffn_hidden_size=136,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            moe_topk=2,
+            num_layers=2,
+            q_lora_rank=64,
+        ),
+        {"ffn_hidden_size": 330, "expert_ffn_hidden_size": 136},
+    ),
+}
+# Left in their float dtype, as FP8 releases ship them: embeddings, norms, the head, routers
+_FLOAT = re.compile(r"embed|norm|lm_head|router|\.gate\.weight$|\.gate\.wg\.|classifier")
+
+
+def _q_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3, float32 scale per 128x128 block), the last blocks partial."""
+    n, k = w.shape
+    gn, gk = -(-n // 128), -(-k // 128)
+    full = torch.zeros(gn * 128, gk * 128)
+    full[:n, :k] = w.float()
+    tiles = full.reshape(gn, 128, gk, 128)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(gn * 128, gk * 128)[:n, :k].contiguous(), scale
+
+
+def _dq_block(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    rows = scale.float().repeat_interleave(128, 0)[:n]
+    return q.float() * rows.repeat_interleave(128, 1)[:, :k]
+
+
+def _save_model(model_type: str, folder: Path) -> dict:
+    config = transformers.AutoConfig.for_model(model_type, **MODELS[model_type][0])
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return json.loads((folder / "config.json").read_text())
+
+
+def _read(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def _block_fp8(model_type: str, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The model as a block-FP8 release (two shards and an index), and what it computes: every quantized
+    weight as float32(q) * float32(scale) in bf16."""
+    staging = folder.with_name(folder.name + "-bf16")
+    config = _save_model(model_type, staging)
+    stored, reference = {}, {}
+    for name, t in _read(staging).items():
+        if name.endswith(".weight") and t.dim() == 2 and not _FLOAT.search(name):
+            q, s = _q_block(t)
+            stored[name], stored[name.removesuffix(".weight") + ".weight_scale_inv"] = q, s
+            reference[name] = _dq_block(q, s).bfloat16()
+        else:
+            stored[name] = reference[name] = t
+    folder.mkdir()
+    names = sorted(stored)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: stored[n].contiguous() for n in part}, str(folder / shard), {"format": "pt"})
+        weight_map |= dict.fromkeys(part, shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, reference
+
+
+def _logits(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    """What transformers computes with `tensors` under `config` (its quantization_config dropped); every
+    parameter must be found at the shape config.json gives it."""
+    folder.mkdir()
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"), {"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        return model(input_ids=TOKENS).logits.float()
+
+
+def _dequantized(folder: Path) -> dict[str, torch.Tensor]:
+    got = _read(folder)
+    out = {}
+    for name, t in got.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = got.get(name + "_scale_inv")
+        out[name] = _dq_block(t, scale).bfloat16() if t.dtype == torch.float8_e4m3fn else t
+    return out
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_padded_for_tp4_computes_what_the_input_does(tmp_path, model_type):
+    source, reference = _block_fp8(model_type, tmp_path / "in")
+    out = tmp_path / "out"
+    fp8conv.convert(source, out, ConvertOptions(to="block", pad_for_tp=4))
+    config = json.loads((out / "config.json").read_text())
+    for key, before in MODELS[model_type][1].items():
+        assert config[key] == math.ceil(before / 512) * 512, (key, config[key])
+    padded = _logits(tmp_path / "padded", _dequantized(out), config)
+    plain = _logits(tmp_path / "plain", reference, json.loads((source / "config.json").read_text()))
+    assert_same_function(padded, plain)
+
+
+@pytest.mark.parametrize("to", ["channel", "block"])
+def test_hunyuan_router_stays_unquantized(tmp_path, to):
+    """vLLM's hunyuan_v1.py builds mlp.gate (the checkpoint's mlp.gate.wg) with quant_config=None: a bf16 ->
+    FP8 run keeps it in its float dtype and lists it as not converted."""
+    source = tmp_path / "in"
+    _save_model("hunyuan_v1_moe", source)
+    out = tmp_path / "out"
+    fp8conv.convert(source, out, ConvertOptions(to=to))
+    got = _read(out)
+    routers = [n for n in got if n.endswith("mlp.gate.wg.weight")]
+    assert routers and all(got[n].dtype != torch.float8_e4m3fn for n in routers)
+    assert got["model.layers.0.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    listed = qc["ignore"] if to == "channel" else qc["modules_to_not_convert"]
+    for name in routers:
+        module = name.removesuffix(".weight")
+        assert any(module == m or module.endswith("." + m) or re.fullmatch(m[3:], module) for m in listed), module
