@@ -149,6 +149,9 @@ class Exceptions:
     fused: tuple[str, ...] = ()
     unquantized: tuple[str, ...] = ()
     block_fused_experts: bool = False  # Family.block_fused_experts
+    # (role group, config flag): while the flag is on (or absent: its default), the model's code derives the
+    # role's width from the keys, so no key states it (nothing to check it against, nothing padding could write)
+    derived_widths: tuple[tuple[str, str], ...] = ()
 
 
 _QWEN3_5 = Exceptions(
@@ -164,6 +167,9 @@ _QWEN3_5 = Exceptions(
 )
 EXCEPTIONS: dict[str, Exceptions] = {
     **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), _QWEN3_5),
+    # LFM2 (transformers modeling_lfm2.py, Lfm2MLP): with block_auto_adjust_ff_dim the MLP is 2/3 of
+    # intermediate_size, times block_ffn_dim_multiplier, rounded up to block_multiple_of (12288 -> 8192)
+    "lfm2": Exceptions(derived_widths=(("dense", "block_auto_adjust_ff_dim"),)),
 }
 
 
@@ -177,8 +183,15 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     roles: list[MlpRole] = []
     refusals: list[str] = []
     misfits: list[WidthMisfit] = []
+    extra = EXCEPTIONS.get(model_type, Exceptions())
+    derived = {group: flag for group, flag in extra.derived_widths if c.get(flag, True) is not False}
     for group in ("dense", "routed", "shared"):
-        if found[group]:
+        if found[group] and group in derived:
+            refusals.append(
+                f"config.json states no width of the {group} MLP ({next(iter(found[group].values()))}): "
+                f"{model_type_of(config)}'s code derives it from intermediate_size while {derived[group]} is on"
+            )
+        elif found[group]:
             width, refusal = _match_width(group, found[group], c, hidden)
             if width is not None:
                 roles.append(MlpRole(group, width, ROLE_TENSORS[group]))
@@ -187,7 +200,6 @@ def rule_family(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
             misfit = _misfit(group, found[group], c, hidden, width, roles)
             if misfit is not None:
                 misfits.append(misfit)
-    extra = EXCEPTIONS.get(model_type, Exceptions())
     labels = ", ".join(f"{r.group} {r.width.label}" for r in roles) or "no MLP roles"
     family = Family(
         name=f"{model_type} (roles by rule: {labels})",

@@ -127,8 +127,8 @@ def _dq_block(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * rows.repeat_interleave(128, 1)[:, :k]
 
 
-def _save_model(model_type: str, folder: Path) -> dict:
-    config = transformers.AutoConfig.for_model(model_type, **MODELS[model_type][0])
+def _save_model(model_type: str, settings: dict, folder: Path) -> dict:
+    config = transformers.AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(3)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     return json.loads((folder / "config.json").read_text())
@@ -141,11 +141,11 @@ def _read(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _block_fp8(model_type: str, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+def _block_fp8(model_type: str, settings: dict, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """The model as a block-FP8 release (two shards and an index), and what it computes: every quantized
     weight as float32(q) * float32(scale) in bf16."""
     staging = folder.with_name(folder.name + "-bf16")
-    config = _save_model(model_type, staging)
+    config = _save_model(model_type, settings, staging)
     stored, reference = {}, {}
     for name, t in _read(staging).items():
         if name.endswith(".weight") and t.dim() == 2 and not _FLOAT.search(name):
@@ -198,7 +198,7 @@ def _dequantized(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_padded_for_tp4_computes_what_the_input_does(tmp_path, model_type):
-    source, reference = _block_fp8(model_type, tmp_path / "in")
+    source, reference = _block_fp8(model_type, MODELS[model_type][0], tmp_path / "in")
     out = tmp_path / "out"
     fp8conv.convert(source, out, ConvertOptions(to="block", pad_for_tp=4))
     config = json.loads((out / "config.json").read_text())
@@ -214,7 +214,7 @@ def test_hunyuan_router_stays_unquantized(tmp_path, to):
     """vLLM's hunyuan_v1.py builds mlp.gate (the checkpoint's mlp.gate.wg) with quant_config=None: a bf16 ->
     FP8 run keeps it in its float dtype and lists it as not converted."""
     source = tmp_path / "in"
-    _save_model("hunyuan_v1_moe", source)
+    _save_model("hunyuan_v1_moe", MODELS["hunyuan_v1_moe"][0], source)
     out = tmp_path / "out"
     fp8conv.convert(source, out, ConvertOptions(to=to))
     got = _read(out)
@@ -226,3 +226,19 @@ def test_hunyuan_router_stays_unquantized(tmp_path, to):
     for name in routers:
         module = name.removesuffix(".weight")
         assert any(module == m or module.endswith("." + m) or re.fullmatch(m[3:], module) for m in listed), module
+
+
+def test_lfm2_derived_width_converts_and_pad_is_refused(tmp_path):
+    """LFM2's MLP is not intermediate_size wide: its code derives the width (2/3 of it, times
+    block_ffn_dim_multiplier, rounded up to block_multiple_of: 330 -> 256 here, 12288 -> 8192 in LFM2-1.2B).
+    Converted as it is (no key disagrees: none states the width); --pad-for-tp, which could write no key
+    giving a padded width, is refused saying why."""
+    source, reference = _block_fp8("lfm2", BASE | dict(layer_types=["full_attention", "conv"]), tmp_path / "in")
+    assert reference["model.layers.0.feed_forward.w1.weight"].shape == (256, 200)
+    out = tmp_path / "out"
+    fp8conv.convert(source, out, ConvertOptions(to="bf16"))
+    config = json.loads((source / "config.json").read_text())
+    got = _logits(tmp_path / "got", _read(out), config)
+    assert torch.equal(got, _logits(tmp_path / "plain", reference, config))
+    with pytest.raises(fp8conv.Fp8ConvError, match="derives it from intermediate_size while block_auto_adjust"):
+        fp8conv.convert(source, tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=4))
