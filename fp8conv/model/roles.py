@@ -109,6 +109,8 @@ WIDTH_CANDIDATES: dict[str, tuple[Width, ...]] = {
         Width("moe_intermediate_size", "n_shared_experts"),
         Width("moe_intermediate_size", "num_shared_experts"),
         Width("moe_intermediate_size", "moe_num_shared_experts"),  # ERNIE-4.5-MoE (modeling_ernie4_5_moe.py)
+        Width("intermediate_size", "num_shared_experts"),  # Cohere2-MoE (modeling_cohere2_moe.py)
+        Width("intermediate_size", "moe_num_shared_experts"),  # Aria (modeling_aria.py)
         # dots3_note (transformers configuration_dots3_note.py): shared_experts_intermediate_size * n_shared_experts
         Width("shared_experts_intermediate_size", "n_shared_experts"),
         Width("shared_experts_intermediate_size"),

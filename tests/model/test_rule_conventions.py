@@ -1,8 +1,8 @@
 """Families the table does not name, found by rule: the naming conventions of model types transformers 5.24
-has that no test elsewhere builds (ERNIE-4.5-MoE, Hunyuan-MoE, GLM-4, Granite-4 hybrid, Apertus, Kimi-Linear,
-LongCat-Flash). Each is a real transformers model saved in its original layout (save_pretrained writes the
-checkpoint's own names: per-expert tensors, routers, activation parameters), block-quantized by this file's
-own code, then converted with --pad-for-tp 4 and checked the way an engine reads it: transformers builds the
+has that no test elsewhere builds (ERNIE-4.5-MoE, Cohere2-MoE, Hunyuan-MoE, GLM-4, Granite-4 hybrid, Apertus,
+Kimi-Linear, LongCat-Flash, LFM2). Each is a real transformers model saved in its original layout (save_pretrained
+writes the checkpoint's own names: per-expert tensors, routers, activation parameters), block-quantized by this
+file's own code, then converted with --pad-for-tp 4 and checked the way an engine reads it: transformers builds the
 model from the output's config.json and its dequantized tensors, finds every parameter at the shape config.json
 gives it, and computes what the unpadded input computes (tests/support/reductions.py's tolerance).
 
@@ -52,6 +52,11 @@ MODELS: dict[str, tuple[dict, dict[str, int]]] = {
     "ernie4_5_moe": (
         BASE | dict(moe_intermediate_size=136, moe_num_experts=4, moe_k=2, moe_num_shared_experts=2, use_bias=False),
         {"moe_intermediate_size": 136, "intermediate_size": 330},
+    ),
+    # two shared experts sized intermediate_size * num_shared_experts (as the routed ones: intermediate_size)
+    "cohere2_moe": (
+        BASE | dict(intermediate_size=136, num_experts=4, num_shared_experts=2, **MOE),
+        {"intermediate_size": 136},
     ),
     # the router is mlp.gate.wg; its shared_mlp has intermediate_size (336: transformers' grouped_mm wants
     # 16-byte strides)
