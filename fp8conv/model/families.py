@@ -19,12 +19,13 @@ ROLE_GROUPS = ("dense", "shared", "routed")
 # The language model's decoder layers (also DeepSeek/GLM MTP layers and Qwen3-Next's mtp.layers);
 # vision towers have MLPs of their own width (Pixtral's vision feed_forward.gate_proj, ...).
 _LAYER = r"(?:^|\.)layers\.\d+\."
-VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|mm_projector|multi_modal_projector)\.")
+# vision towers and multimodal projectors: any *projector, and towers of other media (Video-LLaVA's image_tower)
+VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|\w*projector|\w*_tower)\.")
 
 
 def in_vision(name: str) -> bool:
     """VISION.search(name), the substring every match holds tested first: 200k names, a handful vision's."""
-    return ("vis" in name or "_projector" in name) and VISION.search(name) is not None
+    return ("vis" in name or "projector" in name or "_tower" in name) and VISION.search(name) is not None
 
 
 # Containers whose tensors may carry an MLP width: a name in one that no role claims is refused
@@ -38,9 +39,11 @@ OUTPUT_BIAS = re.compile(r"\.(?:down_proj|w2)\.bias$")
 
 # Unquantized in every FP8 release of these families (and by DeepSeek's own recipe).
 # Multimodal projectors (Mistral-3's multi_modal_projector with its patch merger) stay bf16 in every release.
+# (and by other names: any *projector (VideoLLaMA3's model.projector), towers (Video-LLaVA's image_tower),
+# Idefics3 / SmolVLM's model.connector, DeepSeek-VL / Janus's model.aligner, around a Llama text model)
 _UNQUANTIZED_BASE = (
-    r"embed|norm|lm_head|shared_head\.head|eh_proj|\.mlp\.gate\.weight$|_gate\.weight$|vision|visual|mm_projector"
-    r"|multi_modal_projector"
+    r"embed|norm|lm_head|shared_head\.head|eh_proj|\.mlp\.gate\.weight$|_gate\.weight$|vision|visual|projector"
+    r"|_tower\.|(?:^|\.)(?:connector|\w*aligner)\."
 )
 
 

@@ -129,9 +129,15 @@ MLP_OTHER = re.compile(
 # Kept unquantized by every engine whatever the config says: routers (Step's moe.gate, Nemotron's
 # mixer.gate, Hy3's mlp.router.gate, Hunyuan's mlp.gate.wg: vLLM hunyuan_v1.py builds it with quant_config=None),
 # convolutions (Mamba / gated-delta-net conv1d), DSA indexer scores, audio towers and patch mergers that are not
-# in `vision*`.
+# in `vision*`; head-wise attention gates (Step-3.5's and Laguna's self_attn.g_proj, [heads, hidden]: the Step
+# releases list it as not converted, and its few rows split over TP ranks are no whole 128-row blocks). And every
+# Linear outside the decoder layers: FP8 releases quantize the layers' Linears only, and what sits outside them
+# is, in a model the table does not know, a multimodal projector by another name (Step-3.7's vit_large_projector,
+# MiniCPM-V's merger, PaddleOCR-VL's mlp_AR) that engines may build unquantized; kept in its dtype and listed,
+# it loads.
 _UNQUANTIZED_RULES = (
     rf"\.{_HOMES}\.gate\.(?:wg\.)?weight$|\.router\.|conv1d|\.indexer\.weights_proj\.|audio|patch_merge_mlp"
+    r"|\.self_attn\.g_proj\.|^(?!.*(?:^|\.)(?:layers?|h|blocks?|mtp)\.\d+\.)"
 )
 FUSED_RULES = (
     _QKV,

@@ -247,3 +247,44 @@ def test_lfm2_derived_width_converts_and_pad_is_refused(tmp_path):
     assert torch.equal(got, _logits(tmp_path / "plain", reference, config))
     with pytest.raises(fp8conv.Fp8ConvError, match="derives it from intermediate_size while block_auto_adjust"):
         fp8conv.convert(source, tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=4))
+
+
+def _linear(rows: int, cols: int) -> torch.Tensor:
+    return (torch.randn(rows, cols) * 0.05).bfloat16()
+
+
+@pytest.mark.parametrize("to", ["channel", "block"])
+def test_outside_the_layers_and_attention_gates_stay_unquantized(tmp_path, to):
+    """A bf16 -> FP8 run of a model the table does not know quantizes the decoder layers' Linears only:
+    Step-3.7's vit_large_projector and MiniCPM-V's merger (multimodal projectors by other names, outside every
+    layer) and Step's head-wise attention gate self_attn.g_proj (bf16 in the Step-3.5 FP8 release, listed as
+    not converted) keep their dtype and are listed; Idefics3's connector, DeepSeek-VL's aligner, VideoLLaMA3's
+    projector and Video-LLaVA's image_tower too, around a Llama text model of the table."""
+    from tests.support.helpers import load_dir, write_checkpoint
+
+    for model_type, extra in (
+        ("step3p5", ["vit_large_projector", "model.layers.0.self_attn.g_proj"]),
+        ("qwen3_5_text", ["model.merger.mlp.0.linear_1"]),
+        (
+            "llama",
+            [
+                "model.connector.modality_projection.proj",
+                "model.aligner.linear1",
+                "model.projector.readout.0",
+                "image_tower.encoder.layers.0.mlp.fc1",
+            ],
+        ),
+    ):
+        tensors = {f"model.layers.0.self_attn.{p}.weight": _linear(128, 256) for p in ("q_proj", "o_proj")}
+        tensors |= {name + ".weight": _linear(8 if "g_proj" in name else 256, 256) for name in extra}
+        config = {"model_type": model_type, "hidden_size": 256, "num_hidden_layers": 1}
+        source = write_checkpoint(tmp_path / model_type, tensors, config)
+        out = tmp_path / f"{model_type}-{to}"
+        fp8conv.convert(source, out, ConvertOptions(to=to))
+        got = load_dir(out)
+        assert got["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        listed = qc["ignore"] if to == "channel" else qc["modules_to_not_convert"]
+        for name in extra:
+            assert got[name + ".weight"].dtype == torch.bfloat16, name
+            assert any(name == m or name.endswith("." + m) or re.fullmatch(m[3:], name) for m in listed), name
