@@ -38,11 +38,13 @@ FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(?:gate_up_proj|gate_proj|up_proj|d
 OUTPUT_BIAS = re.compile(r"\.(?:down_proj|w2)\.bias$")
 
 # Unquantized in every FP8 release of these families (and by DeepSeek's own recipe).
-# Multimodal projectors (Mistral-3's multi_modal_projector with its patch merger) stay bf16 in every release.
-# (and by other names: any *projector (VideoLLaMA3's model.projector), towers (Video-LLaVA's image_tower),
-# Idefics3 / SmolVLM's model.connector, DeepSeek-VL / Janus's model.aligner, around a Llama text model)
+# Multimodal projectors (Mistral-3's multi_modal_projector with its patch merger) stay bf16 in every release, and
+# so do those by other names: any *projector (VideoLLaMA3's model.projector), towers (Video-LLaVA's image_tower),
+# Idefics3 / SmolVLM's model.connector, DeepSeek-VL / Janus's model.aligner, around a Llama text model.
+# `_gate.weight` is a router's or a gate's of one value (Qwen2-MoE's shared_expert_gate); Hy-V4's linear_gate is
+# its gate projection, quantized with its up_proj.
 _UNQUANTIZED_BASE = (
-    r"embed|norm|lm_head|shared_head\.head|eh_proj|\.mlp\.gate\.weight$|_gate\.weight$|vision|visual|projector"
+    r"embed|norm|lm_head|shared_head\.head|eh_proj|\.mlp\.gate\.weight$|(?<!linear)_gate\.weight$|vision|visual|projector"
     r"|_tower\.|(?:^|\.)(?:connector|\w*aligner)\."
 )
 

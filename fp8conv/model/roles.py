@@ -40,7 +40,7 @@ from .families import (
     width_axis,
 )
 
-_GATE_UP = r"(?:gate_proj|up_proj|w1|w3)"
+_GATE_UP = r"(?:gate_proj|up_proj|w1|w3|linear_gate)"  # (Hy-V4 names its gate projection linear_gate)
 _DOWN = r"(?:down_proj|w2)"
 # Experts sit in an MLP module, or (Gemma-4 26B-A4B: layers.N.experts.gate_up_proj beside layers.N.mlp and
 # layers.N.router) in the decoder layer itself
@@ -145,7 +145,7 @@ FUSED_RULES = (
     re.compile(
         r"^(.*\.(?:shared_experts?|share_expert|shared_mlp|mlp|feed_forward|ffn|mixer)\.)" + _GATE_UP + r"\.weight$"
     ),
-    re.compile(r"^(.*\.experts\.)\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"),
+    re.compile(r"^(.*\.experts\.)\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3|linear_gate)\.weight$"),
     re.compile(r"^(.*\.moe\.)(?:gate_proj|up_proj|down_proj)\.weight$"),
 )
 

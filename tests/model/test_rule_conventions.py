@@ -1,5 +1,5 @@
 """Families the table does not name, found by rule: the naming conventions of model types transformers 5.24
-has that no test elsewhere builds (ERNIE-4.5-MoE, Cohere2-MoE, Hunyuan-MoE, GLM-4, Granite-4 hybrid, Apertus,
+has that no test elsewhere builds (ERNIE-4.5-MoE, Cohere2-MoE, Hunyuan-MoE, Hy-V4, GLM-4, Granite-4 hybrid, Apertus,
 Kimi-Linear, LongCat-Flash, LFM2). Each is a real transformers model saved in its original layout (save_pretrained
 writes the checkpoint's own names: per-expert tensors, routers, activation parameters), block-quantized by this
 file's own code, then converted with --pad-for-tp 4 and checked the way an engine reads it: transformers builds the
@@ -57,6 +57,12 @@ MODELS: dict[str, tuple[dict, dict[str, int]]] = {
     "cohere2_moe": (
         BASE | dict(intermediate_size=136, num_experts=4, num_shared_experts=2, **MOE),
         {"intermediate_size": 136},
+    ),
+    # its gate projections are named linear_gate (dense MLP and shared experts; transformers renames them
+    # gate_proj), its routed experts fused 3-D
+    "hy_v4": (
+        BASE | dict(moe_intermediate_size=136, n_routed_experts=4, num_experts=4, n_shared_experts=1, **MOE),
+        {"intermediate_size": 330, "moe_intermediate_size": 136},
     ),
     # the router is mlp.gate.wg; its shared_mlp has intermediate_size (336: transformers' grouped_mm wants
     # 16-byte strides)
@@ -288,3 +294,17 @@ def test_outside_the_layers_and_attention_gates_stay_unquantized(tmp_path, to):
         for name in extra:
             assert got[name + ".weight"].dtype == torch.bfloat16, name
             assert any(name == m or name.endswith("." + m) or re.fullmatch(m[3:], name) for m in listed), name
+
+
+def test_hy_v4_gate_projection_is_quantized_with_its_up_projection(tmp_path):
+    """Hy-V4's mlp.linear_gate is its gate projection (transformers' conversion_mapping renames it gate_proj),
+    not a router: a bf16 -> FP8 run quantizes it with its up_proj, one scheme for the [gate; up] an engine
+    fuses."""
+    source = tmp_path / "in"
+    _save_model("hy_v4", MODELS["hy_v4"][0], source)
+    out = tmp_path / "out"
+    fp8conv.convert(source, out, ConvertOptions(to="channel"))
+    got = _read(out)
+    for home in ("model.layers.0.mlp.", "model.layers.1.mlp.shared_experts."):
+        assert got[home + "linear_gate.weight"].dtype == torch.float8_e4m3fn, home
+        assert got[home + "up_proj.weight"].dtype == torch.float8_e4m3fn, home
