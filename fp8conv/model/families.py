@@ -19,13 +19,16 @@ ROLE_GROUPS = ("dense", "shared", "routed")
 # The language model's decoder layers (also DeepSeek/GLM MTP layers and Qwen3-Next's mtp.layers);
 # vision towers have MLPs of their own width (Pixtral's vision feed_forward.gate_proj, ...).
 _LAYER = r"(?:^|\.)layers\.\d+\."
-# vision towers and multimodal projectors: any *projector, and towers of other media (Video-LLaVA's image_tower)
-VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|\w*projector|\w*_tower)\.")
+# vision towers and multimodal projectors: any *projector, towers of other media (Video-LLaVA's image_tower),
+# connectors and aligners (Idefics2's connector holds a perceiver resampler with layers and MLPs of its own)
+VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|\w*projector|\w*_tower|connector|\w*aligner)\.")
 
 
 def in_vision(name: str) -> bool:
     """VISION.search(name), the substring every match holds tested first: 200k names, a handful vision's."""
-    return ("vis" in name or "projector" in name or "_tower" in name) and VISION.search(name) is not None
+    return (
+        "vis" in name or "projector" in name or "_tower" in name or "connector" in name or "aligner" in name
+    ) and VISION.search(name) is not None
 
 
 # Containers whose tensors may carry an MLP width: a name in one that no role claims is refused

@@ -308,3 +308,25 @@ def test_hy_v4_gate_projection_is_quantized_with_its_up_projection(tmp_path):
     for home in ("model.layers.0.mlp.", "model.layers.1.mlp.shared_experts."):
         assert got[home + "linear_gate.weight"].dtype == torch.float8_e4m3fn, home
         assert got[home + "up_proj.weight"].dtype == torch.float8_e4m3fn, home
+
+
+def test_a_connectors_own_mlp_is_not_the_language_models(tmp_path):
+    """Idefics2's connector holds a perceiver resampler with layers and MLPs of its own width: not the text
+    model's dense MLP, so not held to its intermediate_size (every target refused the checkpoint before)."""
+    from tests.support.helpers import write_checkpoint
+
+    tensors = {}
+    for home, width in (
+        ("model.text_model.layers.0.mlp.", 330),
+        ("model.connector.perceiver_resampler.layers.0.mlp.", 96),
+    ):
+        tensors |= {home + p + ".weight": _linear(width, 200) for p in ("gate_proj", "up_proj")}
+        tensors[home + "down_proj.weight"] = _linear(200, width)
+    config = {"model_type": "mistral", "hidden_size": 200, "intermediate_size": 330, "num_hidden_layers": 1}
+    source = write_checkpoint(tmp_path / "in", tensors, config)
+    fp8conv.convert(source, tmp_path / "out", ConvertOptions(to="block", pad_for_tp=2))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["intermediate_size"] == 512
+    got = _read(tmp_path / "out")
+    assert got["model.text_model.layers.0.mlp.down_proj.weight"].shape == (200, 512)
+    assert got["model.connector.perceiver_resampler.layers.0.mlp.down_proj.weight"].shape == (200, 96)
