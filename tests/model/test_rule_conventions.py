@@ -1,14 +1,16 @@
 """Families the table does not name, found by rule: the naming conventions of model types transformers 5.24
 has that no test elsewhere builds (ERNIE-4.5-MoE, Cohere2-MoE, Hunyuan-MoE, Hy-V4, GLM-4, Granite-4 hybrid, Apertus,
 Kimi-Linear, LongCat-Flash, LFM2). Each is a real transformers model saved in its original layout (save_pretrained
-writes the checkpoint's own names: per-expert tensors, routers, activation parameters), block-quantized by this
-file's own code, then converted with --pad-for-tp 4 and checked the way an engine reads it: transformers builds the
-model from the output's config.json and its dequantized tensors, finds every parameter at the shape config.json
-gives it, and computes what the unpadded input computes (tests/support/reductions.py's tolerance).
+writes the checkpoint's own names: per-expert tensors, routers, activation parameters), block-quantized by the
+plain definitions of tests/support/reference.py, then converted with --pad-for-tp 4 and checked the way an engine
+reads it: transformers builds the model from the output's config.json and its dequantized tensors, finds every
+parameter at the shape config.json gives it, and computes what the unpadded input computes
+(tests/support/reductions.py's tolerance).
 
 Each was refused by --pad-for-tp before its rule existed (a tensor inside an MLP with no role, or a width key
-the rules did not know); Hunyuan's router (mlp.gate.wg), which vLLM builds unquantized, was quantized by a
-bf16 -> FP8 run.
+the rules did not know). The other tests check what a bf16 -> FP8 run leaves unquantized and lists (Hunyuan's
+router mlp.gate.wg, projectors by other names, Step's attention gate g_proj) or quantizes with its fused partner
+(Hy-V4's linear_gate), LFM2's derived width and a connector's own MLP: each failed before its fix.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import torch
 import fp8conv
 from fp8conv import ConvertOptions
 from tests.support.reductions import assert_same_function
+from tests.support.reference import dequant_block_reference, quantize_reference
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-E4M3_MAX = 448.0
 TOKENS = torch.tensor([[2, 9, 41, 5, 88, 201, 13, 4, 60]])
 BASE = dict(
     hidden_size=200,
@@ -119,25 +121,6 @@ MODELS: dict[str, tuple[dict, dict[str, int]]] = {
 _FLOAT = re.compile(r"embed|norm|lm_head|router|\.gate\.weight$|\.gate\.wg\.|classifier")
 
 
-def _q_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3, float32 scale per 128x128 block), the last blocks partial."""
-    n, k = w.shape
-    gn, gk = -(-n // 128), -(-k // 128)
-    full = torch.zeros(gn * 128, gk * 128)
-    full[:n, :k] = w.float()
-    tiles = full.reshape(gn, 128, gk, 128)
-    amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(gn * 128, gk * 128)[:n, :k].contiguous(), scale
-
-
-def _dq_block(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    rows = scale.float().repeat_interleave(128, 0)[:n]
-    return q.float() * rows.repeat_interleave(128, 1)[:, :k]
-
-
 def _save_model(model_type: str, settings: dict, folder: Path) -> dict:
     config = transformers.AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(3)
@@ -160,9 +143,9 @@ def _block_fp8(model_type: str, settings: dict, folder: Path) -> tuple[Path, dic
     stored, reference = {}, {}
     for name, t in _read(staging).items():
         if name.endswith(".weight") and t.dim() == 2 and not _FLOAT.search(name):
-            q, s = _q_block(t)
+            q, s = quantize_reference(t.float(), (128, 128))
             stored[name], stored[name.removesuffix(".weight") + ".weight_scale_inv"] = q, s
-            reference[name] = _dq_block(q, s).bfloat16()
+            reference[name] = dequant_block_reference(q, s, (128, 128))
         else:
             stored[name] = reference[name] = t
     folder.mkdir()
@@ -203,7 +186,7 @@ def _dequantized(folder: Path) -> dict[str, torch.Tensor]:
         if name.endswith("_scale_inv"):
             continue
         scale = got.get(name + "_scale_inv")
-        out[name] = _dq_block(t, scale).bfloat16() if t.dtype == torch.float8_e4m3fn else t
+        out[name] = dequant_block_reference(t, scale, (128, 128)) if t.dtype == torch.float8_e4m3fn else t
     return out
 
 
