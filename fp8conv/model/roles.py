@@ -272,11 +272,18 @@ def _role_tensors(shapes: Mapping[str, tuple[int, ...]]) -> tuple[_Kinds, frozen
     return found, frozenset(mixers)
 
 
+def _kinds_of(
+    group: str, tensors: dict[tuple[int, tuple[int, ...]], str]
+) -> list[tuple[str, tuple[int, ...], MlpTensor]]:
+    """(example name, shape, role tensor) of each distinct kind _role_tensors found for the group."""
+    return [(name, shape, ROLE_TENSORS[group][i]) for (i, shape), name in tensors.items()]
+
+
 def _match_width(
     group: str, tensors: dict[tuple[int, tuple[int, ...]], str], c: dict[str, Any], hidden: int | None
 ) -> tuple[Width | None, str]:
     """The one candidate key every tensor of the role fits; else None and the refusal naming them."""
-    kinds = [(name, shape, ROLE_TENSORS[group][i]) for (i, shape), name in tensors.items()]
+    kinds = _kinds_of(group, tensors)
     fits = []
     for width in WIDTH_CANDIDATES[group]:
         value = width.of(c)
@@ -347,7 +354,7 @@ def _misfit(
     naming = _naming_keys(group, c, found)
     if not naming or (matched is not None and matched in [w for w, _ in naming]):
         return None
-    kinds = [(name, shape, ROLE_TENSORS[group][i]) for (i, shape), name in tensors.items()]
+    kinds = _kinds_of(group, tensors)
     for name, shape, tensor in kinds:
         widths = [value * layer_factor(c, group, name) for _, value in naming]
         if all(width_axis(tensor, shape, width, hidden) is None for width in widths):
