@@ -282,9 +282,16 @@ def read_header(
             if len(prefix) < 8:
                 raise CheckpointError("file is too short to be safetensors", shard=shard, fix="re-download this shard")
             (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            if header_len > MAX_HEADER_BYTES:  # first: a file large enough to hold it is still refused
                 raise CheckpointError(
-                    f"header length {header_len} is impossible for a {size}-byte file",
+                    f"header length {header_len} is over safetensors' limit of {MAX_HEADER_BYTES} bytes "
+                    "(no safetensors reader loads it)",
+                    shard=shard,
+                    fix="the file is damaged or not safetensors; re-download it",
+                )
+            if 8 + header_len > size:
+                raise CheckpointError(
+                    f"header length {header_len} runs past the end of the {size}-byte file",
                     shard=shard,
                     fix="the file is truncated or not safetensors; re-download it",
                 )

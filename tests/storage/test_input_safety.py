@@ -384,9 +384,19 @@ def test_a_finite_scale_that_overflows_the_output_is_refused_before_the_run(tmp_
     _convert(path, tmp_path / "out", to="channel")
 
 
-def test_header_length_prefix_over_safetensors_cap(tmp_path):
+def test_header_length_prefix_over_safetensors_cap_or_past_the_end(tmp_path):
     d = tmp_path / "c"
     d.mkdir()
-    (d / "model.safetensors").write_bytes(struct.pack("<Q", 100_000_001) + b"{}" + b" " * 100)
-    with pytest.raises(CheckpointError, match="header length 100000001 is impossible"):
+    shard = d / "model.safetensors"
+    # a 100 MiB header in a file large enough to hold it (sparse): over the cap, whatever the file's size
+    shard.write_bytes(struct.pack("<Q", 104_857_600) + b"{}")
+    os.truncate(shard, 105_251_400)
+    with pytest.raises(CheckpointError) as info:
+        _convert(d, tmp_path / "out")
+    line = info.value.one_line()
+    assert "header length 104857600 is over safetensors' limit of 100000000 bytes" in line
+    assert "model.safetensors" in line and "re-download it" in line
+    # a length under the cap that the file cannot hold: truncated
+    shard.write_bytes(struct.pack("<Q", 5000) + b"{}" + b" " * 100)
+    with pytest.raises(CheckpointError, match="header length 5000 runs past the end of the 110-byte file"):
         _convert(d, tmp_path / "out")
