@@ -15,10 +15,11 @@ from ..plan.conversion import ShardPlan
 from ..source.config import CONFIG_NAME, dump_json
 from ..source.index import INDEX_NAME
 from ..storage.json_file import read_json_object
-from ..storage.lock import OutputLock
-from ..storage.out_dir import TEMP_SUFFIX, OutDir, temp_owner_alive
+from ..storage.lock import OutputLock, drop_unheld_locks
+from ..storage.out_dir import OutDir
 from ..storage.writer import copy_file_atomic, fsync_dir, write_file_atomic
 from ..version import __version__
+from .leftovers import live_temporary, remove_temporaries
 from .manifest import MANIFEST, Manifest, resume_mismatch
 from .part_record import check_copy_source, check_part_record
 from .provenance import MODEL_CARD, write_model_card
@@ -43,6 +44,11 @@ def assign_parts(shards: list[ShardPlan], count: int) -> list[list[str]]:
         parts[i].append(shard.name)
         loads[i] += shard.nbytes
     return [sorted(p) for p in parts]
+
+
+def shard_parts(shards: list[ShardPlan], count: int) -> dict[str, int]:
+    """Each shard's part (1-based) in a split into `count` parts."""
+    return {name: i for i, names in enumerate(assign_parts(shards, count), 1) for name in names}
 
 
 def part_path(out: Path, part: tuple[int, int]) -> Path:
@@ -142,32 +148,42 @@ class FinalizeResult:
     shards: int
 
 
-def finalize(output: str | Path, *, require_all: bool = True, within: OutDir | None = None) -> FinalizeResult | None:
+def finalize(
+    output: str | Path,
+    *,
+    require_all: bool = True,
+    within: OutDir | None = None,
+    part: tuple[int, int] | None = None,
+) -> FinalizeResult | None:
     """Check every part's shards (present, size, sha256; a shard whose mtime and inode are still those
     its part recorded is not read again), then copy the other files and write the manifest, index and
     config. With require_all=False, return None while parts are unfinished. `within`: OUT opened and
-    locked by the part that calls this; without it, finalize opens OUT and holds its lock itself."""
+    locked by `part`, which calls this; without it, finalize opens OUT and holds its lock itself."""
     if within is None:
         out = Path(output)
         if not out.is_dir():
             raise OptionsError(f"{out} is not a directory", fix="give finalize the output of convert --part I/N")
         with OutDir.open(out, create=False) as opened, OutputLock.for_run(opened, None, "finalize"):
             opened.refuse_links()
-            return _finalize(out, require_all, opened, alone=True)
-    return _finalize(Path(output), require_all, within, alone=False)
+            return _finalize(out, require_all, opened, None)
+    assert part is not None, "a part finalizes within the OUT it holds"
+    with OutputLock.finalizing(within):  # parts that finish together finalize one after another
+        return _finalize(Path(output), require_all, within, part)
 
 
-def drop_temporaries(within: OutDir, dirs: set[str], alone: bool) -> None:
-    """A killed finalize's (or run's) temporaries in OUT, .fp8conv and the directories of the files it
-    copies: all of them when this process holds OUT alone, else those of no live process (parts run
-    side by side)."""
-    for rel in sorted(dirs | {".", str(MANIFEST.parent)}):
-        for name in within.names(rel):
-            if name.startswith(".") and name.endswith(TEMP_SUFFIX) and (alone or not temp_owner_alive(name)):
-                within.unlink(f"{rel}/{name}")
+def drop_leftovers(within: OutDir, docs: dict[tuple[int, int], dict[str, Any]], part: tuple[int, int] | None) -> None:
+    """What killed processes left that a finished output must not hold: their temporaries anywhere in
+    OUT (all of them when finalize holds OUT alone; else all but those a part retried meanwhile is
+    writing) and the lock files of parts that are gone."""
+    if part is None:
+        remove_temporaries(within, lambda rel: True)
+    else:
+        parts = {name: i for (i, _), doc in docs.items() for name in doc["shards"]}
+        remove_temporaries(within, lambda rel: not live_temporary(within, rel, parts, part, finalizing=True))
+    drop_unheld_locks(within)
 
 
-def _finalize(out: Path, require_all: bool, within: OutDir, alone: bool) -> FinalizeResult | None:
+def _finalize(out: Path, require_all: bool, within: OutDir, part: tuple[int, int] | None) -> FinalizeResult | None:
     docs = part_docs(out)
     if not docs:
         raise OptionsError(f"{out} holds no part manifests", fix="run convert --part I/N first")
@@ -195,8 +211,7 @@ def _finalize(out: Path, require_all: bool, within: OutDir, alone: bool) -> Fina
     for doc in docs.values():
         shards.update(doc["shards"])
     fin = first["finalize"]
-    dirs = {str(Path(rel).parent) for rel in [*fin["copy_files"], *(fin.get("json_files") or {})]}
-    drop_temporaries(within, dirs, alone)
+    drop_leftovers(within, docs, part)
     check_copy_source(Path(fin["copy_from"]), first["input"], fin["copy_files"], str(part_path(out, (1, n))))
     merged = Manifest(first["fp8conv_version"], first["options"], first["input"], shards, within=within)
     for name in fin["planned_shards"]:

@@ -16,8 +16,9 @@ from ..check.verify import OutputCheck, VerifyResult, verify
 from ..errors import PlanRefused
 from ..model.classify import classify
 from ..options import ConvertOptions, RunOptions
-from ..output.finish import drop_other_splits, finalize, finish, with_scale_fmt
-from ..output.manifest import MANIFEST, Manifest
+from ..output.finish import drop_other_splits, finalize, finish, shard_parts, with_scale_fmt
+from ..output.leftovers import live_temporary, remove_temporaries
+from ..output.manifest import Manifest
 from ..output.requant_ledger import Ledger
 from ..output.requant_report import requant_record
 from ..plan.conversion import ConversionPlan
@@ -27,13 +28,15 @@ from ..source.config import CONFIG_NAME
 from ..source.index import INDEX_NAME
 from ..source.shard_fetch import ShardSource
 from ..storage.lock import OutputLock
-from ..storage.out_dir import TEMP_SUFFIX, OutDir, temp_owner_alive, temp_target
+from ..storage.out_dir import OutDir
 from ..storage.preread import Preread
 from ..threads import RunThreads
 from .prepare import PreparedRun, check_locked_output, prepare
 from .scheduler import InputReaders, RunTotals, Scheduler
 from .streaming import HEADERS_FILE, Schedule, StreamFeed, adopt_local_header, save_input_headers
 from .warm_start import WarmStart
+
+FanOut = tuple[dict[str, int], tuple[int, int]]  # every shard's part, and this run's part
 
 
 @dataclass
@@ -136,7 +139,8 @@ def _start_output(prep: PreparedRun, how: RunOptions, within: OutDir) -> None:
     the options and input the shards to come are of."""
     out, part = prep.out, how.part
     check_locked_output(within, how.overwrite or how.resume or part is not None)
-    _prepare_output(within, prep.keep, prep.others)
+    fanout = None if part is None else (shard_parts(prep.plan.shards, part[1]), part)
+    _prepare_output(within, prep.keep, prep.others, fanout)
     if part is None or how.overwrite:  # records of another split (or of none: this run is whole) are stale
         drop_other_splits(out, part[1] if part else 0, within)
     prep.manifest.save(out)
@@ -223,7 +227,7 @@ def _finish_output(
     if requantization is not None:
         manifest.extra["requantization"] = requantization
     manifest.save(out)
-    return finalize(out, require_all=False, within=within) is not None
+    return finalize(out, require_all=False, within=within, part=part) is not None
 
 
 def _verified(
@@ -339,18 +343,18 @@ def _out_block_text(plan: ConversionPlan) -> str:
     return f"{block[0]}x{block[1]}" if block else ""
 
 
-def _prepare_output(within: OutDir, keep: set[str], others: set[str]) -> None:
+def _prepare_output(within: OutDir, keep: set[str], others: set[str], fanout: FanOut | None) -> None:
     """First remove what would make a failed run look complete (index, config), stale shards and
-    temporary files (a killed run's too, in OUT and in .fp8conv); keep the shards a resumed run already
-    finished, and never touch the shards (or temporary files) of other parts of a fan-out. Every name
+    temporary files (a killed run's, anywhere in OUT); keep the shards a resumed run already finished,
+    and never touch the shards of other parts of a fan-out, nor what they are writing now. Every name
     is removed itself: a link is never followed."""
     for stale in (INDEX_NAME, CONFIG_NAME):
         within.unlink(stale)
     for name in within.names():
-        stale_shard = name.endswith(".safetensors") and name not in keep | others
-        stale_temp = name.startswith(".") and name.endswith(TEMP_SUFFIX) and temp_target(name) not in others
-        if stale_shard or stale_temp:
+        if name.endswith(".safetensors") and name not in keep | others:
             within.unlink(name)
-    for name in within.names(MANIFEST.parent):  # the manifest's and part records' temporaries
-        if name.endswith(TEMP_SUFFIX) and (not others or not temp_owner_alive(name)):
-            within.unlink(MANIFEST.parent / name)
+    if fanout is None:  # a whole run holds OUT alone: every temporary is a killed run's
+        remove_temporaries(within, lambda rel: True)
+    else:
+        shard_parts, part = fanout
+        remove_temporaries(within, lambda rel: not live_temporary(within, rel, shard_parts, part, finalizing=False))

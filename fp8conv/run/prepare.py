@@ -15,6 +15,7 @@ from ..errors import OptionsError, PlanRefused
 from ..model.classify import classify
 from ..options import ConvertOptions, RunOptions
 from ..output.finish import assign_parts, check_part, part_path
+from ..output.leftovers import first_foreign_entry
 from ..output.manifest import MANIFEST, Manifest, input_identity, load_manifest, resume_mismatch
 from ..output.provenance import model_card_note, source_record
 from ..output.requant_ledger import kept_reports
@@ -278,15 +279,9 @@ def _resumable_shards(
     refuses other options or input. A part resumes from its own record only: the other parts may not
     have started, or be running."""
     if not (out / manifest.path).is_file():
-        if part is None and out.is_dir() and any(out.iterdir()):
-            fanout = any((out / MANIFEST.parent).glob("part-*-of-*.json"))
-            raise OptionsError(
-                f"{out} has no {MANIFEST} to resume from",
-                fix="it holds parts of a fan-out: resume each with --part I/N --resume, or run fp8conv finalize"
-                if fanout
-                else "convert into an empty directory, or use --overwrite",
-            )
-        return set(), {}
+        if part is None and out.is_dir():
+            _refuse_resume_without_manifest(out)
+        return set(), {}  # nothing finished yet: the run starts afresh
     old = load_manifest(out, manifest.path)
     mismatch = resume_mismatch(old, manifest)
     if mismatch:
@@ -298,3 +293,21 @@ def _resumable_shards(
     if record is not None:  # saved with the kept shards' entries from the run's first save on
         manifest.extra["requantization"] = record
     return keep, reports
+
+
+def _refuse_resume_without_manifest(out: Path) -> None:
+    """--resume of a whole run into an OUT with no manifest: an interrupted run's bookkeeping alone (its
+    lock files and temporaries: killed before its first manifest save) is started afresh; the parts of a
+    fan-out, or anything fp8conv did not write, are refused."""
+    if any((out / MANIFEST.parent).glob("part-*-of-*.json")):
+        raise OptionsError(
+            f"{out} has no {MANIFEST} to resume from",
+            fix="it holds parts of a fan-out: resume each with --part I/N --resume, or run fp8conv finalize",
+        )
+    with OutDir.open(out, create=False) as within:
+        foreign = first_foreign_entry(within)
+    if foreign is not None:
+        raise OptionsError(
+            f"{out} has no {MANIFEST} to resume from, and holds {foreign}, which no fp8conv run wrote there",
+            fix="convert into an empty directory, or use --overwrite",
+        )

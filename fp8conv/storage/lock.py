@@ -22,6 +22,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import time
 from pathlib import PurePosixPath
 
@@ -31,6 +32,8 @@ from .out_dir import OutDir
 LOCK_DIR = PurePosixPath(".fp8conv")
 LOCK_NAME = LOCK_DIR / "lock"
 HELD_BY_PARENT_ENV = "FP8CONV_LOCK_HELD_BY"  # set by `convert -j N` for its workers: the parent's pid
+FINALIZE_LOCK = "finalize.lock"  # held by the part of a fan-out that finalizes, while it does
+_PART_LOCK = re.compile(r"part-\d+-of-\d+\.lock")
 _FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -51,16 +54,25 @@ class OutputLock:
             else:
                 if not held_by_parent():
                     lock._take(LOCK_NAME.name, exclusive=False, what=what)
-                lock._take(f"part-{part[0]}-of-{part[1]}.lock", exclusive=True, what=what)
+                lock._take(part_lock_name(part), exclusive=True, what=what)
         except BaseException:
             lock.release()
             raise
         return lock
 
-    def _take(self, name: str, *, exclusive: bool, what: str) -> None:
+    @classmethod
+    def finalizing(cls, out: OutDir) -> OutputLock:
+        """A part's finalize, one at a time: the parts of a fan-out that finish together finalize in
+        turn (each finalize writes the same bytes), waiting here; a part that starts meanwhile leaves the
+        finalizer's temporaries alone while it is held (lock_held)."""
+        lock = cls(out)
+        lock._take(FINALIZE_LOCK, exclusive=True, what="finalize", wait=True)
+        return lock
+
+    def _take(self, name: str, *, exclusive: bool, what: str, wait: bool = False) -> None:
         dir_fd = self.out.open_dir(LOCK_DIR, create=True)
         try:
-            fd = _open_locked(dir_fd, name, exclusive)
+            fd = _open_locked(dir_fd, name, exclusive, wait)
         except BaseException:
             os.close(dir_fd)
             raise
@@ -100,14 +112,64 @@ class OutputLock:
         self.release()
 
 
+def is_lock_name(name: str) -> bool:
+    """A lock file of OUT's lock directory: the run's, a part's of a fan-out, or its finalize's."""
+    return name in (LOCK_NAME.name, FINALIZE_LOCK) or _PART_LOCK.fullmatch(name) is not None
+
+
+def part_lock_name(part: tuple[int, int]) -> str:
+    return f"part-{part[0]}-of-{part[1]}.lock"
+
+
+def lock_held(out: OutDir, name: str) -> bool:
+    """Another process holds the lock file `name` (a part's, or finalize's) now: what it writes is live.
+    flock, not a pid: a part may run on another machine, and a pid there means nothing here. (Asked of
+    a lock this process holds itself, the answer is also True.)"""
+    try:
+        dir_fd = out.open_dir(LOCK_DIR)
+    except OutputError:
+        return False  # no lock directory: nobody holds anything
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+    except OSError:
+        return False  # not there (or not a file of ours): held by nobody
+    finally:
+        os.close(dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def drop_unheld_locks(out: OutDir) -> None:
+    """Remove the part and finalize locks no process holds (a process killed before it let its lock go
+    leaves its file): a finalized output holds no lock file. One still held (a part retried meanwhile,
+    this process's own) stays; the run's own lock is let go, and removed, by its holder."""
+    for name in out.names(LOCK_DIR):
+        if name == LOCK_NAME.name or not is_lock_name(name):
+            continue
+        dir_fd = out.open_dir(LOCK_DIR)
+        try:
+            fd = _open_locked(dir_fd, name, exclusive=True)
+            if fd is not None:
+                os.unlink(name, dir_fd=dir_fd)  # under the lock: a part opening it now sees it gone
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
+
+
 def held_by_parent() -> bool:
     """This process is a worker of `convert -j N`, whose parent holds OUT's lock for it."""
     return os.environ.get(HELD_BY_PARENT_ENV) == str(os.getppid())
 
 
-def _open_locked(dir_fd: int, name: str, exclusive: bool) -> int | None:
-    """`name` in the lock directory, locked; None when another process holds it. The file is opened
-    without following a link; a lock file removed and made again meanwhile is opened again."""
+def _open_locked(dir_fd: int, name: str, exclusive: bool, wait: bool = False) -> int | None:
+    """`name` in the lock directory, locked; None when another process holds it (with `wait`, once it
+    lets it go). The file is opened without following a link; a lock file removed and made again
+    meanwhile is opened again."""
     while True:
         try:
             fd = os.open(name, _FLAGS, 0o644, dir_fd=dir_fd)
@@ -118,7 +180,7 @@ def _open_locked(dir_fd: int, name: str, exclusive: bool) -> int | None:
                 fix="remove it, or choose another output directory",
             ) from exc
         try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
             return None

@@ -23,7 +23,8 @@ TEMP_SUFFIX = ".fp8conv-partial"
 
 
 def temp_name(final_name: str) -> str:
-    # the pid keeps processes apart: parts of a fan-out may write the same file (finalize) at once
+    # the pid keeps processes apart (a part retried while another finalizes); which temporaries are live
+    # is told by the locks their writers hold (output/leftovers.py), never by this pid
     return f".{final_name}.{os.getpid()}{TEMP_SUFFIX}"
 
 
@@ -34,21 +35,6 @@ def temp_path(final: Path) -> Path:
 def temp_target(temp_name: str) -> str:
     """The final file name a temporary name stands for."""
     return temp_name.removeprefix(".").removesuffix(TEMP_SUFFIX).rsplit(".", 1)[0]
-
-
-def temp_owner_alive(temp_name: str) -> bool:
-    """The process whose pid a temporary name carries may still be writing it: it is running here (a
-    part of a fan-out beside this one), or it is this process. A name of no pid is nobody's."""
-    pid = temp_name.removesuffix(TEMP_SUFFIX).rsplit(".", 1)[-1]
-    if not pid.isdigit() or int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -211,7 +197,7 @@ class OutDir:
     def refuse_links(self) -> None:
         """Refuse, naming it, any entry of OUT that is not a regular file or a directory: a link would be
         kept in the output (and uploaded with it), a device or FIFO is no file fp8conv writes."""
-        for rel in self._walk(PurePosixPath(".")):
+        for rel in self.tree():
             st = self.lstat(rel)
             if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
@@ -219,6 +205,10 @@ class OutDir:
                     f"output directory {self.path} holds {rel}, {kind}; fp8conv never writes through or keeps one",
                     fix="remove it, or choose an empty output directory",
                 )
+
+    def tree(self) -> Iterator[PurePosixPath]:
+        """Every entry below OUT, each directory before what it holds (a link to a directory not entered)."""
+        return self._walk(PurePosixPath("."))
 
     def _walk(self, rel: PurePosixPath) -> Iterator[PurePosixPath]:
         for name in self.names(rel):

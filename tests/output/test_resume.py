@@ -102,6 +102,30 @@ def test_resume_refuses_other_options_or_a_changed_input(tiny, tmp_path):
         fp8conv.convert(tiny.path, foreign, ConvertOptions(to="bf16"), run=RunOptions(resume=True))
 
 
+@pytest.mark.parametrize("foreign", ["notes.txt", ".fp8conv/notes.txt", "model-00001-of-00002.safetensors", "sub/x"])
+def test_resume_without_a_manifest_refuses_what_no_run_wrote_and_leaves_it(tiny, tmp_path, foreign):
+    """A killed run's bookkeeping (its lock, a temporary) beside a file fp8conv never writes before its
+    first manifest save: not an interrupted run's, so --resume refuses it by name and touches nothing."""
+    out = tmp_path / "out"
+    (out / ".fp8conv").mkdir(parents=True)
+    (out / ".fp8conv" / "lock").write_text("{}\n")
+    (out / ".fp8conv" / ".manifest.json.4242.fp8conv-partial").write_text("{")
+    (out / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (out / foreign).write_text("theirs")
+    before = dir_snapshot(out)
+    with pytest.raises(OptionsError) as info:
+        fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(resume=True))
+    named = foreign if foreign.startswith(".fp8conv") else foreign.split("/")[0]
+    assert f"has no .fp8conv/manifest.json to resume from, and holds {named}, which" in info.value.one_line()
+    assert dir_snapshot(out) == before
+    (out / foreign).unlink()  # what is left is the killed run's own: resumed, i.e. started afresh
+    if foreign.startswith("sub"):
+        (out / "sub").rmdir()
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"), run=RunOptions(resume=True))
+    fp8conv.convert(tiny.path, tmp_path / "single", ConvertOptions(to="bf16"))
+    assert dir_snapshot(out) == dir_snapshot(tmp_path / "single")
+
+
 def test_verify_checks_the_manifest_hashes(tiny, tmp_path):
     out = tmp_path / "out"
     fp8conv.convert(tiny.path, out, ConvertOptions(to="bf16"))
