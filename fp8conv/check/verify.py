@@ -31,6 +31,7 @@ from ..options import DEFAULT_TUNING, ConvertOptions, Tuning
 from ..output.manifest import MANIFEST, Manifest, load_manifest
 from ..plan.conversion import Action, ConversionPlan, Job, ShardPlan, plan_conversion
 from ..records import collector_paused
+from ..rewrite.chunks import in_chunks
 from ..rewrite.dequant import dequantize, stored_scale
 from ..rewrite.jobs import run_job
 from ..rewrite.pad import pad_to
@@ -42,6 +43,7 @@ from ..storage.header import read_header
 from ..storage.json_file import read_json_object
 from ..storage.out_dir import OutDir
 from ..storage.safetensors_file import ShardHeader, read_tensor
+from .engine_layouts import engine_layout_problems
 from .verify_bands import JobBands, pieces
 
 
@@ -82,6 +84,7 @@ def verify(
     check.documents()
     for shard in plan.shards:
         check.shard(shard, manifest)
+    check.engine_layouts()
     return check.result(time.monotonic() - started)
 
 
@@ -117,6 +120,41 @@ class OutputCheck:
         for stray in sorted(p.name for p in self.out.glob("*.safetensors") if p.name not in planned):
             self.fail(f"{stray}: a shard the plan does not write (the index does not list it)")
 
+    def engine_layouts(self) -> None:
+        """The layouts engines read specially, read from the output's own config.json and tensors as the
+        engines read them (engine_layouts.py), against the input's exact decode: not against the plan."""
+        config = _read_output_json(self.out, CONFIG_NAME, lambda _: None)  # reported by documents()
+        headers = {p.name: read_header(p) for p in sorted(self.out.glob("*.safetensors"))}
+        where = {name: shard for shard, h in headers.items() for name in h.tensors}
+        tensors = {name: (e.dtype, e.shape) for h in headers.values() for name, e in h.tensors.items()}
+        sources = {job.spec.name: job for shard in self.plan.shards for job in shard.jobs}
+
+        def read_out(name: str) -> torch.Tensor:
+            header = headers[where[name]]
+            fd = os.open(header.path, os.O_RDONLY)
+            try:
+                return read_tensor(fd, header.tensors[name], header.path.name)
+            finally:
+                os.close(fd)
+
+        def truth(name: str) -> torch.Tensor | None:
+            job = sources.get(name)
+            if job is None or job.fmt is None or job.fmt.scale is None or job.fmt.kind in PACKED:
+                return None
+            read = self._read_in
+            return dequantize(read(job.source), stored_scale(read, job.fmt), job.fmt, torch.float32, self.reference)
+
+        for problem in engine_layout_problems(config, tensors, read_out, truth):
+            self.fail(problem)
+
+    def _read_in(self, name: str) -> torch.Tensor:
+        src = self.index.shard_of(name)
+        fd = os.open(self.index.root / src.name, os.O_RDONLY)
+        try:
+            return read_tensor(fd, self.index.entry(name), src.name)
+        finally:
+            os.close(fd)
+
     def result(self, seconds: float) -> VerifyResult:
         return VerifyResult(not self.failures, self.checked, self.sampled, list(self.failures), seconds)
 
@@ -143,16 +181,7 @@ class OutputCheck:
         for name in sorted(set(expected) | set(got)):
             if expected.get(name) != got.get(name):
                 self.fail(f"{shard.name}: {name}: expected {expected.get(name)}, found {got.get(name)}")
-        index = self.index
-
-        def read_in(name: str) -> torch.Tensor:
-            src = index.shard_of(name)
-            fd = os.open(index.root / src.name, os.O_RDONLY)
-            try:
-                return read_tensor(fd, index.entry(name), src.name)
-            finally:
-                os.close(fd)
-
+        read_in = self._read_in
         fd_out = os.open(path, os.O_RDONLY)
         try:
             for job in shard.jobs:
@@ -273,6 +302,8 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
     else:
         truth = read_in(job.source).to(torch.float32)
     q, scale = got[0].to(torch.float32), scale_to_float32(got[1])
+    if job.out_chunks > 1:  # rows in chunks, each on its own grid: the chunks as experts of a 3-D weight
+        q, scale, truth = (in_chunks(t, job.out_chunks) for t in (q, scale, truth))
     n, k = q.shape[-2], q.shape[-1]
     bn, bk = job.out_block or (1, k)
     full_scale = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]

@@ -45,6 +45,33 @@ class RowScales:
 
 
 @dataclass(frozen=True)
+class ChunkedRows:
+    """A fused projection stored pre-sharded (fp8conv.model.mimo_kv: MiMo-V2.5's qkv_proj): `chunks` equal
+    row chunks, each holding its own share of every part in order ([q_c; k_c; v_c]) and, when quantized,
+    its own block grid. The plain layout engines read unquantized is each part's rows of every chunk in
+    turn ([q_0; q_1; ...; k_0; ...; v_0; ...])."""
+
+    chunks: int
+    parts: tuple[tuple[str, int], ...]  # (part, rows in one chunk), in the chunk's order
+    layout: str  # for messages and inspect
+
+    @property
+    def chunk_rows(self) -> int:
+        return sum(rows for _, rows in self.parts)
+
+    def plain_order(self) -> list[int]:
+        """For each row of the plain layout, the stored row it comes from."""
+        order: list[int] = []
+        start = 0
+        for _, rows in self.parts:
+            for c in range(self.chunks):
+                first = c * self.chunk_rows + start
+                order.extend(range(first, first + rows))
+            start += rows
+        return order
+
+
+@dataclass(frozen=True)
 class WeightFormat:
     """One quantized weight and the companions that travel with it."""
 
@@ -62,6 +89,7 @@ class WeightFormat:
     shape: tuple[int, ...] | None = None  # the unpacked [..., N, K]
     out_name: str | None = None  # the output weight's name (X.weight_packed -> X.weight, X_blocks -> X)
     row_scales: RowScales | None = None  # block FP8 with scale rows in another unit than ceil(N / bn)
+    chunked: ChunkedRows | None = None  # rows stored pre-sharded in chunks, each with its own grid
 
     def math_block(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The block that makes every convertible kind one computation: channel and tensor are (1, K)."""

@@ -101,6 +101,8 @@ def held_bytes(job: RunJob, entry: TensorEntry) -> tuple[str, int] | None:
 def streamable(job: Job, entry: TensorEntry, band_elements: int) -> bool:
     """A 2-D FP8 or packed 4-bit weight, rewritten without padding, or gpt-oss's fused [E, N, K/32, 16]
     experts dequantized, over one band: band by band."""
+    if job.out_chunks > 1 or job.plain_rows:  # rows in chunks (a fused projection, a few MB): whole
+        return False
     if expert_banded(job):
         return len(entry.shape) == 4 and math.prod(job.spec.shape) > band_elements
     if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights

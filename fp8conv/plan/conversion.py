@@ -20,7 +20,7 @@ from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classificatio
 from ..model.families import FUSED_EXPERTS, NO_ROLE_TAILS, Family, fused_module, model_type_of, role_of, table_family
 from ..model.family_widths import family_of, role_shapes, width_disagreements, width_settings
 from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
-from ..model.mimo_kv import fused_qkv_problems
+from ..model.mimo_kv import fused_qkv_chunks, fused_qkv_problems, mimo_text_config
 from ..model.mlp_layout import (
     MlpPadding,
     Pad,
@@ -97,6 +97,10 @@ class Job:
     fmt: WeightFormat | None = None  # how the source is quantized; None for a float tensor
     out_block: tuple[int, int] | None = None  # QUANTIZE: output block; None means one scale per row
     pad_parts: int = 1  # padded: the padded axis holds this many widths (fused gate_up), each padded
+    # rows stored in chunks (fmt.chunked): an FP8 output keeps them, each chunk on its own scale grid
+    # (out_chunks of them); a float output is written in the plain order engines read (plain_rows)
+    out_chunks: int = 1
+    plain_rows: bool = False
 
     @property
     def spec(self) -> TensorSpec:
@@ -352,6 +356,8 @@ class _Planner:
             )
             self.warnings += self.padding.warnings
         self.plain = set(cls.plain)
+        mimo = mimo_text_config(ckpt.config)
+        self.fused_qkv_chunks = fused_qkv_chunks(mimo) if mimo is not None else None
         self._unpadded: dict[tuple[int, ...], Pad] = {}
         # (format kind, its block, plain scale rows, shape, padded shape, parts) -> block job's action and grid
         self._block_kinds: dict[tuple[Any, ...], tuple[Action, tuple[int, ...]]] = {}
@@ -400,14 +406,15 @@ class _Planner:
         to, out_shape = self.options.to, pad.shape
         if to == "bf16":
             out_dtype = DEQUANT_TARGETS[self.options.dtype][0]
-            return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt)
+            plain = fmt.chunked is not None  # vLLM reads a float fused projection in the plain order
+            return Job(name, Action.DEQUANTIZE, (TensorSpec(name, out_dtype, shape),), fmt, plain_rows=plain)
         if _maybe_embedding(name) and _EMBEDDING.search(name):  # no engine builds an FP8 embedding: dequantized
             self.warnings.append(f"{name} is an FP8 embedding; written as bf16 (engines load embeddings unquantized)")
             return Job(name, Action.DEQUANTIZE, (TensorSpec(name, "BF16", shape),), fmt)
         base = module_of(name)
         if self.pow2:
             return self._pow2_job(name, base, out_shape, fmt, pad.parts)
-        if to == "channel":
+        if to == "channel":  # (a chunked fused projection is refused: fused_qkv_problems)
             if not name.endswith(".weight"):
                 self.problems.append(
                     CheckpointError(
@@ -420,19 +427,25 @@ class _Planner:
                 )
             return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape, name), fmt, None, pad.parts)
         # what the job is but for its names, once per kind of weight (a release has 100k in a few dozen)
-        key = (fmt.kind, fmt.block, fmt.row_scales is None, shape, out_shape, pad.parts)
+        chunks = fmt.chunked.chunks if fmt.chunked is not None else 1
+        key = (fmt.kind, fmt.block, fmt.row_scales is None, shape, out_shape, pad.parts, chunks)
         known = self._block_kinds.get(key)
         if known is None:
             keep = fmt.kind is Kind.BLOCK and fmt.block == self.out_block and self.options.fp8_max == FP8_MAX_STANDARD
-            keep = keep and fmt.row_scales is None  # scales in another unit (MiMo) are written on the plain grid
+            # scales in another unit (MiMo's per-head K/V) are written on the plain grid; chunked rows keep
+            # their per-chunk grid (a plain grid over chunks of whole blocks is that grid too)
+            if fmt.chunked is None:
+                keep = keep and fmt.row_scales is None
+            else:
+                keep = keep and (fmt.row_scales is not None or shape[-2] // chunks % self.out_block[0] == 0)
             # a fused [gate; up] whose halves are not whole blocks has blocks spanning both: padding each half
             # moves rows of one input block into two output blocks, so it is quantized afresh
             keep = keep and _parts_whole_blocks(shape, out_shape, pad.parts, self.out_block)
             action = Action.KEEP_BLOCKS if keep else Action.QUANTIZE
-            known = self._block_kinds[key] = (action, _grid(out_shape, self.out_block))
+            known = self._block_kinds[key] = (action, chunked_grid(out_shape, self.out_block, chunks))
         scale = _block_scale_name(fmt, base) or name + "_scale_inv"
         outputs = (TensorSpec(name, FP8_E4M3, out_shape), TensorSpec(scale, "F32", known[1]))
-        return Job(name, known[0], outputs, fmt, self.out_block, pad.parts)
+        return Job(name, known[0], outputs, fmt, self.out_block, pad.parts, out_chunks=chunks)
 
     def _packed_job(self, fmt: WeightFormat, shard_name: str) -> Job:
         """A packed 4-bit weight: dequantized in float32, then rounded once or quantized to FP8."""
@@ -465,9 +478,11 @@ class _Planner:
             self.problems += mxfp8_shape_problems(name, shape, shard)
             outputs = (TensorSpec(name, FP8_E4M3, shape), TensorSpec(name + "_scale", "U8", _grid(shape, MXFP8_GROUP)))
         else:
+            chunks = fmt.chunked.chunks if fmt is not None and fmt.chunked is not None else 1
             scale_name = (_block_scale_name(fmt, base) if fmt is not None else None) or name + "_scale_inv"
-            scale = TensorSpec(scale_name, "F8_E8M0", _grid(shape, self.out_block))
+            scale = TensorSpec(scale_name, "F8_E8M0", chunked_grid(shape, self.out_block, chunks))
             outputs = (TensorSpec(name, FP8_E4M3, shape), scale)
+            return Job(name, Action.QUANTIZE_POW2, outputs, fmt, self.out_block, parts, out_chunks=chunks)
         return Job(name, Action.QUANTIZE_POW2, outputs, fmt, self.out_block, parts)
 
     def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
@@ -476,6 +491,17 @@ class _Planner:
         listed = self.cls.settings.lists_as_not_converted(module_of(name))
         if self.quantize_floats and is_linear and not listed:
             base = module_of(name)
+            if self.fused_qkv_chunks is not None and name.endswith(".self_attn.qkv_proj.weight"):
+                self.problems.append(
+                    CheckpointError(
+                        f"is MiMo's fused qkv_proj in a float checkpoint (read as plain [Q; K; V]); as FP8 the engines "
+                        f"read it in {self.fused_qkv_chunks} chunks, each on its own scale grid, which fp8conv does "
+                        "not write from a float input",
+                        tensor=name,
+                        shard=self.ckpt.index.shard_of(name).name,
+                        fix="convert the FP8 release itself, or keep this checkpoint in bf16",
+                    )
+                )
             if self.pow2:
                 return self._pow2_job(name, base, out_shape, None, pad.parts)
             if self.options.to == "channel":
@@ -582,6 +608,13 @@ def _embedding_table(name: str, shape: tuple[int, ...]) -> bool:
 
 def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def chunked_grid(shape: tuple[int, ...], block: tuple[int, int], chunks: int) -> tuple[int, ...]:
+    """The block grid of a weight whose rows are `chunks` chunks, each on its own grid, stacked."""
+    if chunks == 1:
+        return _grid(shape, block)
+    return (*shape[:-2], chunks * math.ceil(shape[-2] // chunks / block[0]), math.ceil(shape[-1] / block[1]))
 
 
 def mxfp8_shape_problems(name: str, shape: tuple[int, ...], shard: str) -> list[CheckpointError]:

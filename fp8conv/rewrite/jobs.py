@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..backends import Backend
+from ..backends.scales import scale_to_float32
 from ..dtypes import torch_dtype
 from ..model.classify import PACKED
 from ..plan.conversion import Action, Job
+from .chunks import in_chunks, plain_rows
 from .dequant import dequantize, scale_grid, stored_scale
 from .pad import pad_to
 from .pow2 import run_pow2_job
@@ -56,25 +58,37 @@ def run_job(
     if job.action is Action.DEQUANTIZE:
         assert job.fmt is not None and job.fmt.scale is not None
         out_dtype = torch_dtype(job.spec.dtype)
-        return [dequantize(read(job.source), stored_scale(read, job.fmt), job.fmt, out_dtype, backend)]
+        out = dequantize(read(job.source), stored_scale(read, job.fmt), job.fmt, out_dtype, backend)
+        return [plain_rows(out, job.fmt.chunked) if job.plain_rows and job.fmt.chunked else out]
     if job.action is Action.KEEP_BLOCKS:
         assert job.fmt is not None and job.fmt.scale is not None
         weight = read(job.source)
-        grid = scale_grid(stored_scale(read, job.fmt), job.fmt, tuple(weight.shape))
-        grid = grid.reshape(*weight.shape[:-2], *grid.shape[-2:])
+        grid = kept_scale(read(job.fmt.scale), job, tuple(weight.shape), read)
         parts = job.pad_parts  # the plan keeps blocks of a fused [gate; up] only when each half is whole blocks
         return [
             pad_to(weight, job.outputs[0].shape, 0.0, parts),
-            pad_to(grid.contiguous(), job.outputs[1].shape, 1.0, parts),
+            pad_to(grid, job.outputs[1].shape, 1.0, parts),
         ]
     # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
     if job.fmt is not None:
         assert job.fmt.scale is not None
         weight = read(job.source)
-        if tuple(weight.shape) == job.spec.shape:  # nothing to pad: dequantize and quantize in one go
+        if tuple(weight.shape) == job.spec.shape and job.out_chunks == 1:  # dequantize and quantize in one go
             return list(requantize(weight, stored_scale(read, job.fmt), job.fmt, job.out_block, fp8_max, backend))
         w32 = dequantize(weight, stored_scale(read, job.fmt), job.fmt, torch.float32, backend)
     else:
         w32 = read(job.source).to(torch.float32)
-    q, scale = quantize(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_block, fp8_max, backend)
-    return [q, scale]
+    w32 = pad_to(w32, job.spec.shape, parts=job.pad_parts)
+    q, scale = quantize(in_chunks(w32, job.out_chunks), job.out_block, fp8_max, backend)
+    return [q.reshape(job.spec.shape), scale.reshape(job.outputs[1].shape)]
+
+
+def kept_scale(scale: torch.Tensor, job: Job, shape: tuple[int, ...], read: Reader | None = None) -> torch.Tensor:
+    """A KEEP_BLOCKS job's output scale: the input's grid widened to float32; kept rows in chunks keep their
+    per-chunk grid as it is stored."""
+    assert job.fmt is not None
+    if job.out_chunks > 1:
+        return scale_to_float32(scale).reshape(job.outputs[1].shape).contiguous()
+    stored = stored_scale(read, job.fmt) if read is not None else scale
+    grid = scale_grid(stored, job.fmt, shape)
+    return grid.reshape(*shape[:-2], *grid.shape[-2:]).contiguous()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +22,8 @@ from ..dtypes import torch_dtype
 from ..model.classify import CONVERTIBLE, PACKED, WeightFormat
 from ..output.requant_report import TensorError, exact
 from ..plan.conversion import Job
-from .dequant import dequantize, scale_grid
+from .chunks import in_chunks, in_chunks_shape, per_chunk_grid
+from .dequant import dequantize, scale_grid, stored_scale
 from .pad import pad_to
 from .unpack import unpack_to_float32
 
@@ -31,28 +33,48 @@ REPORT_ROWS = 1024  # rows measured at a time: the float64 temporaries stay smal
 def run_pow2_job(
     job: Job, read: Callable[[str], torch.Tensor], backend: Backend
 ) -> tuple[list[torch.Tensor], TensorError]:
-    """[weight, E8M0 scale] as planned (the scale's dtype: F8_E8M0 or U8, the same bytes), and the report."""
-    assert job.out_block is not None
+    """[weight, E8M0 scale] as planned (the scale's dtype: F8_E8M0 or U8, the same bytes), and the report.
+    Rows in chunks (job.out_chunks) are quantized chunk by chunk, each on its own grid."""
+    tensors, error = _pow2_tensors(job, read, backend)
+    q, exponents = tensors
     scale_dtype = torch_dtype(job.outputs[1].dtype)
+    return [q.reshape(job.spec.shape), exponents.reshape(job.outputs[1].shape).view(scale_dtype)], error
+
+
+def _pow2_tensors(
+    job: Job, read: Callable[[str], torch.Tensor], backend: Backend
+) -> tuple[tuple[torch.Tensor, torch.Tensor], TensorError]:
+    """(q, E8M0 bytes) in the job's chunks ([C, N/C, K] and [C, gn, gk] for rows in chunks), the report."""
+    assert job.out_block is not None
+    chunks = job.out_chunks
     if job.fmt is None:
         w32, search = read(job.source).to(torch.float32), False
     elif job.fmt.kind in PACKED:
         w32, search = unpack_to_float32(read, job.fmt, backend), True
     else:
         assert job.fmt.scale is not None
-        weight, scale = read(job.source), read(job.fmt.scale)
-        unpadded = tuple(weight.shape) == job.spec.shape
-        kept = kept_exponents(scale, job.fmt, tuple(weight.shape), job.out_block) if unpadded else None
+        weight, scale, fmt = read(job.source), read(job.fmt.scale), job.fmt
+        if chunks > 1 and fmt.block and per_chunk_grid(tuple(scale.shape), tuple(weight.shape), chunks, fmt.block):
+            # each chunk alone is plain block FP8: its bytes can be kept where its scales are powers of two
+            weight, scale = in_chunks(weight, chunks), scale.reshape(chunks, -1, scale.shape[-1])
+            fmt = replace(fmt, row_scales=None, chunked=None)
+        elif fmt.row_scales is not None:
+            scale = stored_scale(read, fmt)
+        chunked_view = weight.dim() > len(job.spec.shape)
+        unpadded = tuple(weight.shape) == (in_chunks_shape(job.spec.shape, chunks) if chunked_view else job.spec.shape)
+        kept = kept_exponents(scale, fmt, tuple(weight.shape), job.out_block) if unpadded else None
         if kept is not None and bool(kept[1].all()):  # every block stays: no arithmetic at all
-            return [weight, kept[0].reshape(job.outputs[1].shape).view(scale_dtype)], exact(weight.numel())
-        w32, search = dequantize(weight, scale, job.fmt, torch.float32, backend), True
+            return (weight, kept[0]), exact(weight.numel())
+        w32, search = dequantize(weight, scale, fmt, torch.float32, backend), True
         if kept is not None and bool(kept[1].any()):
             q, exponents = quantize_pow2(w32, job.out_block, search, backend)
             q, exponents = _with_kept_blocks(q, exponents, weight, kept, job.out_block)
-            return [q, exponents.view(scale_dtype)], tensor_error(w32, q, exponents, job.out_block)
-    w32 = pad_to(w32, job.spec.shape, parts=job.pad_parts)
+            return (q, exponents), tensor_error(w32, q, exponents, job.out_block)
+        if chunked_view:  # back to its rows: quantized in chunks below, as every other input is
+            w32 = w32.reshape(-1, w32.shape[-1])
+    w32 = in_chunks(pad_to(w32, job.spec.shape, parts=job.pad_parts), chunks)
     q, exponents = quantize_pow2(w32, job.out_block, search, backend)
-    return [q, exponents.view(scale_dtype)], tensor_error(w32, q, exponents, job.out_block)
+    return (q, exponents), tensor_error(w32, q, exponents, job.out_block)
 
 
 def _with_kept_blocks(

@@ -43,9 +43,9 @@ from ..plan.bands import (
 from ..plan.conversion import SAFETENSORS_METADATA, Action, Job, ShardPlan, Strategy
 from ..plan.strategy import RunPlan
 from ..rewrite.banded import BandedJob
-from ..rewrite.dequant import scale_grid, stored_scale
+from ..rewrite.dequant import stored_scale
 from ..rewrite.experts import ExpertBands
-from ..rewrite.jobs import run_job
+from ..rewrite.jobs import kept_scale, run_job
 from ..source.index import CheckpointIndex
 from ..storage.direct_io import aligned_empty, round_up
 from ..storage.out_dir import OutDir
@@ -256,8 +256,7 @@ class Scheduler:
             return None
         if job.strategy is Strategy.KEEP_WEIGHT_BYTES:
             assert job.fmt is not None and job.fmt.scale is not None
-            entry = self.index.entry(job.source)
-            grid = scale_grid(inputs[job.fmt.scale], job.fmt, entry.shape).reshape(job.outputs[1].shape).contiguous()
+            grid = kept_scale(inputs[job.fmt.scale], job, self.index.entry(job.source).shape)
             self._write_behind(self._copy_weight, writer, job, grid)
             return grid
         if job.strategy is Strategy.BANDED:

@@ -15,6 +15,8 @@ from fp8conv.errors import PlanRefused
 from fp8conv.options import Tuning
 from tests.support.helpers import load_dir
 from tests.support.layouts_2026 import (
+    MIMO_CKPT_TP,
+    MIMO_FUSED_LAYERS,
     MIMO_LAYERS,
     build_mimo_flash,
     build_mimo_fused_qkv,
@@ -24,7 +26,7 @@ from tests.support.layouts_2026 import (
     decode_block_plain,
     mistral_large3_params,
 )
-from tests.support.reference import quantize_reference, same_bits
+from tests.support.reference import plain_pow2, quantize_reference, same_bits
 
 TARGETS = ["bf16", "channel", "block"]
 
@@ -105,22 +107,64 @@ def test_mimo_k_grid_of_no_known_layout_is_refused(tmp_path):
     assert re.search(r"model\.layers\.0\.self_attn\.k_proj\.weight.*unverified", message), message
 
 
-def test_mimo_fused_qkv_to_block_from_the_exact_decode(tmp_path):
-    truth = build_mimo_fused_qkv(tmp_path / "in")
+def _engine_chunks(out: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A block-FP8 qkv_proj read as the engines read it (sglang _resolve_deferred_qkv_scale_inv, vLLM
+    _shard_fp8_qkv_proj): ckpt_tp chunks of the weight, each decoded on its own chunk of the scale rows;
+    a scale of any other row count is refused as they refuse it."""
+    w, s = out[name], out[name + "_scale_inv"].to(torch.float32)
+    rows = w.shape[0] // MIMO_CKPT_TP
+    per_chunk = -(-rows // 128)
+    assert s.shape[0] == MIMO_CKPT_TP * per_chunk, (
+        f"{name}: {s.shape[0]} scale rows, the engines read {per_chunk} per chunk"
+    )
+    return torch.cat(
+        [
+            decode_block_plain(w[c * rows : (c + 1) * rows], s[c * per_chunk : (c + 1) * per_chunk])
+            for c in range(MIMO_CKPT_TP)
+        ]
+    )
+
+
+def test_mimo_fused_qkv_to_block_keeps_its_chunks_and_their_grids(tmp_path):
+    stored, _ = build_mimo_fused_qkv(tmp_path / "in")
     out = _convert(tmp_path / "in", tmp_path / "out", "block")
-    for name, value in truth.items():
-        got, want = _outputs(out, name, "block"), _expected_2d(value, "block")
-        assert all(same_bits(g, w) for g, w in zip(got, want, strict=True)), name
-        # the plain grid ("globally packed"), which vLLM's _shard_fp8_qkv_proj reads too
-        assert out[name + "_scale_inv"].shape == (-(-value.shape[0] // 128), 2)
+    from safetensors.torch import load_file
+
+    tensors_in = load_file(next((tmp_path / "in").glob("*.safetensors")))
+    for name, value in stored.items():
+        assert same_bits(out[name], tensors_in[name]), name  # the release's bytes, chunks and all
+        assert torch.equal(out[name + "_scale_inv"], tensors_in[name + "_scale_inv"].to(torch.float32)), name
+        assert same_bits(_engine_chunks(out, name), value), name
+    # the full-attention layer's chunks are 5.5 blocks: 12 scale rows where a plain grid has 11
+    assert out["model.layers.0.self_attn.qkv_proj.weight_scale_inv"].shape == (12, 2)
 
 
-@pytest.mark.parametrize("to", ["bf16", "channel"])
+def test_mimo_fused_qkv_to_ue8m0_quantizes_each_chunk_on_its_own_grid(tmp_path):
+    stored, _ = build_mimo_fused_qkv(tmp_path / "in")
+    out = _convert(tmp_path / "in", tmp_path / "out", "block", scale_fmt="ue8m0")
+    for name, value in stored.items():
+        rows = value.shape[0] // MIMO_CKPT_TP
+        want = [plain_pow2(value[c * rows : (c + 1) * rows], (128, 128), True) for c in range(MIMO_CKPT_TP)]
+        assert same_bits(out[name], torch.cat([q for q, _ in want])), name
+        assert torch.equal(out[name + "_scale_inv"].view(torch.uint8), torch.cat([e for _, e in want])), name
+
+
+def test_mimo_fused_qkv_to_bf16_in_the_plain_order_engines_read(tmp_path):
+    _, plain = build_mimo_fused_qkv(tmp_path / "in")
+    out = _convert(tmp_path / "in", tmp_path / "out", "bf16")
+    for name, value in plain.items():
+        assert same_bits(out[name], value.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("to", ["channel", "mxfp8"])
 def test_mimo_fused_qkv_refused_where_no_engine_reads_it(tmp_path, to):
     build_mimo_fused_qkv(tmp_path / "in")
     message = _refusals(tmp_path / "in", tmp_path / "out", to)
-    for layer in (0, 1):
-        assert re.search(rf"model\.layers\.{layer}\.self_attn\.qkv_proj\.weight.*per KV head.*--to block", message)
+    for prefix in MIMO_FUSED_LAYERS:
+        assert re.search(
+            rf"{re.escape(prefix)}qkv_proj\.weight.*2 chunks of \[Q; K; V\].*_try_load_fp8_qkv_proj", message
+        )
+        assert "--to block" in message and "--to bf16" in message
 
 
 def _expected_experts(truth: torch.Tensor, to: str) -> list[torch.Tensor]:
@@ -315,3 +359,54 @@ def test_mimo_bf16_output_loads_in_transformers(tmp_path):
         wrong = reference(tokens).logits.float()
     assert torch.allclose(logits, same, atol=1e-2, rtol=0)  # a few bf16 ulps: float reductions
     assert (logits - wrong).abs().max() > 0.2
+
+
+@pytest.mark.parametrize("options", [{"to": "block"}, {"to": "block", "scale_fmt": "ue8m0"}, {"to": "bf16"}])
+def test_mimo_fused_qkv_outputs_verify_as_the_engines_read_them(tmp_path, options):
+    build_mimo_fused_qkv(tmp_path / "in")
+    fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(**options))
+    result = fp8conv.verify(tmp_path / "in", tmp_path / "out")
+    assert result.ok, result.failures
+
+
+@pytest.mark.parametrize("to", ["block", "bf16"])
+def test_verify_fails_a_mimo_layout_the_engines_misread_even_when_the_plan_wrote_it(tmp_path, monkeypatch, to):
+    """The layouts this project once wrote (one plain grid over the chunks; the stored chunk order in bf16),
+    planned and verified by a planner that chose them: every check against the plan passes, the engines'
+    reading does not."""
+    from dataclasses import replace as replaced
+
+    from fp8conv.plan import conversion
+    from fp8conv.storage.writer import TensorSpec
+
+    job_of = conversion._Planner._quantized_job
+
+    def as_before(self, name, fmt, shape, pad):
+        job = job_of(self, name, fmt, shape, pad)
+        if fmt.chunked is None:
+            return job
+        if job.action is conversion.Action.DEQUANTIZE:
+            return replaced(job, plain_rows=False)
+        plain_grid = TensorSpec(job.outputs[1].name, "F32", (-(-shape[0] // 128), -(-shape[1] // 128)))
+        return replaced(job, action=conversion.Action.QUANTIZE, outputs=(job.spec, plain_grid), out_chunks=1)
+
+    monkeypatch.setattr(conversion._Planner, "_quantized_job", as_before)
+    build_mimo_fused_qkv(tmp_path / "in")
+    fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to=to))
+    failures = fp8conv.verify(tmp_path / "in", tmp_path / "out").failures
+    assert failures and all("qkv_proj" in f for f in failures), failures
+    if to == "block":  # the full layer: 11 scale rows where the engines read 2 chunks of 6
+        assert any("model.layers.0.self_attn.qkv_proj.weight_scale_inv: [11, 2]" in f for f in failures), failures
+        # the sliding-window layers' chunks are whole blocks: a plain grid is their per-chunk grid
+        assert not any("layers.1." in f or "mtp" in f for f in failures), failures
+    else:
+        assert len(failures) == 3 and all("plain [Q; K; V]" in f for f in failures), failures
+
+
+@pytest.mark.parametrize("to", ["channel", "block"])
+def test_a_float_mimo_fused_qkv_is_refused_for_fp8_targets(tmp_path, to):
+    build_mimo_fused_qkv(tmp_path / "in")
+    fp8conv.convert(tmp_path / "in", tmp_path / "bf16", fp8conv.ConvertOptions(to="bf16"))
+    message = _refusals(tmp_path / "bf16", tmp_path / "out", to)
+    for prefix in MIMO_FUSED_LAYERS:
+        assert re.search(rf"{re.escape(prefix)}qkv_proj\.weight.*float checkpoint.*2 chunks", message), message

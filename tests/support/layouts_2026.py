@@ -151,22 +151,50 @@ def mimo_fused_qkv_config() -> dict:
     return config | {"attention_projection_layout": "fused_qkv", "num_hidden_layers": 2, "hybrid_layer_pattern": [0, 1]}
 
 
-def build_mimo_fused_qkv(path) -> dict[str, torch.Tensor]:
-    """Layer 0 (full: 4 heads, 2 KV) and layer 1 (SWA: 8 heads, 4 KV), each [Q_g | K_g | V_g] group
-    quantized alone ("per-group padded" scales); the exact decode by name."""
+# layer prefix -> (query heads, KV heads): full attention, sliding-window, and the MTP layer (sliding-window)
+MIMO_FUSED_LAYERS = {
+    "model.layers.0.self_attn.": (4, 2),
+    "model.layers.1.self_attn.": (8, 4),
+    "model.mtp.layers.0.self_attn.": (8, 4),
+}
+MIMO_CKPT_TP = 2  # config num_key_value_heads: the chunks of every layer's qkv_proj
+
+
+def mimo_chunk_rows(heads: int, kv: int) -> tuple[int, int, int]:
+    """(q, k, v) rows of one chunk: heads / ckpt_tp query heads, max(1, kv / ckpt_tp) key and value heads
+    (sglang _get_ckpt_qkv_shard_sizes, vLLM after vllm#57508)."""
+    kv_per_chunk = max(1, kv // MIMO_CKPT_TP)
+    return heads // MIMO_CKPT_TP * HEAD_DIM, kv_per_chunk * HEAD_DIM, kv_per_chunk * V_HEAD_DIM
+
+
+def build_mimo_fused_qkv(path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """qkv_proj stored in ckpt_tp chunks of [Q_c; K_c; V_c], each chunk quantized alone: the full layer's
+    chunks are 704 rows (5.5 blocks: 12 scale rows, where a plain grid has 11), the sliding-window and MTP
+    layers' 1408 (11 blocks: 22 either way). Returns the exact decode by name in the stored order, and in
+    the plain [Q; K; V] order engines read unquantized."""
     tensors: dict[str, torch.Tensor] = {}
-    truth: dict[str, torch.Tensor] = {}
-    for layer, (heads, kv) in enumerate([(4, 2), (8, 4)]):
-        rows = (heads // kv) * HEAD_DIM + HEAD_DIM + V_HEAD_DIM
-        groups = [torch.randn(rows, HIDDEN, generator=_gen(300 + 10 * layer + g)) * 0.05 for g in range(kv)]
-        quantized = [quantize_block_plain(w) for w in groups]
-        name = f"model.layers.{layer}.self_attn.qkv_proj.weight"
-        tensors[name] = torch.cat([q for q, _ in quantized])
-        tensors[name + "_scale_inv"] = torch.cat([s for _, s in quantized])
-        truth[name] = torch.cat([decode_block_plain(q, s) for q, s in quantized])
+    stored: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for n, (prefix, (heads, kv)) in enumerate(MIMO_FUSED_LAYERS.items()):
+        q, k, v = (
+            torch.randn(rows, HIDDEN, generator=_gen(300 + 10 * n + i)) * 0.05
+            for i, rows in enumerate((heads * HEAD_DIM, kv * HEAD_DIM, kv * V_HEAD_DIM))
+        )
+        rq, rk, rv = mimo_chunk_rows(heads, kv)
+        chunks = [
+            torch.cat([q[c * rq : (c + 1) * rq], k[c * rk : (c + 1) * rk], v[c * rv : (c + 1) * rv]])
+            for c in range(MIMO_CKPT_TP)
+        ]
+        quantized = [quantize_block_plain(w) for w in chunks]
+        name = prefix + "qkv_proj.weight"
+        tensors[name] = torch.cat([qc for qc, _ in quantized])
+        tensors[name + "_scale_inv"] = torch.cat([sc for _, sc in quantized])
+        decoded = [decode_block_plain(qc, sc) for qc, sc in quantized]
+        stored[name] = torch.cat(decoded)
+        plain[name] = torch.cat([d[a:b] for a, b in ((0, rq), (rq, rq + rk), (rq + rk, rq + rk + rv)) for d in decoded])
     tensors["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
     write_checkpoint(path, tensors, mimo_fused_qkv_config())
-    return truth
+    return stored, plain
 
 
 # ------------------------------------------------------------------ transformers-5 FineGrainedFP8, per-tensor

@@ -111,3 +111,40 @@ def expected_output(
                 out[name] = pad_axis(q8, axis, width, 0).view(torch.float8_e4m3fn)
                 out[name + "_scale_inv"] = pad_axis(out[name + "_scale_inv"], axis, width // 128, 1.0)
     return out
+
+
+def plain_exponent(amax: float) -> int:
+    """The least e with 448 * 2^e >= max(amax, 1e-4 as float32), by float64 arithmetic."""
+    a = max(amax, float(torch.tensor(1e-4, dtype=torch.float32)))
+    e = math.ceil(math.log2(a / 448.0))
+    while 448.0 * 2.0**e < a:
+        e += 1
+    while 448.0 * 2.0 ** (e - 1) >= a:
+        e -= 1
+    return e
+
+
+def plain_pow2(w: torch.Tensor, block: tuple[int, int], search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, E8M0 bytes) by the definition: per block the ceiling exponent, or (search) of it and the three
+    below the one of least float64 squared error, the larger on a tie."""
+    n, k = w.shape
+    bn, bk = block
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float64)
+    padded[:n, :k] = w.double()
+    blocks = padded.view(gn, bn, gk, bk)
+    exps = torch.empty(gn, gk, dtype=torch.int64)
+    for i in range(gn):
+        for j in range(gk):
+            x = blocks[i, :, j, :]
+            ceiling = plain_exponent(float(x.abs().max()))
+            best, best_err = ceiling, None
+            for e in range(ceiling, ceiling - (4 if search else 1), -1):
+                q = (x / 2.0**e).clamp(-448, 448).float().to(torch.float8_e4m3fn)
+                err = float(((q.double() * 2.0**e - x) ** 2).sum())
+                if best_err is None or err < best_err:
+                    best, best_err = e, err
+            exps[i, j] = best
+    scale = torch.pow(2.0, exps.double())[:, None, :, None]
+    q = (blocks / scale).clamp(-448, 448).float().to(torch.float8_e4m3fn)
+    return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), (exps + 127).to(torch.uint8)
