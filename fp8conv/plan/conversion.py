@@ -19,6 +19,7 @@ from ..errors import CheckpointError, OptionsError
 from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from ..model.families import FUSED_EXPERTS, NO_ROLE_TAILS, Family, fused_module, model_type_of, role_of, table_family
 from ..model.family_widths import family_of, role_shapes, width_disagreements, width_settings
+from ..model.interleaved import interleaved_problems, reads_fused_channel
 from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from ..model.mimo_kv import fused_qkv_chunks, fused_qkv_problems, mimo_text_config
 from ..model.mlp_layout import (
@@ -210,6 +211,11 @@ def plan_conversion(
     problems = [*cls.problems, *planner.problems, *fused_mismatches(shards, ckpt, planner.family)]
     problems += _width_problems(ckpt, config, shards, cls, planner.family)
     problems += fused_qkv_problems(ckpt.index, ckpt.config, cls.weights, options.to)
+    if options.to in ("block", "mxfp8"):
+        fp8 = [(j.spec.name, s.name) for s in shards for j in s.jobs if j.spec.dtype == FP8_E4M3]
+        problems += interleaved_problems(
+            ckpt.config, fp8, "block --scale-fmt ue8m0" if planner.pow2 and options.to == "block" else options.to
+        )
     warnings = [*cls.warnings, *planner.warnings]
     native = _plan_mistral_native(ckpt, cls, planner, shards)
     if config is None and native is None:  # Mistral-native files have params.json, rewritten for the output
@@ -415,7 +421,7 @@ class _Planner:
         if self.pow2:
             return self._pow2_job(name, base, out_shape, fmt, pad.parts)
         if to == "channel":  # (a chunked fused projection is refused: fused_qkv_problems)
-            if not name.endswith(".weight"):
+            if not name.endswith(".weight") and not reads_fused_channel(self.ckpt.config, name):
                 self.problems.append(
                     CheckpointError(
                         "is a fused expert parameter as transformers 5 saves it; no engine reads channel FP8 "
@@ -508,6 +514,10 @@ class _Planner:
                 return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None, pad.parts)
             block = self.out_block
             return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, block), None, block, pad.parts)
+        fused_channel = len(shape) == 3 and reads_fused_channel(self.ckpt.config, name)
+        if fused_channel and self.quantize_floats and self.options.to == "channel" and not listed:
+            # its engine reads these 3-D parameters as channel FP8, `<param>_scale` [E, out, 1] (vLLM InklingMoE)
+            return Job(name, Action.QUANTIZE, _channel_outputs(name, out_shape, name), None, None, pad.parts)
         if name.endswith(".weight") and len(shape) >= 2 and dtype != FP8_E4M3 and not _embedding_table(name, shape):
             self.unquantized_linears.append(module_of(name))
         elif (m := FUSED_EXPERTS.match(name)) and len(shape) == 3 and dtype != FP8_E4M3:
@@ -595,7 +605,8 @@ class _Planner:
 
 
 # The last name part of an embedding table (embed_tokens, word_embeddings, pos_embed, wte): never a Linear
-_EMBEDDING_TABLE = re.compile(r"(?:embed|embedding|embeddings|emb|wte|wpe|tokens)$")
+# (Inkling's `model.llm.unembed` is its LM head: a Linear)
+_EMBEDDING_TABLE = re.compile(r"(?:(?<!un)embed|embedding|embeddings|emb|wte|wpe|tokens)$")
 
 
 def _embedding_table(name: str, shape: tuple[int, ...]) -> bool:
