@@ -72,3 +72,15 @@ def test_inkling_block_targets_are_refused_by_name(inkling, tmp_path, options):
     for name in ("layers.1.mlp.experts.w13_weight", "shared_experts.shared_w13_weight", "layers.0.mlp.w13_dn.weight"):
         assert re.search(rf"{re.escape(name)}.*interleaved.*no engine reads Inkling.*--to channel", message), name
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_inkling_s_fused_experts_become_channel_fp8_as_the_release_s(inkling, tmp_path):
+    src, truth = inkling
+    fp8conv.convert(src, tmp_path / "bf16", fp8conv.ConvertOptions(to="bf16"))
+    fp8conv.convert(tmp_path / "bf16", tmp_path / "out", fp8conv.ConvertOptions(to="channel"))
+    out = load_dir(tmp_path / "out")
+    for name in ("model.llm.layers.1.mlp.experts.w13_weight", "model.llm.layers.1.mlp.shared_experts.shared_w2_weight"):
+        value = truth[name].to(torch.bfloat16).to(torch.float32)
+        q, scale = quantize_reference(value.reshape(-1, value.shape[-1]), None)
+        assert same_bits(out[name], q.reshape(value.shape)), name
+        assert torch.equal(out[name + "_scale"], scale.reshape(*value.shape[:-1], 1)), name
