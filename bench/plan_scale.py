@@ -297,6 +297,108 @@ def kimi25_config(tensors: list[Tensor]) -> dict:
     return {"model_type": "kimi_k25", "text_config": text}
 
 
+# -- DeepSeek-V4.1-Flash (deepseek_v41): ../shared/RELEASES-LATE-2026.md; dense FP8 in 32x32 E8M0 blocks, MXFP4
+# experts (1x32), two Engram tables in (1, 32) blocks under the declared [32, 32], each alone in a shard
+V41_H, V41_I, V41_E, V41_VOCAB, V41_LAYERS = 5120, 2304, 384, 129280, 40
+V41_ENGRAM_ROWS = {1: 384006168, 14: 384016682}
+V41_TENSORS = 96085
+
+
+def _fp8_32(name: str, shape: tuple[int, int]) -> list[Tensor]:
+    grid = (math.ceil(shape[0] / 32), math.ceil(shape[1] / 32))
+    return [(name + ".weight", "F8_E4M3", shape), (name + ".scale", "F8_E8M0", grid)]
+
+
+def _fp4(name: str, shape: tuple[int, int]) -> list[Tensor]:
+    return [
+        (name + ".weight", "I8", (shape[0], shape[1] // 2)),
+        (name + ".scale", "F8_E8M0", (shape[0], shape[1] // 32)),
+    ]
+
+
+def _v41_layer(p: str) -> list[Tensor]:
+    h, i = V41_H, V41_I
+    out = bf16(p + "attn_norm.weight", (h,)) + bf16(p + "ffn_norm.weight", (h,))
+    for name, shape in (
+        ("attn.wq_a", (1280, h)),
+        ("attn.wq_b", (16384, 1280)),
+        ("attn.wkv", (512, h)),
+        ("attn.wo_a", (4096, 4096)),
+        ("attn.wo_b", (h, 4096)),
+    ):
+        out += _fp8_32(p + name, shape)
+    out += bf16(p + "attn.q_norm.weight", (1280,)) + bf16(p + "attn.kv_norm.weight", (512,))
+    out += [(p + "attn.attn_sink", "F32", (64,))]
+    out += [(p + f"hc_{k}_{x}", "F32", (4, h)) for k in ("attn", "ffn") for x in ("fn", "base", "scale")]
+    out += [*bf16(p + "ffn.gate.weight", (V41_E, h)), (p + "ffn.gate.bias_vl", "F32", (V41_E,))]
+    for w, shape in (("w1", (i, h)), ("w2", (h, i)), ("w3", (i, h))):
+        out += _fp8_32(p + "ffn.shared_experts." + w, shape)
+    for e in range(V41_E):
+        for w, shape in (("w1", (i, h)), ("w2", (h, i)), ("w3", (i, h))):
+            out += _fp4(f"{p}ffn.experts.{e}.{w}", shape)
+    return out
+
+
+def v41_shards() -> list[list[Tensor]]:
+    """48 shards as the release has them: one backbone layer each (Engram's projections with their
+    layer), the MTP layer over three, each Engram table alone, then the embeddings, the head, vision."""
+    shards = []
+    for layer in range(V41_LAYERS):
+        tensors = _v41_layer(f"layers.{layer}.")
+        if layer in V41_ENGRAM_ROWS:
+            e = f"layers.{layer}.engram."
+            tensors += (
+                _fp8_32(e + "wkv", (25600, 6144)) + bf16(e + "q_weight", (4, V41_H)) + bf16(e + "k_weight", (4, V41_H))
+            )
+        shards.append(tensors)
+    mtp = _v41_layer("mtp.0.") + _fp8_32("mtp.0.e_proj", (V41_H, V41_H)) + _fp8_32("mtp.0.h_proj", (V41_H, V41_H))
+    mtp += bf16("mtp.0.enorm.weight", (V41_H,)) + bf16("mtp.0.hnorm.weight", (V41_H,))
+    third = math.ceil(len(mtp) / 3)
+    shards += [mtp[k * third : (k + 1) * third] for k in range(3)]
+    for layer, rows in V41_ENGRAM_ROWS.items():
+        e = f"layers.{layer}.engram.embed"
+        shards.append([(e + ".weight", "F8_E4M3", (rows, 256)), (e + ".scale", "F8_E8M0", (rows, 8))])
+    shards.append(bf16("embed.weight", (V41_VOCAB, V41_H)))
+    shards.append(bf16("head.weight", (V41_VOCAB, V41_H)) + bf16("norm.weight", (V41_H,)))
+    vision: list[Tensor] = []
+    while sum(map(len, shards)) + len(vision) < V41_TENSORS - 2:
+        b = f"vision.blocks.{len(vision) // 4}."
+        vision += bf16(b + "attn.qkv.weight", (3456, 1152)) + bf16(b + "attn.proj.weight", (1152, 1152))
+        vision += bf16(b + "norm1.weight", (1152,)) + bf16(b + "norm2.weight", (1152,))
+    vision = vision[: V41_TENSORS - 2 - sum(map(len, shards))]
+    vision += bf16("aligner.fc.weight", (V41_H, 1152)) + bf16("aligner.fc.bias", (V41_H,))
+    shards.append(vision)
+    return shards
+
+
+def v41_config() -> dict:
+    text = {
+        "model_type": "deepseek_v41_text",
+        "hidden_size": V41_H,
+        "num_hidden_layers": V41_LAYERS,
+        "num_nextn_predict_layers": 1,
+        "moe_intermediate_size": V41_I,
+        "n_routed_experts": V41_E,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "engram_layer_ids": sorted(V41_ENGRAM_ROWS),
+        "vocab_size": V41_VOCAB,
+    }
+    quant = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    }
+    return {
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "text_config": text,
+        "quantization_config": quant,
+    }
+
+
 def layout(name: str) -> tuple[list[Tensor], dict]:
     """(tensors, config.json) of a named layout."""
     if name == "scale-200k":
@@ -310,20 +412,36 @@ def layout(name: str) -> tuple[list[Tensor], dict]:
     if name == "kimi-k2.5":
         tensors = kimi25_tensors()
         return tensors, kimi25_config(tensors)
+    if name == "deepseek-v4.1-flash":
+        return [t for shard in v41_shards() for t in shard], v41_config()
     raise SystemExit(f"unknown layout {name!r}")
 
 
-def write_header_only(root: Path, tensors: list[Tensor], config: dict, per_shard: int = TENSORS_PER_SHARD) -> int:
-    """Write `tensors` as shards whose headers are real and whose data is a hole; returns their bytes."""
+def shards_of(name: str) -> list[list[Tensor]] | None:
+    """The layout's own shards where the release's shard layout matters (each Engram table alone)."""
+    return v41_shards() if name == "deepseek-v4.1-flash" else None
+
+
+def write_header_only(
+    root: Path,
+    tensors: list[Tensor],
+    config: dict,
+    per_shard: int = TENSORS_PER_SHARD,
+    shards: list[list[Tensor]] | None = None,
+) -> int:
+    """Write `tensors` as shards (of `per_shard` tensors, or as `shards` gives them) whose headers are real
+    and whose data is a hole; returns their bytes."""
     root.mkdir(parents=True, exist_ok=True)
-    count = math.ceil(len(tensors) / per_shard)
+    if shards is None:
+        shards = [tensors[i : i + per_shard] for i in range(0, len(tensors), per_shard)]
+    count = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
     for i in range(count):
         fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
-        for name, dtype, shape in tensors[i * per_shard : (i + 1) * per_shard]:
+        for name, dtype, shape in shards[i]:
             nbytes = math.prod(shape) * ELEMENT_BYTES[dtype]
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
@@ -375,7 +493,7 @@ def measure(name: str, work: Path, reps: int = 1, against: Path | None = None) -
     root = work / name
     shutil.rmtree(root, ignore_errors=True)
     tensors, config = layout(name)
-    nbytes = write_header_only(root, tensors, config)
+    nbytes = write_header_only(root, tensors, config, shards=shards_of(name))
     on_disk = sum(f.stat().st_blocks * 512 for f in root.iterdir())
     fp8conv = [sys.executable, "-m", "fp8conv"]
     out = str(work / "out")
@@ -466,7 +584,7 @@ def run(work: Path, layouts: list[str], reps: int = 1, against: Path | None = No
     return doc
 
 
-LAYOUTS = ["scale-200k", "qwen3.5-397b", "glm5.2", "kimi-k2.5"]
+LAYOUTS = ["scale-200k", "qwen3.5-397b", "glm5.2", "kimi-k2.5", "deepseek-v4.1-flash"]
 
 
 def main() -> None:
@@ -480,7 +598,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.build:
         tensors, config = layout(args.build[0])
-        write_header_only(Path(args.build[1]), tensors, config)
+        write_header_only(Path(args.build[1]), tensors, config, shards=shards_of(args.build[0]))
         print(f"{len(tensors)} tensors in {args.build[1]}")
         return
     work = Path(args.work)

@@ -66,6 +66,10 @@ class InspectReport:
     not_converted_unmatched: list[str] = field(default_factory=list)
     # MXFP8 weights' scale groups ([1, 32]: one E8M0 scale per 32 values of a row); they have no block size
     mxfp8_groups: list[list[int]] = field(default_factory=list)
+    # block FP8 weights by their block ("32x32", "1x32": a grid of one scale per row under a declared
+    # 32x32, model.geometry), when there is more than one; and MiMo's chunked rows, by layout
+    block_geometries: dict[str, int] = field(default_factory=dict)
+    chunked_layouts: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +133,15 @@ def inspect(
         mxfp8_groups=[
             list(g) for g in sorted({f.block for f in cls.weights.values() if f.kind is Kind.MXFP8 and f.block})
         ],
+        block_geometries=_block_geometries(cls),
+        chunked_layouts=dict(Counter(f.chunked.layout for f in cls.weights.values() if f.chunked is not None)),
     )
+
+
+def _block_geometries(cls: Classification) -> dict[str, int]:
+    """Block FP8 weights per block geometry, most first; {} when there is one (the declared) or none."""
+    counts = Counter(f"{f.block[0]}x{f.block[1]}" for f in cls.weights.values() if f.kind is Kind.BLOCK and f.block)
+    return dict(counts.most_common()) if len(counts) > 1 else {}
 
 
 def _partial_block_tensors(ckpt: Checkpoint, cls: Classification) -> list[PartialBlockTensor]:

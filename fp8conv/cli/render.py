@@ -39,6 +39,11 @@ def render_report(r: InspectReport) -> str:
     lines.append(
         f"MTP layers:    {mtp}" + (f" (num_hidden_layers = {r.num_hidden_layers})" if r.num_hidden_layers else "")
     )
+    if r.block_geometries:  # a tensor's grid confirms its own block (model.geometry)
+        each = ", ".join(f"{g} {n} tensor(s)" for g, n in r.block_geometries.items())
+        lines.append(f"block geometries: {each}")
+    for layout, n in r.chunked_layouts.items():
+        lines.append(f"chunked rows:  {n} tensor(s): {layout}")
     lines.append(f"partial blocks: {len(r.partial_block_tensors)} tensor(s)")
     for t in r.partial_block_tensors[:PARTIAL_LINES]:
         lines.append(f"  {t.name} {t.shape} -> grid {t.grid} of {t.block[0]}x{t.block[1]} blocks")

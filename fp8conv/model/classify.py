@@ -20,6 +20,7 @@ from ..source.config import CONFIG_NAME
 from ..source.index import CheckpointIndex
 from ..source.mistral_native import FAKE_QUANTIZER, NATIVE_ACTIVATION_SUFFIX, NATIVE_SCALE_SUFFIX
 from ..storage.safetensors_file import TensorEntry
+from .geometry import forced_block
 from .ignore_list import IgnoreList
 from .mimo_kv import mimo_row_scales
 from .mxfp8 import classify_mxfp8
@@ -526,6 +527,9 @@ def _scaled_format(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tu
         )
     expected = _grid(w.shape, ctx.block)
     if s.shape != expected:
+        forced = forced_block(w.shape, s.shape, ctx.block)  # one scale per row (or column): exact
+        if forced is not None:
+            return make(Kind.BLOCK, block=forced)
         return make(
             Kind.UNVERIFIED,
             f"scale {s.name} has shape {list(s.shape)} but blocks of {list(ctx.block)} "

@@ -19,6 +19,7 @@ from ..errors import CheckpointError, OptionsError
 from ..model.classify import CONVERTIBLE, PACKED, V4_SCALE_SUFFIX, Classification, Kind, WeightFormat, module_of
 from ..model.families import FUSED_EXPERTS, NO_ROLE_TAILS, Family, fused_module, model_type_of, role_of, table_family
 from ..model.family_widths import family_of, role_shapes, width_disagreements, width_settings
+from ..model.geometry import stated_geometry
 from ..model.interleaved import interleaved_problems, reads_fused_channel
 from ..model.kv_scales import declare_kv_cache, dropped_warning, kv_scale_names, per_head_kv_scales
 from ..model.mimo_kv import fused_qkv_chunks, fused_qkv_problems, mimo_text_config
@@ -59,6 +60,7 @@ from ..storage.writer import TensorSpec
 from .expert_fold import shape_fold
 
 SAFETENSORS_METADATA = {"format": "pt"}
+DEEPSEEK_V4_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v41_text")  # expert_dtype, the `.scale` names
 DEQUANTIZE_NAME = {name: target[0] for name, target in DEQUANT_TARGETS.items()}
 # an embedding table (transformers-5 FP8Embedding), not a Linear named after one (embed_vision.embedding_projection)
 _EMBEDDING = re.compile(
@@ -340,7 +342,7 @@ class _Planner:
         self.family = input_family(ckpt, cls)
         self.padding: MlpPadding | None = None
         # transformers-5 FineGrainedFP8Config saves write quantization_config.expert_dtype "fp8" too
-        self.deepseek_v4 = cls.settings.expert_dtype is not None and model_type_of(ckpt.config) == "deepseek_v4"
+        self.deepseek_v4 = cls.settings.expert_dtype is not None and model_type_of(ckpt.config) in DEEPSEEK_V4_TYPES
         if options.pad_for_tp:
             packed = next((w.weight for w in cls.weights.values() if w.kind in PACKED), None)
             if self.deepseek_v4 or packed is not None:
@@ -396,11 +398,30 @@ class _Planner:
                 pad = Pad(entry.shape)
             if fmt is not None and fmt.kind in PACKED:
                 jobs.append(self._packed_job(fmt, shard_name))
+            elif fmt is not None and fmt.kind in CONVERTIBLE and self._kept_as_stored(name, fmt):
+                jobs += self._stored_copies(fmt)
             elif fmt is not None and fmt.kind in CONVERTIBLE:
                 jobs.append(self._quantized_job(name, fmt, entry.shape, pad))
             else:
                 jobs.append(self._plain_job(name, entry.dtype, entry.shape, pad))
         return jobs
+
+    def _kept_as_stored(self, name: str, fmt: WeightFormat) -> bool:
+        """An FP8 output keeps a tensor whose geometry the family's loaders hard-code (model.geometry)."""
+        return (
+            self.options.to != "bf16"
+            and fmt.kind is Kind.BLOCK
+            and fmt.block is not None
+            and stated_geometry(self.ckpt.config, name) == fmt.block
+        )
+
+    def _stored_copies(self, fmt: WeightFormat) -> list[Job]:
+        """The weight and its scale as stored, one COPY job of two outputs: bytes file to file, each as
+        large as it is (a 91 GiB Engram table streams)."""
+        assert fmt.scale is not None
+        index = self.ckpt.index
+        specs = tuple(TensorSpec(n, index.entry(n).dtype, index.entry(n).shape) for n in (fmt.weight, fmt.scale))
+        return [Job(fmt.weight, Action.COPY, specs, fmt)]
 
     def _padded(self, name: str, shape: tuple[int, ...], shard: str) -> Pad:
         padded = self.padding.padded_shape(name, shape, shard) if self.padding is not None else None

@@ -40,8 +40,8 @@ def run_job(
         if errors is not None:
             errors[job.spec.name] = error
         return tensors
-    if job.action is Action.COPY:
-        return [pad_to(read(job.source), job.spec.shape, parts=job.pad_parts)]
+    if job.action is Action.COPY:  # a weight kept as stored brings its scale (plan._stored_copies)
+        return [pad_to(read(job.source), job.spec.shape, parts=job.pad_parts)] + [read(o.name) for o in job.outputs[1:]]
     if job.fmt is not None and job.fmt.kind in PACKED:
         if job.action is Action.DEQUANTIZE:
             return [dequantized_output(read, job.fmt, backend, torch_dtype(job.spec.dtype))]

@@ -274,6 +274,9 @@ class Scheduler:
         writer.copy_range(job.spec.name, self.readers.of(job.source), self.index.entry(job.source), self._copy_buffer)
         if scale is not None:
             writer.write_tensor(job.outputs[1].name, scale)
+        elif job.action is Action.COPY:  # a weight kept as stored: its scale's bytes too (plan._stored_copies)
+            for spec in job.outputs[1:]:
+                writer.copy_range(spec.name, self.readers.of(spec.name), self.index.entry(spec.name), self._copy_buffer)
 
     @staticmethod
     def _write_outputs(writer: ShardWriter, job: Job, tensors: list[torch.Tensor]) -> None:

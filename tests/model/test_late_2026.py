@@ -84,3 +84,96 @@ def test_a_bf16_inkling_s_fused_experts_become_channel_fp8_as_the_release_s(inkl
         q, scale = quantize_reference(value.reshape(-1, value.shape[-1]), None)
         assert same_bits(out[name], q.reshape(value.shape)), name
         assert torch.equal(out[name + "_scale"], scale.reshape(*value.shape[:-1], 1)), name
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    from tests.support.releases_late_2026 import build_v41
+
+    path = tmp_path_factory.mktemp("v41") / "DeepSeek-V4.1-Flash"
+    return path, build_v41(path)
+
+
+ENGRAM = "layers.1.engram.embed"
+
+
+def test_v41_reads_each_tensor_s_geometry(v41):
+    src, _ = v41
+    report = fp8conv.inspect(src)
+    assert report.problems == []
+    # dense 32x32 (declared); the Engram table one scale per row of 32 values: a grid only (1, 32) gives
+    assert report.block_geometries == {"32x32": 11, "1x32": 1}
+
+
+def test_v41_to_bf16_dequantizes_every_geometry(v41, tmp_path):
+    src, truth = v41
+    fp8conv.convert(src, tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
+    out = load_dir(tmp_path / "out")
+    for name, value in truth.items():
+        assert same_bits(out[name], value.to(torch.bfloat16)), name
+    assert not [n for n in out if n.endswith(".scale")]
+    assert fp8conv.verify(src, tmp_path / "out").ok
+
+
+@pytest.mark.parametrize("to", ["block", "channel", "mxfp8"])
+def test_v41_fp8_targets_keep_the_engram_table_as_its_loaders_read_it(v41, tmp_path, to):
+    """Every V4.1 loader hard-codes the Engram table's (1, 32) E8M0 geometry (model.geometry): an FP8 output
+    keeps its bytes and its scale's, dtype included; the rest is converted as for DeepSeek-V4."""
+    from safetensors.torch import load_file
+
+    src, _ = v41
+    fp8conv.convert(src, tmp_path / "out", fp8conv.ConvertOptions(to=to))
+    table = load_file(src / "model-00003-of-00003.safetensors")
+    out = load_file(tmp_path / "out" / "model-00003-of-00003.safetensors")  # alone in its shard still
+    assert set(out) == set(table)
+    for name in table:
+        assert same_bits(out[name], table[name]), name
+    assert out[ENGRAM + ".scale"].dtype == torch.float8_e8m0fnu
+    assert fp8conv.verify(src, tmp_path / "out").ok
+
+
+def test_v41_to_block_keeps_its_32x32_dense_blocks(v41, tmp_path):
+    from safetensors.torch import load_file
+
+    src, _ = v41
+    fp8conv.convert(src, tmp_path / "out", fp8conv.ConvertOptions(to="block"))
+    out = load_dir(tmp_path / "out")
+    stored = {n: t for f in sorted(src.glob("*.safetensors")) for n, t in load_file(f).items()}
+    assert same_bits(out["layers.0.attn.wq_a.weight"], stored["layers.0.attn.wq_a.weight"])
+    assert out["layers.0.attn.wq_a.scale"].shape == (7, 5)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [32, 32]
+
+
+def test_v41_ue8m0_is_refused_by_name_for_its_32x32_blocks(v41, tmp_path):
+    src, _ = v41
+    with pytest.raises(PlanRefused) as refused:
+        fp8conv.convert(src, tmp_path / "out", fp8conv.ConvertOptions(to="block", scale_fmt="ue8m0"))
+    assert "32x32 blocks; --scale-fmt ue8m0 (DeepGEMM) takes 128x128 blocks only" in str(refused.value.problems[0])
+
+
+def test_a_grid_of_one_scale_per_row_is_read_exactly_under_any_declared_block(tmp_path):
+    """A family that states nothing about it: read exactly (the grid can mean nothing else), and an FP8
+    output writes it in the declared geometry, which any loader reads from the config."""
+    from tests.support.helpers import fp8, fp8_block_config, write_checkpoint
+    from tests.support.reference import dequant_block_reference
+
+    q = fp8((200, 256), 3)
+    scale = torch.rand(200, 2, generator=torch.Generator().manual_seed(4)) + 0.01  # rows: one per row
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors = {name: q, name + "_scale_inv": scale, "model.norm.weight": torch.ones(256)}
+    write_checkpoint(tmp_path / "in", tensors, config=fp8_block_config())
+    assert fp8conv.inspect(tmp_path / "in").block_geometries == {}  # one geometry: nothing to list
+    truth = dequant_block_reference(q, scale, (1, 128), torch.float32)
+    fp8conv.convert(tmp_path / "in", tmp_path / "bf16", fp8conv.ConvertOptions(to="bf16"))
+    assert same_bits(load_dir(tmp_path / "bf16")[name], truth.to(torch.bfloat16))
+    fp8conv.convert(tmp_path / "in", tmp_path / "block", fp8conv.ConvertOptions(to="block"))
+    out = load_dir(tmp_path / "block")
+    want_q, want_s = quantize_reference(truth, (128, 128))
+    assert same_bits(out[name], want_q) and torch.equal(out[name + "_scale_inv"], want_s)
+    # a grid that fits no block on an axis is still refused by name
+    tensors[name + "_scale_inv"] = torch.rand(150, 2) + 0.01
+    write_checkpoint(tmp_path / "bad", tensors, config=fp8_block_config())
+    with pytest.raises(PlanRefused) as refused:
+        fp8conv.convert(tmp_path / "bad", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
+    assert f"tensor '{name}'" in str(refused.value.problems[0]) and "[150, 2]" in str(refused.value.problems[0])

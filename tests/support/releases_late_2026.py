@@ -136,3 +136,115 @@ def build_inkling_fp8(path: Path) -> dict[str, torch.Tensor]:
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return truth
+
+
+# ------------------------------------------------------------------ DeepSeek-V4.1-Flash: two geometries
+
+V41_HIDDEN, V41_INTER, V41_EXPERTS, V41_ROWS = 160, 96, 2, 300  # ROWS: the Engram table's, not 32-aligned
+
+
+def v41_config() -> dict:
+    """A composite config as V4.1 ships it: quantization_config at the top with expert_dtype inside it,
+    the text model's geometry in text_config."""
+    text = {
+        "model_type": "deepseek_v41_text",
+        "hidden_size": V41_HIDDEN,
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": V41_INTER,
+        "n_routed_experts": V41_EXPERTS,
+        "n_shared_experts": 1,
+        "engram_layer_ids": [1],
+        "vocab_size": 64,
+    }
+    quant = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    }
+    return {
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "text_config": text,
+        "quantization_config": quant,
+    }
+
+
+def _e8m0_block(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 weight, its E8M0 scale on `block`'s grid, the exact float32 decode)."""
+    from tests.support.helpers import fp8
+    from tests.support.packing import e8m0_value, random_e8m0
+    from tests.support.reference import dequant_block_reference
+
+    q = fp8((n, k), seed)
+    scale = random_e8m0((-(-n // block[0]), -(-k // block[1])), seed, 112, 124)
+    return (
+        q,
+        scale.view(torch.float8_e8m0fnu),
+        dequant_block_reference(q, e8m0_value(scale).to(torch.float32), block, torch.float32),
+    )
+
+
+def build_v41(path: Path) -> dict[str, torch.Tensor]:
+    """DeepSeek-native names: dense FP8 in 32x32 E8M0 blocks (`.scale`), MXFP4 routed experts (1x32), the
+    Engram table in (1, 32) blocks under the declared [32, 32] alone in the last shard, Engram's wkv
+    in 32x32, bf16 q/k weights. Returns each quantized weight's exact float32 decode."""
+    from tests.support.helpers import write_checkpoint
+    from tests.support.packing import e2m1_value, e8m0_value, group_scaled, pack_nibbles, random_codes, random_e8m0
+
+    tensors: dict[str, torch.Tensor] = {
+        "embed.weight": torch.randn(64, V41_HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),
+        "head.weight": torch.randn(64, V41_HIDDEN, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16),
+        "norm.weight": torch.ones(V41_HIDDEN, dtype=torch.bfloat16),
+    }
+    truth: dict[str, torch.Tensor] = {}
+    seed = 10
+    dense = {
+        "attn.wq_a": (200, V41_HIDDEN),
+        "attn.wo_a": (V41_HIDDEN, 96),
+        "ffn.shared_experts.w1": (V41_INTER, V41_HIDDEN),
+    }
+    dense |= {"ffn.shared_experts.w3": (V41_INTER, V41_HIDDEN), "ffn.shared_experts.w2": (V41_HIDDEN, V41_INTER)}
+    for layer in range(2):
+        p = f"layers.{layer}."
+        tensors[p + "ffn.gate.weight"] = torch.randn(V41_EXPERTS, V41_HIDDEN).to(torch.bfloat16)
+        for name, (n, k) in dense.items():
+            seed += 1
+            q, scale, value = _e8m0_block(n, k, (32, 32), seed)
+            tensors[p + name + ".weight"], tensors[p + name + ".scale"], truth[p + name + ".weight"] = q, scale, value
+        for e in range(V41_EXPERTS):
+            for w, (n, k) in {
+                "w1": (V41_INTER, V41_HIDDEN),
+                "w2": (V41_HIDDEN, V41_INTER),
+                "w3": (V41_INTER, V41_HIDDEN),
+            }.items():
+                seed += 1
+                codes, scale = random_codes((n, k), seed), random_e8m0((n, k // 32), seed, 118, 126)
+                name = f"{p}ffn.experts.{e}.{w}"
+                tensors[name + ".weight"] = pack_nibbles(codes).view(torch.int8)
+                tensors[name + ".scale"] = scale.view(torch.float8_e8m0fnu)
+                truth[name + ".weight"] = group_scaled(e2m1_value(codes), e8m0_value(scale), 32).to(torch.float32)
+    e = "layers.1.engram."
+    q, scale, truth[e + "wkv.weight"] = _e8m0_block(96, V41_HIDDEN, (32, 32), 90)
+    tensors[e + "wkv.weight"], tensors[e + "wkv.scale"] = q, scale
+    tensors[e + "q_weight"] = torch.randn(4, V41_HIDDEN).to(torch.bfloat16)
+    tensors[e + "k_weight"] = torch.randn(4, V41_HIDDEN).to(torch.bfloat16)
+    write_checkpoint(path, tensors, v41_config(), shards=2)
+    # the Engram table alone in a shard of its own, as the release has it
+    from safetensors.torch import save_file
+
+    q, scale, truth[e + "embed.weight"] = _e8m0_block(V41_ROWS, 64, (1, 32), 91)
+    table = "model-00003-of-00003.safetensors"
+    save_file({e + "embed.weight": q, e + "embed.scale": scale}, str(path / table), metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    renamed = {}
+    for old in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        new = old.replace("of-00002", "of-00003")
+        (path / old).rename(path / new)
+        renamed[old] = new
+    index["weight_map"] = {n: renamed[f] for n, f in index["weight_map"].items()}
+    index["weight_map"] |= {e + "embed.weight": table, e + "embed.scale": table}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return truth
