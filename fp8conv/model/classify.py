@@ -25,7 +25,8 @@ from .ignore_list import IgnoreList
 from .mimo_kv import mimo_row_scales
 from .mxfp8 import classify_mxfp8
 from .packed_formats import classify_packed
-from .quant_config import QuantSettings, read_quant_settings
+from .quant_config import read_quant_settings
+from .quant_settings import QuantSettings
 from .weight_format import CONVERTIBLE, PACKED, Kind, WeightFormat
 
 # Mistral-native consolidated files name them `.qscale_weight` / `.qscale_act` (fp8conv.source.mistral_native)
@@ -123,6 +124,13 @@ class _Context:
 
     def shard(self, name: str) -> str:
         return self.index.shard_of(name).name
+
+    def block_for(self, weight: str) -> tuple[int, int] | None:
+        """The block size of a weight's module: --block-size or the checkpoint's, unless a dialect gives its
+        module another (Quark's per-layer block_size)."""
+        if self.settings is None or not self.settings.schemes or self.block_where == "--block-size":
+            return self.block
+        return self.settings.block_for(module_of(weight))
 
     def sorted_names(self) -> list[str]:
         """Every tensor name in order, sorted once: a name's companions are found by bisection."""
@@ -473,18 +481,24 @@ def _classify_scaled(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: 
     """The layout the scale's shape says. A release has 100k weights in a few dozen (shape, scale)
     pairs: a verdict with no reason (it names no tensor) is made once per pair and copied with the names."""
     settings = ctx.settings
-    key = (w.shape, s.shape, s.dtype, w.name.endswith("gate_up_proj"))
+    block = ctx.block_for(w.name)
+    key = (w.shape, s.shape, s.dtype, w.name.endswith("gate_up_proj"), block)
     memo = ctx.verdicts if settings is None or settings.mxfp8_group is None else None  # MXFP8: not memoized
     verdict = memo.get(key) if memo is not None else None
     if verdict is not None:
         return like(verdict, weight=w.name, scale=s.name, companions=companions)
-    fmt = _scaled_format(ctx, w, s, companions)
+    fmt = _scaled_format(ctx, w, s, companions, block)
     if memo is not None and fmt.reason is None and fmt.fix is None:
         memo[key] = fmt
     return fmt
 
 
-def _scaled_format(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tuple[str, ...]) -> WeightFormat:
+def _scaled_format(
+    ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tuple[str, ...], block: tuple[int, int] | None
+) -> WeightFormat:
+    """The layout the scale's shape says, under `block`: the module's block size (the checkpoint's, or its
+    scheme's where a dialect sets one per layer)."""
+
     def make(kind: Kind, reason: str | None = None, fix: str | None = None, block=None) -> WeightFormat:
         return WeightFormat(w.name, kind, s.name, companions, block=block, reason=reason, fix=fix)
 
@@ -507,9 +521,9 @@ def _scaled_format(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tu
         return make(Kind.PER_TENSOR)
     if s.shape == (*lead, n) and n > 1:
         return make(Kind.CHANNEL)
-    if lead and ctx.block is None and s.shape == (*lead, 1, 1):  # transformers' FP8Experts, per expert
+    if lead and block is None and s.shape == (*lead, 1, 1):  # transformers' FP8Experts, per expert
         return make(Kind.PER_TENSOR)
-    if _per_half(w, s, ctx.block):  # transformers' FP8Experts: one scale per gate / up half, gate first
+    if _per_half(w, s, block):  # transformers' FP8Experts: one scale per gate / up half, gate first
         return make(Kind.PER_TENSOR, block=(n // 2, w.shape[-1]))
     if len(s.shape) != len(w.shape) or s.shape[:-2] != lead:
         return make(
@@ -517,7 +531,7 @@ def _scaled_format(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tu
             f"scale {s.name} has shape {list(s.shape)}, which fits no FP8 layout of {list(w.shape)}",
             "the checkpoint is corrupt or in a format fp8conv does not know",
         )
-    if ctx.block is None:
+    if block is None:
         if s.shape == (*lead, n, 1):
             return make(Kind.CHANNEL)
         return make(
@@ -525,18 +539,18 @@ def _scaled_format(ctx: _Context, w: TensorEntry, s: TensorEntry, companions: tu
             f"scale {s.name} is a {list(s.shape[-2:])} grid but no weight_block_size confirms the block size",
             "if the checkpoint uses 128x128 blocks, assert it with --block-size 128,128",
         )
-    expected = _grid(w.shape, ctx.block)
+    expected = _grid(w.shape, block)
     if s.shape != expected:
-        forced = forced_block(w.shape, s.shape, ctx.block)  # one scale per row (or column): exact
+        forced = forced_block(w.shape, s.shape, block)  # one scale per row (or column): exact
         if forced is not None:
             return make(Kind.BLOCK, block=forced)
         return make(
             Kind.UNVERIFIED,
-            f"scale {s.name} has shape {list(s.shape)} but blocks of {list(ctx.block)} "
+            f"scale {s.name} has shape {list(s.shape)} but blocks of {list(block)} "
             f"({ctx.block_where}) need {list(expected)}",
             "the scale grid does not match the block size; check weight_block_size / --block-size",
         )
-    return make(Kind.BLOCK, block=ctx.block)
+    return make(Kind.BLOCK, block=block)
 
 
 def _per_half(w: TensorEntry, s: TensorEntry, block: tuple[int, int] | None) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 from ..dtypes import FLOAT_SCALE_DTYPES
 from ..errors import CheckpointError
 from ..source.index import CheckpointIndex
-from .quant_config import normalized_method
+from .quant_settings import normalized_method
 
 KV_SCALE_SUFFIXES = (
     ".k_scale",
@@ -67,8 +67,15 @@ def input_kv_declaration(qconfig: dict[str, Any] | None) -> tuple[dict[str, Any]
     """What the input's quantization_config declares about its KV cache: (the compressed-tensors
     kv_cache_scheme saying the same, None when there is no such spelling; the declaration as written, for
     messages, None when it declares nothing). Read where vLLM reads it: kv_cache_scheme at the top level
-    (compressed-tensors, ModelOpt's flat form) or ModelOpt's kv_cache_quant_algo, nested or top level."""
+    (compressed-tensors, ModelOpt's flat form), ModelOpt's kv_cache_quant_algo, nested or top level, or
+    Quark's export.kv_cache_group (an FP8 per-tensor output scale on each k_proj / v_proj)."""
     method = normalized_method(qconfig.get("quant_method")) if qconfig else None
+    if method == "quark":  # vLLM's QuarkConfig: export.kv_cache_group's output_tensors, FP8 per tensor
+        export = qconfig.get("export") or qconfig.get("json_export_config") or {} if qconfig else {}
+        group = export.get("kv_cache_group") if isinstance(export, dict) else None
+        if not group:
+            return None, None
+        return copy.deepcopy(FP8_KV_CACHE_SCHEME), f"Quark kv_cache_group {group}"
     # MiniMax's quant_method mxfp8 is read as ModelOpt MXFP8, its kv_cache_quant_algo with it
     if method is None or not (method in ("compressed-tensors", "mxfp8") or method.startswith("modelopt")):
         return None, None  # vLLM's Fp8Config (and the others fp8conv reads) read no KV-cache key

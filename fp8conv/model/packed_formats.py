@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..dtypes import FP8_E4M3
 from ..source.index import CheckpointIndex
-from .quant_config import QuantSettings
+from .quant_settings import QuantSettings
 from .weight_format import Kind, WeightFormat
 
 E8M0_DTYPES = ("F8_E8M0", "U8")  # UE8M0 exponents: float8_e8m0fnu, or uint8 as gpt-oss stores them
@@ -85,13 +85,16 @@ def _byte_weight_names(
     index: CheckpointIndex, settings: QuantSettings | None, name: str, names: Container[str]
 ) -> _PackedNames | tuple[str, str, str]:
     """An int8 / uint8 X.weight with a scale: DeepSeek-V4 MXFP4 (X.scale), MXFP4 routed experts of an fp8
-    config (an E8M0 weight_scale_inv / weight_scale), or ModelOpt NVFP4 (e4m3 weight_scale); else
+    config (an E8M0 weight_scale_inv / weight_scale), Quark's MXFP4 (an E8M0 weight_scale, any layer), or
+    ModelOpt NVFP4 (e4m3 weight_scale); else
     (reason, fix, scale) of its refusal."""
     base = name[: -len(".weight")]
     entry = index.entry(name)
     mxfp4_in_fp8 = [base + x for x in (".weight_scale_inv", ".weight_scale") if _has_e8m0(index, base + x, names)]
     if base + ".scale" in names:
         return _PackedNames(Kind.MXFP4, name, base + ".scale")
+    if mxfp4_in_fp8 and settings is not None and settings.method == "quark":  # any module its config names
+        return _PackedNames(Kind.MXFP4, name, mxfp4_in_fp8[0])  # _confirmed checks the declaration
     if mxfp4_in_fp8 and settings is not None and settings.method == "fp8":
         if not ROUTED_EXPERT.search(name):  # vLLM's Fp8Config gives only RoutedExperts its MXFP4 method
             return (

@@ -177,3 +177,149 @@ def test_a_grid_of_one_scale_per_row_is_read_exactly_under_any_declared_block(tm
     with pytest.raises(PlanRefused) as refused:
         fp8conv.convert(tmp_path / "bad", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
     assert f"tensor '{name}'" in str(refused.value.problems[0]) and "[150, 2]" in str(refused.value.problems[0])
+
+
+@pytest.fixture(scope="module")
+def quark(tmp_path_factory):
+    from tests.support.releases_late_2026 import build_quark
+
+    path = tmp_path_factory.mktemp("quark") / "GLM-Quark-like"
+    return path, build_quark(path)
+
+
+def test_quark_reads_every_scheme_of_its_layers(quark):
+    src, _ = quark
+    report = fp8conv.inspect(src)
+    assert report.problems == [] and report.quant_method == "quark"
+    assert report.formats == {"block-fp8": 3, "channel-fp8": 2, "mxfp4": 3, "per-tensor-fp8": 2, "unquantized": 7}
+
+
+@pytest.mark.parametrize("to", ["bf16", "channel", "block"])
+def test_quark_converts_exactly_to_every_target(quark, tmp_path, to):
+    from safetensors.torch import load_file
+
+    src, truth = quark
+    fp8conv.convert(src, tmp_path / "out", fp8conv.ConvertOptions(to=to))
+    out = load_dir(tmp_path / "out")
+    stored = {n: t for f in sorted(src.glob("*.safetensors")) for n, t in load_file(f).items()}
+    for name, value in truth.items():
+        if to == "bf16":
+            assert same_bits(out[name], value.to(torch.bfloat16)), name
+            continue
+        kept = name.startswith("model.layers.0.") and not any(p in name for p in ("o_proj", "down_proj"))
+        if to == "block" and kept:  # block FP8 in the input's own blocks: its bytes kept
+            assert same_bits(out[name], stored[name]), name
+            continue
+        q, scale = quantize_reference(value, None if to == "channel" else (128, 128))
+        suffix = "_scale" if to == "channel" else "_scale_inv"
+        assert same_bits(out[name], q), name
+        assert torch.equal(out[name + suffix], scale.reshape(-1, 1) if to == "channel" else scale), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    if to != "bf16":
+        assert "quark" not in json.dumps(config["quantization_config"])
+        listed = config["quantization_config"].get("ignore") or config["quantization_config"].get("ignored_layers")
+        assert "lm_head" in listed
+    assert fp8conv.verify(src, tmp_path / "out").ok
+
+
+def test_quark_per_layer_block_sizes_and_the_nested_form(tmp_path):
+    """A layer_quant_config entry with a block size of its own reads that layer's grid in it; the sections
+    under `quant_config` (transformers' QuarkConfig written back) read the same."""
+    from tests.support.helpers import fp8, write_checkpoint
+    from tests.support.reference import dequant_block_reference
+    from tests.support.releases_late_2026 import BLOCK_SPEC, quark_config, quark_spec
+
+    q64, q128 = fp8((128, 256), 1), fp8((128, 256), 2)
+    s64 = torch.rand(2, 4) * 0.01 + 1e-3
+    s128 = torch.rand(1, 2) * 0.01 + 1e-3
+    tensors = {
+        "model.layers.0.self_attn.q_proj.weight": q64,
+        "model.layers.0.self_attn.q_proj.weight_scale": s64,
+        "model.layers.0.self_attn.k_proj.weight": q128,
+        "model.layers.0.self_attn.k_proj.weight_scale": s128,
+        "model.norm.weight": torch.ones(256),
+    }
+    spec64 = quark_spec("fp8_e4m3", "per_block", block_size=[64, 64], scale_type="float32")
+    layers = {"model.layers.0.self_attn.q_proj": {"weight": spec64}, "model.layers.0.*": {"weight": BLOCK_SPEC}}
+    config = quark_config(layers)
+    for form, cfg in (("top", config), ("nested", _nested(config))):
+        write_checkpoint(tmp_path / form, tensors, cfg)
+        fp8conv.convert(tmp_path / form, tmp_path / f"{form}-out", fp8conv.ConvertOptions(to="bf16"))
+        out = load_dir(tmp_path / f"{form}-out")
+        want64 = dequant_block_reference(q64, s64, (64, 64), torch.bfloat16)
+        want128 = dequant_block_reference(q128, s128, (128, 128), torch.bfloat16)
+        assert same_bits(out["model.layers.0.self_attn.q_proj.weight"], want64), form
+        assert same_bits(out["model.layers.0.self_attn.k_proj.weight"], want128), form
+
+
+def _nested(config: dict) -> dict:
+    quant = config["quantization_config"]
+    sections = {k: v for k, v in quant.items() if k not in ("quant_method", "export")}
+    return config | {
+        "quantization_config": {
+            "quant_method": "quark",
+            "quant_config": sections,
+            "json_export_config": quant["export"],
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("weight", "named"),
+    [
+        ({"dtype": "fp6_e3m2", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}, "MXFP6"),
+        ({"dtype": "int8", "qscheme": "per_channel", "symmetric": True}, "INT8"),
+        (
+            [
+                {"dtype": "fp4", "qscheme": "per_group", "group_size": 16},
+                {"dtype": "fp8_e4m3", "qscheme": "per_tensor"},
+            ],
+            "two-stage",
+        ),
+        ({"dtype": "fp8_e4m3", "qscheme": "per_tensor", "symmetric": False}, "asymmetric"),
+    ],
+)
+def test_quark_schemes_fp8conv_does_not_decode_are_refused_by_name(tmp_path, weight, named):
+    from tests.support.releases_late_2026 import build_quark, quark_config, quark_layers
+
+    config = quark_config({"*q_proj": {"weight": weight}, **quark_layers()})
+    build_quark(tmp_path / "in", config)
+    with pytest.raises(PlanRefused) as refused:
+        fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to="bf16"))
+    message = str(refused.value.problems[0])
+    assert "layer_quant_config['*q_proj'].weight" in message and named in message and "config.json" in message
+
+
+def test_quark_kv_cache_group_is_declared_in_a_channel_output_with_its_scales(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.releases_late_2026 import build_quark, quark_config, quark_layers
+
+    config = quark_config(quark_layers())
+    config["quantization_config"]["export"]["kv_cache_group"] = ["*k_proj", "*v_proj"]
+    build_quark(tmp_path / "in", config)
+    shard = next((tmp_path / "in").glob("*.safetensors"))
+    tensors = load_file(shard) | {"model.layers.0.self_attn.k_proj.output_scale": torch.tensor(0.02)}
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((tmp_path / "in" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.self_attn.k_proj.output_scale"] = shard.name
+    (tmp_path / "in" / "model.safetensors.index.json").write_text(json.dumps(index))
+    fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to="channel"))
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert quant["kv_cache_scheme"]["type"] == "float" and quant["kv_cache_scheme"]["strategy"] == "tensor"
+    assert torch.equal(load_dir(tmp_path / "out")["model.layers.0.self_attn.k_proj.output_scale"], torch.tensor(0.02))
+
+
+def test_the_engine_check_names_block_fp8_inkling_experts(inkling):
+    """verify's independent check: an Inkling output whose fused experts are block FP8 (what no engine
+    reads, whoever wrote it) is named; the channel layout is not."""
+    from fp8conv.check.engine_layouts import engine_layout_problems
+
+    src, _ = inkling
+    config = json.loads((src / "config.json").read_text())
+    w13 = "model.llm.layers.1.mlp.experts.w13_weight"
+    block = {w13: ("F8_E4M3", (4, 384, 128)), w13 + "_scale_inv": ("F32", (4, 3, 1))}
+    channel = {w13: ("F8_E4M3", (4, 384, 128)), w13 + "_scale": ("F32", (4, 384, 1))}
+    found = engine_layout_problems(config, block, lambda n: None, lambda n: None)
+    assert len(found) == 1 and w13 in found[0] and "vllm#48876" in found[0]
+    assert engine_layout_problems(config, channel, lambda n: None, lambda n: None) == []

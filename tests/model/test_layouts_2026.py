@@ -370,37 +370,38 @@ def test_mimo_fused_qkv_outputs_verify_as_the_engines_read_them(tmp_path, option
 
 
 @pytest.mark.parametrize("to", ["block", "bf16"])
-def test_verify_fails_a_mimo_layout_the_engines_misread_even_when_the_plan_wrote_it(tmp_path, monkeypatch, to):
-    """The layouts this project once wrote (one plain grid over the chunks; the stored chunk order in bf16),
-    planned and verified by a planner that chose them: every check against the plan passes, the engines'
-    reading does not."""
-    from dataclasses import replace as replaced
+def test_the_engine_check_fails_the_layouts_engines_misread(tmp_path, to):
+    """verify's independent check (check/engine_layouts.py) reads an output from its config.json and tensors
+    alone, never from a plan: the layouts this project once wrote (one plain grid over the chunks; bf16 in
+    the stored chunk order) fail it, the ones written now pass it."""
+    from fp8conv.check.engine_layouts import engine_layout_problems
 
-    from fp8conv.plan import conversion
-    from fp8conv.storage.writer import TensorSpec
-
-    job_of = conversion._Planner._quantized_job
-
-    def as_before(self, name, fmt, shape, pad):
-        job = job_of(self, name, fmt, shape, pad)
-        if fmt.chunked is None:
-            return job
-        if job.action is conversion.Action.DEQUANTIZE:
-            return replaced(job, plain_rows=False)
-        plain_grid = TensorSpec(job.outputs[1].name, "F32", (-(-shape[0] // 128), -(-shape[1] // 128)))
-        return replaced(job, action=conversion.Action.QUANTIZE, outputs=(job.spec, plain_grid), out_chunks=1)
-
-    monkeypatch.setattr(conversion._Planner, "_quantized_job", as_before)
-    build_mimo_fused_qkv(tmp_path / "in")
+    stored, _ = build_mimo_fused_qkv(tmp_path / "in")
     fp8conv.convert(tmp_path / "in", tmp_path / "out", fp8conv.ConvertOptions(to=to))
-    failures = fp8conv.verify(tmp_path / "in", tmp_path / "out").failures
-    assert failures and all("qkv_proj" in f for f in failures), failures
-    if to == "block":  # the full layer: 11 scale rows where the engines read 2 chunks of 6
-        assert any("model.layers.0.self_attn.qkv_proj.weight_scale_inv: [11, 2]" in f for f in failures), failures
-        # the sliding-window layers' chunks are whole blocks: a plain grid is their per-chunk grid
-        assert not any("layers.1." in f or "mtp" in f for f in failures), failures
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    good = load_dir(tmp_path / "out")
+    misread: dict[str, torch.Tensor] = dict(good)
+    for name, value in stored.items():
+        if to == "block":  # requantized onto one plain grid over the chunks, as --to block once wrote it
+            misread[name], misread[name + "_scale_inv"] = quantize_reference(value, (128, 128))
+        else:  # the stored chunk order, as a plain dequantization writes it
+            misread[name] = value.to(torch.bfloat16)
+
+    def problems(tensors: dict[str, torch.Tensor]) -> list[str]:
+        shapes = {n: (_dtype_name(t), tuple(t.shape)) for n, t in tensors.items()}
+        return engine_layout_problems(config, shapes, tensors.__getitem__, stored.get)
+
+    assert problems(good) == []
+    found = problems(misread)
+    if to == "block":  # the full layer: 11 scale rows where the engines read 2 chunks of 6; the sliding-window
+        # and MTP layers' chunks are whole blocks, so a plain grid is their per-chunk grid and reads right
+        assert len(found) == 1 and "model.layers.0.self_attn.qkv_proj.weight_scale_inv: [11, 2]" in found[0], found
     else:
-        assert len(failures) == 3 and all("plain [Q; K; V]" in f for f in failures), failures
+        assert len(found) == 3 and all("plain [Q; K; V]" in f for f in found), found
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.bfloat16: "BF16"}[t.dtype]
 
 
 @pytest.mark.parametrize("to", ["channel", "block"])

@@ -248,3 +248,112 @@ def build_v41(path: Path) -> dict[str, torch.Tensor]:
     index["weight_map"] |= {e + "embed.weight": table, e + "embed.scale": table}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return truth
+
+
+# ------------------------------------------------------------------ AMD Quark exports
+
+QUARK_HIDDEN, QUARK_INTER = 256, 192
+
+
+def quark_spec(dtype: str, qscheme: str, **extra) -> dict:
+    """One Quark QTensorConfig as QConfig.to_dict() writes it."""
+    return {"dtype": dtype, "qscheme": qscheme, "is_dynamic": False, "symmetric": True, "ch_axis": None} | extra
+
+
+MXFP4_SPEC = quark_spec("fp4", "per_group", group_size=32, scale_format="e8m0", scale_type="float", ch_axis=-1)
+BLOCK_SPEC = quark_spec("fp8_e4m3", "per_block", block_size=[128, 128], scale_type="float32")
+DYNAMIC_INPUT = quark_spec("fp8_e4m3", "per_token", is_dynamic=True)
+
+
+def quark_layers() -> dict:
+    """build_quark's layer_quant_config: the first key matching a module gives its scheme."""
+    per_tensor = quark_spec("fp8_e4m3", "per_tensor")
+    return {
+        "model.layers.0.*": {"weight": BLOCK_SPEC, "input_tensors": DYNAMIC_INPUT, "output_tensors": None},
+        "*o_proj": {"weight": per_tensor, "input_tensors": per_tensor},
+        "*down_proj": {"weight": quark_spec("fp8_e4m3", "per_channel", ch_axis=0), "input_tensors": DYNAMIC_INPUT},
+    }
+
+
+def quark_config(layer_quant_config: dict | None = None, exclude: list | None = None, **sections) -> dict:
+    """A Quark export's config.json: a DeepSeek-V3-shaped text model, `quantization_config` as Quark writes it."""
+    quant = {
+        "quant_method": "quark",
+        "global_quant_config": {"weight": MXFP4_SPEC, "input_tensors": None, "output_tensors": None, "bias": None},
+        "layer_quant_config": layer_quant_config or {},
+        "layer_type_quant_config": {},
+        "exclude": exclude if exclude is not None else ["lm_head", "model.layers.*.mlp.gate"],
+        "export": {
+            "kv_cache_group": [],
+            "pack_method": "reorder",
+            "weight_format": "real_quantized",
+            "min_kv_scale": 0.0,
+        },
+        "quant_mode": "eager_mode",
+        "version": "0.11",
+    } | sections
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": QUARK_HIDDEN,
+        "intermediate_size": QUARK_INTER,
+        "moe_intermediate_size": QUARK_INTER,
+        "num_hidden_layers": 2,
+        "n_routed_experts": 2,
+        "vocab_size": 64,
+        "torch_dtype": "bfloat16",
+        "quantization_config": quant,
+    }
+
+
+def build_quark(path: Path, config: dict | None = None) -> dict[str, torch.Tensor]:
+    """GLM-5.3-Flash-Quark's mix, small: layer 0 block FP8 128x128 with float32 `.weight_scale` (a
+    multiplier) through layer_quant_config, layer 1 MXFP4 (uint8 `.weight` [N, K/2] low nibble first, E8M0
+    uint8 `.weight_scale` [N, K/32]) by the global config, o_proj FP8 per tensor (0-D weight_scale, static
+    input_scale), a per-channel down_proj ([N] scale), the router and lm_head excluded (bf16). Returns each
+    quantized weight's exact float32 decode."""
+    from tests.support.helpers import fp8, write_checkpoint
+    from tests.support.packing import e2m1_value, e8m0_value, group_scaled, pack_nibbles, random_codes, random_e8m0
+    from tests.support.reference import dequant_block_reference
+
+    h, i = QUARK_HIDDEN, QUARK_INTER
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(64, h).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(64, h).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    truth: dict[str, torch.Tensor] = {}
+    shapes = {"self_attn.q_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h)}
+    seed = 40
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        tensors[p + "mlp.gate.weight"] = torch.randn(2, h).to(torch.bfloat16)
+        for module, (n, k) in shapes.items():
+            seed += 1
+            name = p + module + ".weight"
+            if layer == 0:  # block FP8
+                q = fp8((n, k), seed)
+                scale = (
+                    torch.rand(-(-n // 128), -(-k // 128), generator=torch.Generator().manual_seed(seed)) * 0.01 + 1e-3
+                )
+                tensors[name], tensors[p + module + ".weight_scale"] = q, scale
+                truth[name] = dequant_block_reference(q, scale, (128, 128), torch.float32)
+            else:  # MXFP4
+                codes, scale = random_codes((n, k), seed), random_e8m0((n, k // 32), seed, 118, 126)
+                tensors[name] = pack_nibbles(codes)
+                tensors[p + module + ".weight_scale"] = scale
+                truth[name] = group_scaled(e2m1_value(codes), e8m0_value(scale), 32).to(torch.float32)
+        o = p + "self_attn.o_proj"
+        q = fp8((h, h), seed + 100)
+        tensors[o + ".weight"], tensors[o + ".weight_scale"] = q, torch.tensor(0.0123)
+        tensors[o + ".input_scale"] = torch.tensor(0.05)
+        truth[o + ".weight"] = q.to(torch.float32) * torch.tensor(0.0123)
+        d = p + "mlp.down_proj"
+        q = fp8((h, i), seed + 200)
+        per_row = torch.rand(h, generator=torch.Generator().manual_seed(seed)) * 0.01 + 1e-3
+        tensors[d + ".weight"], tensors[d + ".weight_scale"] = q, per_row
+        truth[d + ".weight"] = q.to(torch.float32) * per_row[:, None]
+    config = config or quark_config(quark_layers())
+    write_checkpoint(path, tensors, config, shards=2)
+    return truth
