@@ -1038,20 +1038,23 @@ def glm51_all_indexers() -> Layout:
 
 
 def mimo_v25_fused_qkv() -> Layout:
-    """MiMo-V2.5-Pro style: `attention_projection_layout: fused_qkv`, qkv_proj pre-split per KV head,
-    each [Q_g | K_g | V_g] group quantized alone (per-group padded scales)."""
+    """MiMo-V2.5 / V2.6 style: `attention_projection_layout: fused_qkv`, qkv_proj stored pre-sharded in
+    config num_key_value_heads (4) chunks in every layer (vllm#57508, sglang _get_ckpt_qkv_shard_sizes),
+    each chunk [Q_c; K_c; V_c] quantized alone: global chunks of 3392 rows (27 scale rows each, 108 for 106
+    row blocks), sliding-window and MTP chunks of 3712 (29 each, 116 either way)."""
     tensors, config, extra = mimo_v2_flash()
-    hd, vhd, h = 192, 128, 4096
+    hd, vhd, h, chunks = 192, 128, 4096, 4
     out: list[Tensor] = []
     for name, dtype, shape in tensors:
         if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             if name.endswith(".self_attn.q_proj.weight"):
                 a = name[: -len("q_proj.weight")]
                 heads = shape[0] // hd
-                kv = 4 if heads == 64 and not _mimo_swa(a, config) else 8
-                rows = (heads // kv) * hd + hd + vhd
-                out += [(a + "qkv_proj.weight", "F8_E4M3", (kv * rows, h))]
-                out += [(a + "qkv_proj.weight_scale_inv", "F32", (kv * math.ceil(rows / 128), 32))]
+                kv = 8 if _mimo_swa(a, config) else 4
+                per_chunk = max(1, kv // chunks)
+                rows = heads // chunks * hd + per_chunk * hd + per_chunk * vhd
+                out += [(a + "qkv_proj.weight", "F8_E4M3", (chunks * rows, h))]
+                out += [(a + "qkv_proj.weight_scale_inv", "F32", (chunks * math.ceil(rows / 128), 32))]
             continue
         out.append((name, dtype, shape))
     config |= {
