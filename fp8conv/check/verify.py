@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,10 @@ class OutputCheck:
         """_check_job's findings, band by band (verify_bands): a few bands in memory, never a large tensor
         whole; the first band that fails stands for the tensor."""
         fp8_max = self.plan.options.fp8_max
+        if job.action is Action.COPY and len(job.outputs) > 1:  # a weight kept as stored, with its scale:
+            # each a copy of its own, checked band by band (a 91 GiB Engram table never whole)
+            copies = [replace(job, source=o.name, outputs=(o,), fmt=None) for o in job.outputs]
+            return [p for one in copies for p in self._numbers(one, header, fd_out, read_in)]
         bands = JobBands(job, self.index, header, header.path.name, read_in)
         as_planned = all(
             (header.tensors[o.name].dtype, header.tensors[o.name].shape) == (o.dtype, o.shape) for o in job.outputs

@@ -72,8 +72,7 @@ def _row_blocks(job: Job, shape: tuple[int, ...]) -> tuple[int, int]:
 def pieces(job: Job, shape: tuple[int, ...], band_elements: int) -> list[Piece] | None:
     """The bands (of ~band_elements) verify reads `job` in; None: whole (fewer than two dimensions)."""
     out_shape = job.spec.shape
-    kept_with_scale = job.action is Action.COPY and len(job.outputs) > 1  # (a known limit: read whole)
-    if len(shape) < 2 or len(out_shape) != len(shape) or job.out_chunks > 1 or job.plain_rows or kept_with_scale:
+    if len(shape) < 2 or len(out_shape) != len(shape) or job.out_chunks > 1 or job.plain_rows:
         return None  # (rows in chunks, or reordered: a fused projection of a few MB, whole)
     m, n_in, n_out = math.prod(shape[:-2]), shape[-2], out_shape[-2]
     if transposed(job):

@@ -323,3 +323,22 @@ def test_the_engine_check_names_block_fp8_inkling_experts(inkling):
     found = engine_layout_problems(config, block, lambda n: None, lambda n: None)
     assert len(found) == 1 and w13 in found[0] and "vllm#48876" in found[0]
     assert engine_layout_problems(config, channel, lambda n: None, lambda n: None) == []
+
+
+def test_v41_verify_reads_the_kept_engram_table_in_bands_and_catches_a_flipped_byte(v41, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from fp8conv.options import Tuning
+
+    src, _ = v41
+    fp8conv.convert(src, tmp_path / "out", fp8conv.ConvertOptions(to="block"))
+    small = Tuning(verify_band_elements=4096)  # the table's 300 x 64 values in bands of 64 rows
+    assert fp8conv.verify(src, tmp_path / "out", tuning=small).ok
+    shard = tmp_path / "out" / "model-00003-of-00003.safetensors"
+    tensors = load_file(shard)
+    flipped = tensors[ENGRAM + ".weight"].view(torch.uint8).clone()
+    flipped[250, 7] ^= 1
+    tensors[ENGRAM + ".weight"] = flipped.view(torch.float8_e4m3fn)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    failures = fp8conv.verify(src, tmp_path / "out", tuning=small).failures
+    assert any(ENGRAM + ".weight: not byte-identical to the input" in f for f in failures), failures
