@@ -26,7 +26,14 @@ if TYPE_CHECKING:
     from .source.shard_fetch import ShardSource
 
 TARGETS = ("bf16", "channel", "block", "mxfp8")
-SCALE_FORMATS = ("ue8m0",)  # --to block --scale-fmt: power-of-two scales stored as float8_e8m0fnu
+SCALE_FORMATS = ("ue8m0",)  # --to block --scale-fmt: power-of-two scales (stored as SCALE_DTYPES say)
+# --scale-dtype, how --scale-fmt ue8m0 stores its power-of-two scales: float32 (DeepSeek-V3.1's weight_scale_inv,
+# what every block-FP8 client reads) or float8_e8m0fnu (DeepSeek-V4's `.scale`; mlx-lm reads its raw byte,
+# mistral.rs refuses it). Unset: float32, but e8m0 where the input stores it so (a V4 `.scale`)
+SCALE_DTYPES = ("float32", "e8m0")
+# --mxfp8-format, how --to mxfp8 spells its config: compressed-tensors' mxfp8-quantized (vLLM's
+# CompressedTensorsW8A8Mxfp8, and transformers through compressed-tensors) or ModelOpt's quant_algo MXFP8
+MXFP8_FORMATS = ("compressed-tensors", "modelopt")
 DEFAULT_BLOCK = (128, 128)  # the output block when neither --block-size nor the input says
 UE8M0_BLOCK = (128, 128)  # the only block DeepGEMM takes power-of-two scales in
 MXFP8_GROUP = (1, 32)  # MXFP8: one E8M0 scale per 32 values along K
@@ -49,7 +56,9 @@ class ConvertOptions:
     pad_for_tp: int | None = None  # --to block: pad MLP widths so each of N ranks holds whole blocks
     pad_roles: tuple[str, ...] | None = None  # with pad_for_tp: the MLP roles padded (None: all)
     keep_model_card: bool = False  # README.md copied unchanged (by default a "Converted with fp8conv" note is added)
-    scale_fmt: str | None = None  # --to block: "ue8m0" writes power-of-two scales (float8_e8m0fnu)
+    scale_fmt: str | None = None  # --to block: "ue8m0" writes power-of-two scales
+    scale_dtype: str | None = None  # with ue8m0: how they are stored (SCALE_DTYPES; None: by the input)
+    mxfp8_format: str | None = None  # --to mxfp8: the config's spelling (MXFP8_FORMATS; None: compressed-tensors)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +84,16 @@ class ConvertOptions:
                 f"--scale-fmt {self.scale_fmt} applies to --to block only, and is one of {', '.join(SCALE_FORMATS)}",
                 fix="--to mxfp8 writes E8M0 scales without it",
             )
+        if self.scale_dtype is not None and (self.scale_fmt is None or self.scale_dtype not in SCALE_DTYPES):
+            raise OptionsError(
+                f"--scale-dtype {self.scale_dtype} applies with --scale-fmt ue8m0 only, and is one of "
+                f"{', '.join(SCALE_DTYPES)}"
+            )
+        if self.mxfp8_format is not None and (self.to != "mxfp8" or self.mxfp8_format not in MXFP8_FORMATS):
+            raise OptionsError(
+                f"--mxfp8-format {self.mxfp8_format} applies to --to mxfp8 only, and is one of "
+                f"{', '.join(MXFP8_FORMATS)}"
+            )
         if self.pad_roles is not None:
             if self.pad_for_tp is None:
                 raise OptionsError("--pad-roles applies with --pad-for-tp only")
@@ -93,8 +112,9 @@ class ConvertOptions:
             d["pad_roles"] = list(self.pad_roles)
         if not self.keep_model_card:
             d.pop("keep_model_card")
-        if self.scale_fmt is None:
-            d.pop("scale_fmt")
+        for optional in ("scale_fmt", "scale_dtype", "mxfp8_format"):
+            if d[optional] is None:
+                d.pop(optional)
         return d
 
     @classmethod

@@ -274,11 +274,13 @@ def kv_channel(converted, tmp_path_factory) -> tuple[Path, dict[str, torch.Tenso
 # (every block's exponent searched), so its scales are fp8conv's own. MXFP8 unpadded on the dense model
 # (K = 384 / 2 is whole 1x32 groups per rank); the others with --pad-for-tp 2 (ue8m0: 192 is not).
 UE8M0_ARGS = ("--to", "block", "--scale-fmt", "ue8m0")
-POW2 = {
+POW2 = {  # the defaults (float32 powers of two; compressed-tensors MXFP8) and the other storage / spelling
     "qwen3-ue8m0-tp2": ("qwen3", (*UE8M0_ARGS, "--pad-for-tp", "2")),
     "qwen3_moe-ue8m0-tp2": ("qwen3_moe", (*UE8M0_ARGS, "--pad-for-tp", "2")),
+    "qwen3-ue8m0-e8m0": ("qwen3", (*UE8M0_ARGS, "--scale-dtype", "e8m0", "--pad-for-tp", "2")),
     "qwen3-mxfp8": ("qwen3", ("--to", "mxfp8")),
     "qwen3_moe-mxfp8-tp2": ("qwen3_moe", ("--to", "mxfp8", "--pad-for-tp", "2")),
+    "qwen3-mxfp8-modelopt": ("qwen3", ("--to", "mxfp8", "--mxfp8-format", "modelopt")),
 }
 
 
@@ -314,18 +316,26 @@ def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind
 
 @pytest.mark.parametrize("name", POW2)
 def test_load_only_vllm_loads_power_of_two_scales_unchanged_at_tp_1_and_2(pow2, loaded, name):
-    """LOAD-ONLY, as above, for --to block --scale-fmt ue8m0 (float8_e8m0fnu weight_scale_inv, scale_fmt
-    ue8m0) and --to mxfp8 (ModelOpt MXFP8, uint8 weight_scale per 1x32 group): vLLM builds the model
-    (MXFP8's emulation kernels declared available on the CPU, vllm_worker._declare_cpu_mxfp8_kernels),
-    loads every weight, and each rank's scales are the written E8M0 exponents: the bytes for MXFP8, the
-    exact float32 2^(b - 127) for ue8m0 (vLLM's block FP8 scale parameters are float32; _as_vllm_holds)."""
+    """LOAD-ONLY, as above, for --to block --scale-fmt ue8m0 (weight_scale_inv as float32 powers of two by
+    default, float8_e8m0fnu with --scale-dtype e8m0; scale_fmt ue8m0) and --to mxfp8 (compressed-tensors
+    mxfp8-quantized by default, ModelOpt MXFP8 with --mxfp8-format modelopt; uint8 weight_scale per 1x32
+    group): vLLM builds the model (MXFP8's emulation kernels declared available on the CPU,
+    vllm_worker._declare_cpu_mxfp8_kernels), loads every weight, and each rank's scales are the written
+    exponents: the bytes for MXFP8, the exact float32 2^(b - 127) for ue8m0 (vLLM's block FP8 scale
+    parameters are float32; _as_vllm_holds)."""
     path = pow2[name]
     quant = json.loads((path / "config.json").read_text())["quantization_config"]
     ue8m0 = "ue8m0" in name
-    assert quant.get("scale_fmt") == "ue8m0" if ue8m0 else quant.get("quant_algo") == "MXFP8", quant
+    if ue8m0:
+        assert quant.get("scale_fmt") == "ue8m0", quant
+    elif name.endswith("modelopt"):
+        assert quant.get("quant_algo") == "MXFP8", quant
+    else:  # vLLM's CompressedTensorsW8A8Mxfp8 (and its MoE method) read this spelling
+        assert quant.get("format") == "mxfp8-quantized", quant
     used, quantized = _check_loaded(path, loaded / name)
     stored = {t.dtype for n, t in _checkpoint(path).items() if n.endswith(("_scale_inv", "_scale"))}
-    assert stored == {torch.float8_e8m0fnu if ue8m0 else torch.uint8}, stored
+    want = (torch.float8_e8m0fnu if name.endswith("e8m0") else torch.float32) if ue8m0 else torch.uint8
+    assert stored == {want}, stored
     held = {t.dtype for n, t in torch.load(loaded / name / "tp1" / "rank0.pt").items() if n in quantized}
     assert held == {torch.float32 if ue8m0 else torch.uint8}, held  # what vLLM 0.32 makes of them
     VERDICTS.append(

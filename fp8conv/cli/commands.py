@@ -22,6 +22,8 @@ from ..options import (
     DEFAULT_DEVICE,
     DEFAULT_DTYPE,
     DEFAULT_PREFETCH,
+    MXFP8_FORMATS,
+    SCALE_DTYPES,
     SCALE_FORMATS,
     TARGETS,
     ConvertOptions,
@@ -163,7 +165,20 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
     "--scale-fmt",
     type=click.Choice(SCALE_FORMATS),
     default=None,
-    help="--to block: ue8m0 writes power-of-two scales as float8_e8m0fnu (DeepGEMM on Blackwell takes them as is).",
+    help="--to block: ue8m0 writes power-of-two scales (DeepGEMM on Blackwell takes them as is).",
+)
+@click.option(
+    "--scale-dtype",
+    type=click.Choice(SCALE_DTYPES),
+    default=None,
+    help="With --scale-fmt ue8m0: store the power-of-two scales as float32 (the default, what every client "
+    "reads) or float8_e8m0fnu (the default where the input stores them so, DeepSeek-V4's .scale).",
+)
+@click.option(
+    "--mxfp8-format",
+    type=click.Choice(MXFP8_FORMATS),
+    default=None,
+    help="--to mxfp8: the config's spelling, compressed-tensors mxfp8-quantized (the default) or ModelOpt MXFP8.",
 )
 @click.option(
     "--pad-for-tp",

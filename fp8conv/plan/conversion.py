@@ -507,10 +507,18 @@ class _Planner:
         else:
             chunks = fmt.chunked.chunks if fmt is not None and fmt.chunked is not None else 1
             scale_name = (_block_scale_name(fmt, base) if fmt is not None else None) or name + "_scale_inv"
-            scale = TensorSpec(scale_name, "F8_E8M0", chunked_grid(shape, self.out_block, chunks))
+            scale = TensorSpec(scale_name, self._ue8m0_dtype(fmt), chunked_grid(shape, self.out_block, chunks))
             outputs = (TensorSpec(name, FP8_E4M3, shape), scale)
             return Job(name, Action.QUANTIZE_POW2, outputs, fmt, self.out_block, parts, out_chunks=chunks)
         return Job(name, Action.QUANTIZE_POW2, outputs, fmt, self.out_block, parts)
+
+    def _ue8m0_dtype(self, fmt: WeightFormat | None) -> str:
+        """How --scale-fmt ue8m0 stores a weight's power-of-two scales: float32 (DeepSeek-V3.1's layout,
+        what every block-FP8 client reads) unless asked otherwise, or the input stores them as E8M0 under
+        DeepSeek-V4's `.scale` (then its output keeps that storage, as V4's loaders read it)."""
+        asked = self.options.scale_dtype
+        v4 = fmt is not None and fmt.scale is not None and fmt.scale.endswith(V4_SCALE_SUFFIX)
+        return "F8_E8M0" if asked == "e8m0" or (asked is None and v4) else "F32"
 
     def _plain_job(self, name: str, dtype: str, shape: tuple[int, ...], pad: Pad) -> Job:
         out_shape = pad.shape
@@ -606,7 +614,8 @@ class _Planner:
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
             out = _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
         elif to == "mxfp8":
-            out = _with_expert_dtype(rewrite_for_mxfp8(config, ignore), expert_dtype)
+            spelling = self.options.mxfp8_format or "compressed-tensors"
+            out = _with_expert_dtype(rewrite_for_mxfp8(config, ignore, spelling), expert_dtype)
             if self.padding is not None:
                 updated_widths_config(out, self.padding)
         else:

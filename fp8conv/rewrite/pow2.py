@@ -37,8 +37,16 @@ def run_pow2_job(
     Rows in chunks (job.out_chunks) are quantized chunk by chunk, each on its own grid."""
     tensors, error = _pow2_tensors(job, read, backend)
     q, exponents = tensors
-    scale_dtype = torch_dtype(job.outputs[1].dtype)
-    return [q.reshape(job.spec.shape), exponents.reshape(job.outputs[1].shape).view(scale_dtype)], error
+    return [q.reshape(job.spec.shape), stored_exponents(exponents.reshape(job.outputs[1].shape), job)], error
+
+
+def stored_exponents(exponents: torch.Tensor, job: Job) -> torch.Tensor:
+    """E8M0 bytes as the job stores its scale: the same bytes (F8_E8M0 / U8), or the float32 power of two
+    they mean (2^(b - 127), exact)."""
+    dtype = job.outputs[1].dtype
+    if dtype == "F32":
+        return powers_of_two(exponents.view(torch.uint8).to(torch.int32) - E8M0_BIAS)
+    return exponents.view(torch_dtype(dtype))
 
 
 def _pow2_tensors(

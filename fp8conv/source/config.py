@@ -137,13 +137,29 @@ def rewrite_for_block(config: dict[str, Any], block: tuple[int, int], not_conver
     return out
 
 
-def rewrite_for_mxfp8(config: dict[str, Any], not_converted: list[str]) -> dict[str, Any]:
-    """ModelOpt MXFP8 as config.json spells it (vLLM's ModelOptMxFp8Config: quant_method modelopt, quant_algo
-    MXFP8, the unquantized modules under `ignore`): e4m3 weights, uint8 E8M0 `weight_scale` per 1x32 group."""
+def rewrite_for_mxfp8(config: dict[str, Any], not_converted: list[str], spelling: str) -> dict[str, Any]:
+    """MXFP8 (e4m3 weights, a uint8 E8M0 `weight_scale` per 1x32 group, the same tensors either way) as
+    config.json spells it: compressed-tensors' mxfp8-quantized (its MXFP8 preset, what vLLM's
+    CompressedTensorsW8A8Mxfp8 reads: group strategy, group_size 32, symmetric, scale_dtype uint8, dynamic
+    MXFP8 activations; transformers loads it through compressed-tensors), or ModelOpt's (vLLM's
+    ModelOptMxFp8Config: quant_method modelopt, quant_algo MXFP8, the unquantized modules under `ignore`)."""
     out = _without_quantization(config)
+    if spelling == "modelopt":
+        out["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": not_converted}
+        return out
+    mx = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group"}
+    group = {
+        "targets": ["Linear"],
+        "weights": mx | {"dynamic": False, "scale_dtype": "torch.uint8"},
+        "input_activations": mx | {"dynamic": True, "scale_dtype": "torch.uint8"},
+        "output_activations": None,
+        "format": "mxfp8-quantized",
+    }
     out["quantization_config"] = {
-        "quant_method": "modelopt",
-        "quant_algo": "MXFP8",
+        "quant_method": "compressed-tensors",
+        "format": "mxfp8-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
         "ignore": not_converted,
     }
     return out

@@ -131,7 +131,8 @@ def test_padding_refuses_when_config_and_tensors_disagree(tiny, tmp_path):
 
 def _decoded_ue8m0(out) -> dict[str, torch.Tensor]:
     """The ue8m0 output decoded by the tests' own arithmetic: each float8_e8m0fnu byte b is the float32
-    2^(b - 127) (from the bits), times its 128x128 block of e4m3 values, rounded once to bf16."""
+    2^(b - 127) (from the bits), a float32 scale that power of two itself, times its 128x128 block of e4m3
+    values, rounded once to bf16."""
     written = load_dir(out)
     decoded = {}
     for name, t in written.items():
@@ -141,8 +142,12 @@ def _decoded_ue8m0(out) -> dict[str, torch.Tensor]:
         if scale is None:
             decoded[name] = t
             continue
-        assert scale.dtype == torch.float8_e8m0fnu, (name, scale.dtype)
-        powers = (scale.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+        assert scale.dtype in (torch.float8_e8m0fnu, torch.float32), (name, scale.dtype)
+        if scale.dtype == torch.float32:  # stored as the power of two itself (DeepSeek-V3.1's storage)
+            assert bool((torch.frexp(scale)[0] == 0.5).all()), name
+            powers = scale
+        else:
+            powers = (scale.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
         grid = powers.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
         decoded[name] = (t.to(torch.float32) * grid).to(torch.bfloat16)
     return decoded
@@ -163,12 +168,16 @@ ALIGNED = TinyModelShape(
 )
 
 
-def test_transformers_loads_ue8m0_output_as_its_decoded_weights(make_tiny, tmp_path):
-    """--to block --scale-fmt ue8m0 in transformers (FineGrainedFP8, scale_fmt ue8m0): without a GPU it
-    dequantizes to bf16 on load; every weight and the logits are those of the tests' own decode."""
+@pytest.mark.parametrize("scale_dtype", [None, "e8m0"])
+def test_transformers_loads_ue8m0_output_as_its_decoded_weights(make_tiny, tmp_path, scale_dtype):
+    """--to block --scale-fmt ue8m0 in transformers (FineGrainedFP8, scale_fmt ue8m0), float32 powers of two
+    (the default) or E8M0 bytes: without a GPU it dequantizes to bf16 on load; every weight and the logits
+    are those of the tests' own decode."""
     tiny = make_tiny(shape=ALIGNED)
     out = tmp_path / "ue8m0"
-    fp8conv.convert(tiny.path, out, ConvertOptions(to="block", scale_fmt="ue8m0"))
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="block", scale_fmt="ue8m0", scale_dtype=scale_dtype))
+    stored = load_dir(out)[tiny.fp8_weights[0] + "_scale_inv"].dtype
+    assert stored == (torch.float32 if scale_dtype is None else torch.float8_e8m0fnu)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
     decoded = _decoded_ue8m0(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
@@ -180,3 +189,36 @@ def test_transformers_loads_ue8m0_output_as_its_decoded_weights(make_tiny, tmp_p
     ref_dir = reference_model_dir(tmp_path, out, decoded)
     got, expected = transformers_logits(out), transformers_logits(ref_dir)
     assert got.abs().max() > 0 and same_bits(got, expected)
+
+
+def test_transformers_with_compressed_tensors_loads_the_mxfp8_output(tmp_path):
+    """--to mxfp8's default spelling (compressed-tensors mxfp8-quantized), of a dense model transformers
+    built: transformers decompresses it through compressed-tensors into exactly the tests' own decode (each
+    uint8 E8M0 byte b as 2^(b - 127) times its 1x32 group of e4m3 values). (transformers 5.25 refuses the
+    same spelling on fused MoE experts, loudly: its CompressedTensorsDequantize does not expand group
+    scales over a 3-D weight.)"""
+    pytest.importorskip("compressed_tensors")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "mxfp8"
+    fp8conv.convert(tmp_path / "llama", out, ConvertOptions(to="mxfp8"))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "mxfp8-quantized"
+    got = load_dir(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
+    params = dict(model.named_parameters())
+    quantized = [n for n in got if n + "_scale" in got]
+    assert len(quantized) == 14, quantized  # every Linear of the two layers
+    for name in quantized:
+        powers = (got[name + "_scale"].view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+        decoded = (got[name].to(torch.float32) * powers.repeat_interleave(32, dim=1)).to(torch.bfloat16)
+        assert same_bits(params[name], decoded), name

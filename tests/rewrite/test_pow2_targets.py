@@ -21,7 +21,20 @@ from tests.support.helpers import load_dir, write_checkpoint
 from tests.support.reference import dequant_reference, plain_exponent, plain_pow2, same_bits, scale_values
 
 UE8M0 = ConvertOptions(to="block", scale_fmt="ue8m0")
+UE8M0_E8M0 = ConvertOptions(to="block", scale_fmt="ue8m0", scale_dtype="e8m0")
 MXFP8 = ConvertOptions(to="mxfp8")
+MXFP8_MODELOPT = ConvertOptions(to="mxfp8", mxfp8_format="modelopt")
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """A power-of-two scale as its E8M0 byte b (2^(b - 127)), whether stored as the byte or as float32."""
+    if scale.dtype == torch.float32:
+        mantissa, exponent = torch.frexp(scale)
+        assert bool((mantissa == 0.5).all()), "a float32 scale that is not a power of two"
+        return (exponent - 1 + 127).to(torch.uint8)
+    return scale.view(torch.uint8)
+
+
 DEVICES = [
     pytest.param(d, marks=pytest.mark.skipif(d not in available_devices(), reason=f"no {d} device here"))
     for d in ("cpu", "reference", "cuda")
@@ -100,18 +113,29 @@ def test_every_input_kind_to_both_targets(make_tiny, tmp_path, dialect):
     tiny = make_tiny(dialect=dialect)
     src = load_dir(tiny.path)
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # 576 x 320: ragged under 128x128 blocks
-    for options, scale_name, scale_dtype, block in (
-        (UE8M0, name + "_scale_inv", torch.float8_e8m0fnu, (128, 128)),
-        (MXFP8, name + "_scale", torch.uint8, (1, 32)),
+    for n, (options, scale_name, scale_dtype, block) in enumerate(
+        (
+            (UE8M0, name + "_scale_inv", torch.float32, (128, 128)),  # DeepSeek-V3.1's storage, by default
+            (UE8M0_E8M0, name + "_scale_inv", torch.float8_e8m0fnu, (128, 128)),
+            (MXFP8, name + "_scale", torch.uint8, (1, 32)),
+            (MXFP8_MODELOPT, name + "_scale", torch.uint8, (1, 32)),
+        )
     ):
-        out = tmp_path / f"{dialect}-{options.to}"
+        out = tmp_path / f"{dialect}-{n}"
         result, tensors, config = _converted(tiny.path, out, options)
         want_q, want_e = plain_expected(src, name, dialect, block)
         assert tensors[scale_name].dtype == scale_dtype
-        assert same_bits(tensors[scale_name].view(torch.uint8), want_e) and same_bits(tensors[name], want_q)
+        assert same_bits(e8m0_bytes(tensors[scale_name]), want_e) and same_bits(tensors[name], want_q)
         qc = config["quantization_config"]
-        if options.to == "mxfp8":
+        if options.to == "mxfp8" and options.mxfp8_format == "modelopt":
             assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "MXFP8") and "lm_head" in qc["ignore"]
+        elif options.to == "mxfp8":  # compressed-tensors' MXFP8 preset, as vLLM's CompressedTensorsW8A8Mxfp8 reads
+            group = qc["config_groups"]["group_0"]
+            assert (qc["quant_method"], qc["format"], group["format"]) == ("compressed-tensors",) + (
+                "mxfp8-quantized",
+            ) * 2
+            assert group["weights"]["group_size"] == 32 and group["weights"]["scale_dtype"] == "torch.uint8"
+            assert "lm_head" in qc["ignore"]
         else:
             assert qc["scale_fmt"] == "ue8m0" and qc["weight_block_size"] == [128, 128]
         record = json.loads((out / ".fp8conv" / "manifest.json").read_text())["requantization"]
@@ -132,7 +156,7 @@ def test_power_of_two_inputs_keep_their_bytes(make_tiny, tmp_path, dialect):
             assert same_bits(tensors[name], src[name])
             stored = src[name + "_scale_inv"].view(torch.uint8)
             if options.to == "block":
-                assert same_bits(tensors[name + "_scale_inv"].view(torch.uint8), stored)
+                assert same_bits(e8m0_bytes(tensors[name + "_scale_inv"]), stored)
             else:  # each 1x32 group takes its 128x128 block's exponent
                 k = src[name].shape[-1]
                 want = stored.repeat_interleave(128, 0)[: src[name].shape[0]].repeat_interleave(4, 1)[:, : k // 32]
@@ -148,7 +172,7 @@ def test_deepseek_v31_keeps_what_is_exact_and_requantizes_o_proj(make_tiny, tmp_
     q_a = "model.layers.0.self_attn.q_a_proj.weight"
     assert result.requantization["tensors"][q_a]["exact"] and same_bits(tensors[q_a], src[q_a])
     want_q, want_e = plain_pow2(dequant_reference(src, o_proj), (128, 128), search=True)
-    assert same_bits(tensors[o_proj], want_q) and same_bits(tensors[o_proj + "_scale_inv"].view(torch.uint8), want_e)
+    assert same_bits(tensors[o_proj], want_q) and same_bits(e8m0_bytes(tensors[o_proj + "_scale_inv"]), want_e)
 
 
 def test_ue8m0_refuses_other_block_sizes_naming_a_tensor(make_tiny, tmp_path):
@@ -227,3 +251,27 @@ def test_mxfp4_experts_go_into_mxfp8_exactly(tmp_path):
     assert all(tensors[n]["exact"] for n in tensors if n not in experts)
     verified = fp8conv.verify(src, tmp_path / "out")
     assert verified.ok, verified.failures
+
+
+@pytest.mark.parametrize(("scale_dtype", "stored"), [(None, torch.float8_e8m0fnu), ("float32", torch.float32)])
+def test_ue8m0_keeps_e8m0_storage_where_the_input_stores_it_so(tmp_path, scale_dtype, stored):
+    """DeepSeek-V4's `.scale` is float8_e8m0fnu, and its output keeps that storage (and name) by default;
+    --scale-dtype float32 asks otherwise."""
+    from tests.support.packed_builders import build_v4
+
+    tensors, _ = build_v4(tmp_path / "v4")
+    options = ConvertOptions(to="block", scale_fmt="ue8m0", scale_dtype=scale_dtype)
+    fp8conv.convert(tmp_path / "v4", tmp_path / "out", options)
+    out = load_dir(tmp_path / "out")
+    name = "layers.0.attn.wq_a"
+    assert out[name + ".scale"].dtype == stored
+    # kept bytes and exponents: the input's scales already are powers of two
+    assert same_bits(e8m0_bytes(out[name + ".scale"]), tensors[name + ".scale"].view(torch.uint8))
+
+
+def test_scale_dtype_and_mxfp8_format_apply_where_they_mean_something():
+    with pytest.raises(OptionsError, match="--scale-dtype e8m0 applies with --scale-fmt ue8m0 only"):
+        ConvertOptions(to="block", scale_dtype="e8m0")
+    with pytest.raises(OptionsError, match="--mxfp8-format modelopt applies to --to mxfp8 only"):
+        ConvertOptions(to="block", mxfp8_format="modelopt")
+    assert "scale_dtype" not in UE8M0.to_dict() and UE8M0_E8M0.to_dict()["scale_dtype"] == "e8m0"
