@@ -26,7 +26,7 @@ from tests.support.layouts_2026 import (
     decode_block_plain,
     mistral_large3_params,
 )
-from tests.support.reference import plain_pow2, quantize_reference, same_bits
+from tests.support.reference import e8m0_bytes, plain_pow2, quantize_reference, same_bits
 
 TARGETS = ["bf16", "channel", "block"]
 
@@ -146,7 +146,7 @@ def test_mimo_fused_qkv_to_ue8m0_quantizes_each_chunk_on_its_own_grid(tmp_path):
         rows = value.shape[0] // MIMO_CKPT_TP
         want = [plain_pow2(value[c * rows : (c + 1) * rows], (128, 128), True) for c in range(MIMO_CKPT_TP)]
         assert same_bits(out[name], torch.cat([q for q, _ in want])), name
-        assert torch.equal(out[name + "_scale_inv"].view(torch.uint8), torch.cat([e for _, e in want])), name
+        assert torch.equal(e8m0_bytes(out[name + "_scale_inv"]), torch.cat([e for _, e in want])), name
 
 
 def test_mimo_fused_qkv_to_bf16_in_the_plain_order_engines_read(tmp_path):

@@ -36,6 +36,15 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """A power-of-two scale as its E8M0 byte b (2^(b - 127)), whether stored as the byte or as float32."""
+    if scale.dtype == torch.float32:
+        mantissa, exponent = torch.frexp(scale)
+        assert bool((mantissa == 0.5).all()), "a float32 scale that is not a power of two"
+        return (exponent - 1 + 127).to(torch.uint8)
+    return scale.view(torch.uint8)
+
+
 def dequant_reference(tensors: dict[str, torch.Tensor], weight: str) -> torch.Tensor:
     """The float32 product float32(q) * float32(scale) for any dialect, chosen by the scale's shape."""
     q = tensors[weight]
