@@ -112,8 +112,9 @@ def throughput(n: int = 1024, k: int = 3584) -> dict[str, float]:
     out = {}
     for target, block in (("block --scale-fmt ue8m0", BLOCK), ("mxfp8", (1, 32))):
         started = time.perf_counter()
-        q, exps = quantize_pow2(x, block, True, get_backend("cpu"))
-        tensor_error(x, q, exps, block)
+        backend = get_backend("cpu")
+        q, exps = quantize_pow2(x, block, True, backend)
+        tensor_error(x, q, exps, block, backend)
         out[target] = x.numel() / (time.perf_counter() - started) / 1e6
     return out
 

@@ -227,6 +227,15 @@ class CpuBackend(TorchDeviceBackend):
                 q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
                 scale_out[m, g0 : g0 + gn] = s
 
+    @staticmethod
+    def _fp8_values(q: torch.Tensor) -> torch.Tensor:
+        """e4m3 codes as float32 without torch's scalar cast (quantize_pow2_blocks' error report; its codes
+        are clamped, never NaN): the sign-extended byte shifted into a float16 worth value / 256, times 256
+        (exact), the bits torch's cast gives."""
+        bits = q.view(torch.int8).to(torch.int16)
+        bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
+        return bits.view(torch.float16).to(torch.float32).mul_(256.0)
+
     def decode_4bit(
         self,
         codes: torch.Tensor,

@@ -12,12 +12,17 @@ on the device or its vector unit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP8_MAX = 448.0
+HALF_FP8_MAX = 224.0  # an e4m3 value: the largest a block one exponent lower holds unclamped
 AMAX_FLOOR = 1e-4  # DeepGEMM's: an all-zero block still gets a finite scale
 E8M0_BIAS = 127
 SEARCH_BELOW = 3  # exponents tried below the ceiling one when requantizing FP8 values
+REPORT_ROWS = 128  # the error report's row chunks (plan.bands.REPORT_ROWS says the same to the planner)
+SLICE_ELEMENTS = 1 << 22  # values quantized at once: float32 temporaries that stay in a core's cache
 FLOAT32_BIAS = 127  # float32's exponent bias (the E8M0 byte uses the same)
 FLOAT32_EXPONENT_SHIFT = 23
 
@@ -47,7 +52,19 @@ def block_squared_errors(blocks: torch.Tensor, q: torch.Tensor, exponents: torch
     diff = (q.to(torch.float32) * powers_of_two(exponents)[:, None, :, None]).sub_(blocks)
     squares = diff.to(torch.float64)
     squares.mul_(squares)
-    return pairwise_sum(pairwise_sum(squares, 3), 1)
+    return pairwise_sum(pairwise_sum_(squares, 3), 1)
+
+
+def pairwise_sum_(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """pairwise_sum's adds, in place (no temporary per halving): `values` is overwritten."""
+    n = values.shape[dim]
+    while n > 1:
+        half = n // 2
+        values.narrow(dim, 0, half).add_(values.narrow(dim, half, half))
+        if n % 2:
+            values.narrow(dim, 0, 1).add_(values.narrow(dim, n - 1, 1))
+        n = half
+    return values.narrow(dim, 0, 1).squeeze(dim)
 
 
 def pairwise_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
@@ -64,18 +81,153 @@ def pairwise_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
 
 def choose_exponents(blocks: torch.Tensor, amax: torch.Tensor, search: bool) -> torch.Tensor:
     """int32 [G, gk]: the ceiling exponent, or (search) the one of it and SEARCH_BELOW below it whose block
-    squared error is least (the first, i.e. the largest, on a tie)."""
+    squared error is least (the first, i.e. the largest, on a tie). The search runs only on the blocks
+    ceiling_wins cannot settle, and over the ceiling and the one below it where every such block's largest
+    value is above 224 x 2^e (any block not held up by AMAX_FLOOR): two or more below, that value alone
+    clamps at 112 x 2^e or lower, an error over 112 x 2^e, more than every other value can gain (ceiling_wins).
+    The same answer, without the trial quantizations that cannot win."""
     ceiling = ceil_exponents(amax)
     if not search:
         return ceiling
-    candidates = torch.stack([ceiling - i for i in range(SEARCH_BELOW + 1)])
-    errors = torch.stack([block_squared_errors(blocks, quantize_at(blocks, e), e) for e in candidates])
+    open_blocks = ~ceiling_wins(amax, ceiling, blocks.shape[1] * blocks.shape[3])
+    if not bool(open_blocks.any()):
+        return ceiling
+    g, gk = torch.nonzero(open_blocks, as_tuple=True)
+    subset = blocks.permute(0, 2, 1, 3)[g, gk].unsqueeze(2)  # [M, bn, 1, bk]: the open blocks alone
+    below = 1 if bool((amax[g, gk] > HALF_FP8_MAX * powers_of_two(ceiling[g, gk])).all()) else SEARCH_BELOW
+    candidates = torch.stack([ceiling[g, gk][:, None] - i for i in range(below + 1)])  # [C, M, 1]
+    errors = torch.stack([block_squared_errors(subset, quantize_at(subset, e), e) for e in candidates])
     best = torch.argmin(errors, dim=0)  # the first minimum: the largest exponent among equals
-    return torch.gather(candidates, 0, best[None])[0]
+    chosen = ceiling.clone()
+    chosen[g, gk] = torch.gather(candidates, 0, best[None])[0][:, 0]
+    return chosen
 
 
-def quantize_pow2_chunk(blocks: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [G, bn, gk, bk] e4m3, E8M0 bytes [G, gk] uint8) for float32 blocks (zero-padded to whole blocks)."""
-    amax = blocks.abs().amax(dim=(1, 3))
-    exponents = choose_exponents(blocks, amax, search)
-    return quantize_at(blocks, exponents), (exponents + E8M0_BIAS).to(torch.uint8)
+def ceiling_wins(amax: torch.Tensor, ceiling: torch.Tensor, block_elements: int) -> torch.Tensor:
+    """bool [G, gk]: blocks where no exponent below the ceiling e can have a smaller squared error, known
+    from the block's largest value a alone. Scaled by 2^e (exact), every value is at most 448:
+    - a value normal at both e and e' < e rounds to the same multiple of a power of two (e4m3's rounding
+      is relative: a power-of-two scale moves no mantissa bit), so its error is the same;
+    - a value above T = 448 x 2^e' clamps there at e', an error of |x| - T, while at e it is no further
+      from its nearest e4m3 value than from T, which is one (224, 112, 56 x 2^e are e4m3 values): it only
+      loses, and loses more the lower e' is; a lowers by at least (a - 224 x 2^e)^2 - err_e(a)^2 already at
+      e - 1;
+    - only values subnormal at e can gain, each at most its whole error there, under 2^-10 x 2^e.
+    So e wins (ties go to it) where a' > 224 and (a' - 224)^2 - err(a')^2 >= block_elements x 2^-20, a' = a / 2^e
+    and err(a') its e4m3 rounding error: exact float32 differences, squared exactly in float64, compared
+    with a margin far above their rounding; and in an all-zero block (every error zero). a' is above 224
+    unless AMAX_FLOOR set the ceiling: there nothing clamps one exponent lower, which may win. The search
+    decides the rest (a' barely above 224: a few percent)."""
+    scaled = amax / powers_of_two(ceiling)  # exact: a power of two
+    rounded = scaled.clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    lead = (scaled - HALF_FP8_MAX).to(torch.float64)
+    err = (rounded - scaled).to(torch.float64)
+    bound = block_elements * 2.0**-20
+    wins = (lead > 0) & ((lead * lead - err * err) > bound + 2.0**-20 + bound * 2.0**-30)
+    return wins | (amax == 0)
+
+
+# One chunk of rows' error-report sums: squared error and squared values (float64 sums, each term in units
+# of its block's scale, times 4^e), saturated values, values flushed to zero
+ReportSums = tuple[float, float, int, int]
+
+
+def quantize_pow2_rows(
+    x: torch.Tensor,
+    block: tuple[int, int],
+    search: bool,
+    q_out: torch.Tensor,
+    values: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, ReportSums]:
+    """Rows x [r, K] float32 (whole block rows, or the matrix's last) quantized into q_out [r, K] e4m3 with
+    power-of-two block scales (choose_exponents), and their report's sums, in one pass over the rows:
+    (E8M0 bytes [ceil(r/bn), ceil(K/bk)] uint8, ReportSums). `values`: e4m3 -> float32, bit for bit
+    torch's cast (a backend may do it faster). The rows go a slice of whole blocks at a time, a few
+    hundred KiB whose temporaries stay in cache; every block's numbers are its own, so the slices change
+    no digit.
+
+    Each block in units of its scale, y = x / 2^e (exact; at most 448 in magnitude at the ceiling, so no
+    square overflows float32): per block, (value(q) - y)^2 and y^2 summed in float32 in a fixed pairwise
+    order (elementwise adds only: the same digits on every device and vector unit), then times 4^e in
+    float64 and summed pairwise over the rows' blocks. Saturated: |y| > 448, looked for only where a
+    block's exponent is below its ceiling (only there can it be). Flushed: nonzero inputs less nonzero
+    outputs (zero stays zero)."""
+    r, k = x.shape
+    bn, bk = block
+    blocks = blocks_of(x, bn, bk)
+    gr, gk = blocks.shape[0], blocks.shape[2]
+    step = max(1, SLICE_ELEMENTS // (gr * bn * bk))  # blocks per slice along K
+    exponents = torch.empty((gr, gk), dtype=torch.int32, device=x.device)
+    err2 = torch.empty((gr, gk), dtype=torch.float64, device=x.device)
+    norm2 = torch.empty_like(err2)
+    saturated = flushed = 0
+    q_rows = q_out.view(r, k)
+    for j0 in range(0, gk, step):
+        j1 = min(gk, j0 + step)
+        part = blocks[:, :, j0:j1]
+        amax = part.abs().amax(dim=(1, 3))
+        e = choose_exponents(part, amax, search)
+        y = part * powers_of_two(-e)[:, None, :, None]
+        q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        c0, c1 = j0 * bk, min(k, j1 * bk)
+        q_rows[:, c0:c1].copy_(q.view(gr * bn, -1)[:r, : c1 - c0])
+        exponents[:, j0:j1] = e
+        sat, flush = block_report(part, y, values(q), e, amax, err2[:, j0:j1], norm2[:, j0:j1])
+        saturated, flushed = saturated + sat, flushed + flush
+    return (exponents + E8M0_BIAS).to(torch.uint8), (sum64(err2), sum64(norm2), saturated, flushed)
+
+
+def report_sums(
+    x: torch.Tensor, y: torch.Tensor, qf: torch.Tensor, exponents: torch.Tensor, amax: torch.Tensor
+) -> ReportSums:
+    """One chunk's report (quantize_pow2_rows), from written codes: x its blocks [gr, bn, gk, bk]; y those
+    blocks in units of their scales; qf the codes as float32, laid out as y; exponents, amax [gr, gk]."""
+    err2 = torch.empty(exponents.shape, dtype=torch.float64, device=x.device)
+    norm2 = torch.empty_like(err2)
+    saturated, flushed = block_report(x, y, qf, exponents, amax, err2, norm2)
+    return (sum64(err2), sum64(norm2), saturated, flushed)
+
+
+def block_report(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    qf: torch.Tensor,
+    exponents: torch.Tensor,
+    amax: torch.Tensor,
+    err2_out: torch.Tensor,
+    norm2_out: torch.Tensor,
+) -> tuple[int, int]:
+    """Per block, its squared error and squared values (float64, times 4^e) into err2_out and norm2_out
+    [gr, gk]; returns (saturated, flushed) values. x: blocks [gr, bn, gk, bk]; y, qf laid out as x. qf is
+    overwritten."""
+    squares = 4.0 ** exponents.to(torch.float64)
+    norm2_out.copy_(block_sums(y * y)).mul_(squares)
+    flushed = int(torch.count_nonzero(x)) - int(torch.count_nonzero(qf))
+    diff = qf.sub_(y)
+    err2_out.copy_(block_sums(diff.mul_(diff))).mul_(squares)
+    scaled_max = float((amax * powers_of_two(-exponents)).max()) if amax.numel() else 0.0
+    saturated = int(torch.count_nonzero(y.abs() > FP8_MAX)) if scaled_max > FP8_MAX else 0
+    return saturated, flushed
+
+
+def sum64(values: torch.Tensor) -> float:
+    """Every value, float64, pairwise in a fixed order."""
+    return float(pairwise_sum(values.reshape(-1).to(torch.float64), 0)) if values.numel() else 0.0
+
+
+def blocks_of(rows: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """[r, K] as [ceil(r/bn), bn, ceil(K/bk), bk]: a view, or zero-padded where r or K is not whole blocks
+    (zeros add nothing to any sum or count)."""
+    r, k = rows.shape
+    gr, gk = -(-r // bn), -(-k // bk)
+    if (r, k) != (gr * bn, gk * bk) or not rows.is_contiguous():
+        padded = torch.zeros(gr * bn, gk * bk, dtype=rows.dtype, device=rows.device)
+        padded[:r, :k] = rows
+        rows = padded
+    return rows.view(gr, bn, gk, bk)
+
+
+def block_sums(values: torch.Tensor) -> torch.Tensor:
+    """[gr, bn, gk, bk] -> [gr, gk]: each block's sum, pairwise over its columns, then its rows.
+    `values` (a temporary) is overwritten."""
+    return pairwise_sum(pairwise_sum_(values, 3), 1)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .pow2 import quantize_pow2_chunk
+from .pow2 import REPORT_ROWS, ReportSums, quantize_pow2_rows
 from .scales import apply_global_scale, scale_to_float32
 
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
@@ -98,11 +98,26 @@ class TorchDeviceBackend:
         search: bool,
         q_out: torch.Tensor,
         exponents_out: torch.Tensor,
-    ) -> None:
-        for m, r0, r1, g0, g1, blocks in self._padded_block_chunks(weight, block):
-            q, exponents = quantize_pow2_chunk(blocks, search)
-            q_out[m, r0:r1] = q.reshape(-1, q.shape[2] * q.shape[3])[: r1 - r0, : weight.shape[2]].cpu()
-            exponents_out[m, g0:g1] = exponents.cpu()
+        report_rows: int = REPORT_ROWS,
+    ) -> list[ReportSums]:
+        bn = block[0]
+        m_count, n, _ = weight.shape
+        sums = []
+        for m in range(m_count):
+            for r0 in range(0, n, report_rows):
+                r1 = min(n, r0 + report_rows)
+                x = weight[m, r0:r1].to(self.device, torch.float32)
+                q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=self.device)
+                exponents, chunk = quantize_pow2_rows(x, block, search, q, self._fp8_values)
+                q_out[m, r0:r1] = q.cpu()
+                exponents_out[m, r0 // bn : -(-r1 // bn)] = exponents.cpu()
+                sums.append(chunk)
+        return sums
+
+    @staticmethod
+    def _fp8_values(q: torch.Tensor) -> torch.Tensor:
+        """e4m3 codes as float32: torch's own cast (the definition)."""
+        return q.to(torch.float32)
 
     def decode_4bit(
         self,

@@ -20,6 +20,9 @@ from .conversion import Action, Job, RunJob, Strategy
 
 # a converted weight's band is Tuning.convert_band_elements (verify reads its own, Tuning.verify_band_elements)
 OUT_SLOTS = 3  # bands that may wait for the writer
+# the E8M0 targets' error report sums rows in chunks of this many (whole blocks of both: 128-row blocks, 1x32
+# groups); their bands are whole chunks, so the report's digits do not depend on the band size
+REPORT_ROWS = 128
 READ_AHEAD = 3  # band reads in flight ahead of the arithmetic, across tensors
 BAND_WORKERS = 2  # bands computed at once, one torch thread each (a pool the pipeline sizes to the cores)
 IN_SLOTS = READ_AHEAD + BAND_WORKERS  # input bands held: those read ahead and those being computed
@@ -107,14 +110,14 @@ def streamable(job: Job, entry: TensorEntry, band_elements: int) -> bool:
         return len(entry.shape) == 4 and math.prod(job.spec.shape) > band_elements
     if job.fmt is not None and job.fmt.kind in PACKED:  # 2-D packed 4-bit weights
         return (
-            job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
+            job.action in (Action.DEQUANTIZE, Action.QUANTIZE, Action.QUANTIZE_POW2)
             and job.fmt.kind is not Kind.MXFP4_GPT_OSS  # FP8 targets are refused by the plan
             and len(entry.shape) == 2
             and job.spec.shape == job.fmt.shape
             and math.prod(job.spec.shape) > band_elements
         )
     return (
-        job.action in (Action.DEQUANTIZE, Action.QUANTIZE)
+        job.action in (Action.DEQUANTIZE, Action.QUANTIZE, Action.QUANTIZE_POW2)
         and job.fmt is not None
         and job.fmt.kind in CONVERTIBLE
         and len(entry.shape) == 2
@@ -130,8 +133,10 @@ def band_rows(job: Job, band_elements: int) -> int:
     if expert_banded(job):
         return expert_band_rows(job, band_elements)
     n, k = job.spec.shape  # the output's: a packed weight's input rows hold K/2 bytes
-    out_rows_block = (job.out_block or (1, k))[0] if job.action is Action.QUANTIZE else 1
-    unit = math.lcm(job.fmt.math_block((n, k))[0], out_rows_block)
+    out_rows_block = (job.out_block or (1, k))[0] if job.action is not Action.DEQUANTIZE else 1
+    # E8M0 targets: bands of whole error-report chunks too, so the report is the same for any band size
+    report_rows = REPORT_ROWS if job.action is Action.QUANTIZE_POW2 else 1
+    unit = math.lcm(job.fmt.math_block((n, k))[0], out_rows_block, report_rows)
     return max(unit, (band_elements // max(k, 1)) // unit * unit)
 
 

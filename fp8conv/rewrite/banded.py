@@ -3,13 +3,19 @@ the arithmetic of one band, the same as rewriting the tensor whole, into a reuse
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..backends import Backend
+from ..backends.pow2 import E8M0_BIAS
 from ..dtypes import ELEMENT_BYTES, torch_dtype
 from ..model.classify import PACKED
+from ..output.requant_report import TensorError, exact
+from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
+from .pow2 import ReportPart, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
 
@@ -33,9 +39,11 @@ class BandedJob:
         self.shape = (n, k)
         self.row_elements = k  # elements per output row (bands: fp8conv.plan.bands.bands)
         self.quantize = job.action is Action.QUANTIZE
+        self.pow2 = job.action is Action.QUANTIZE_POW2  # E8M0 scales (pow2.pow2_band), with the error report
         self.out_block = job.out_block or (1, k)
         packed = job.fmt.kind in PACKED
-        self._decode = band_decoder(job.fmt, scale, global_scale, backend) if packed and not self.quantize else None
+        decodes = packed and not self.quantize  # to bf16, or to float32 for pow2_band
+        self._decode = band_decoder(job.fmt, scale, global_scale, backend) if decodes else None
         self._requant = (
             band_quantizer(job.fmt, scale, global_scale, backend, self.out_block, fp8_max, chunk_elements)
             if packed and self.quantize
@@ -45,14 +53,24 @@ class BandedJob:
         self.in_block = job.fmt.math_block((n, k))
         self.out_dtype = torch_dtype(job.spec.dtype)
         self.out_size = ELEMENT_BYTES[job.spec.dtype]
-        self.new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if self.quantize else None
+        # pow2: rows dequantized and requantized at once, whole report chunks and input and output blocks
+        self.pow2_chunk_rows = math.lcm(REPORT_ROWS, self.in_block[0], self.out_block[0])
+        if self.pow2:  # E8M0 bytes, stored as the job says once every band is in (pow2.stored_exponents)
+            self.new_scale = torch.full(job.outputs[1].shape, E8M0_BIAS, dtype=torch.uint8)
+        else:
+            self.new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if self.quantize else None
         self.counts: list[tuple[int, int]] = []  # packed to FP8: exact and all output blocks, per band
+        self.parts: dict[int, list[ReportPart]] = {}  # pow2: the error report's parts, by first row
+        self.kept: dict[int, bool] = {}  # pow2: whether a band kept all its input's bytes, by first row
 
     def compute(self, read: torch.Tensor, r0: int, band: torch.Tensor) -> None:
         """Rewrite input rows [r0, r0 + rows) (`read`: their bytes as read) into `band` ([1, rows, K])."""
         w = read.view(1, band.shape[1], -1)  # [1, rows, bytes per row]
         fp8 = w.view(torch.float8_e4m3fn)  # packed: the bytes, read by the decoder
         g0, g1 = r0 // self.in_block[0], -(-(r0 + w.shape[1]) // self.in_block[0])
+        if self.pow2:
+            self._pow2(w, fp8, r0, g0, g1, band)
+            return
         if self.new_scale is None:
             if self._decode is not None:
                 self._decode(w, r0, band)
@@ -69,6 +87,43 @@ class BandedJob:
                 fp8, self.grid[g0:g1][None], self.in_block, ob, self.fp8_max, band, band_scale
             )
         self.new_scale.view(-1, self.new_scale.shape[-1])[o0:o1] = band_scale[0]  # rows of its own
+
+    def _pow2(self, w: torch.Tensor, fp8: torch.Tensor, r0: int, g0: int, g1: int, band: torch.Tensor) -> None:
+        """An E8M0 band, a chunk of whole report chunks and input blocks at a time (the float32 values stay a
+        few MiB, in cache, never the band): the input's values (decoded, or dequantized), requantized by
+        pow2_band (the input's bytes kept where its scales already are powers of two), the exponents into
+        their rows of the new scale, the report's parts kept by first row."""
+        rows, k = band.shape[1], band.shape[2]
+        step = min(rows, self.pow2_chunk_rows)
+        w32 = torch.empty((1, step, k), dtype=torch.float32)
+        kept, parts = True, []
+        for c0 in range(0, rows, step):
+            c1 = min(rows, c0 + step)
+            values = w32[:, : c1 - c0]
+            if self._decode is not None:
+                self._decode(w[:, c0:c1], r0 + c0, values)
+                weight, grid = None, None
+            else:
+                b0, b1 = (r0 + c0) // self.in_block[0], -(-(r0 + c1) // self.in_block[0])
+                weight, grid = fp8[:, c0:c1], self.grid[b0:b1][None]
+                self.backend.dequantize_blocks(weight, grid, self.in_block, values)
+            q, exponents, chunk_parts, chunk_kept = pow2_band(
+                values, weight, grid, self.job.fmt, self.out_block, self.backend
+            )
+            band[:, c0:c1].copy_(q)
+            o0 = (r0 + c0) // self.out_block[0]
+            self.new_scale.view(-1, self.new_scale.shape[-1])[o0 : o0 + exponents.shape[-2]] = exponents[0]
+            kept, parts = kept and chunk_kept, parts + chunk_parts
+        self.kept[r0] = kept  # (bands are computed side by side: one key each, never a shared flag)
+        self.parts[r0] = parts
+
+    def report(self) -> TensorError:
+        """Once every band is computed: the tensor's error report, its parts in row order; exact when every
+        band kept the input's bytes (the whole tensor's verdict too)."""
+        elements = self.shape[0] * self.shape[1]
+        if all(self.kept.values()):
+            return exact(elements)
+        return tensor_error_of([p for r0 in sorted(self.parts) for p in self.parts[r0]], elements)
 
     def add_exactness(self, exactness: list[int]) -> None:
         """Once every band is computed: packed to FP8, the exact and all output blocks, added in."""

@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..backends import Backend
-from ..backends.pow2 import E8M0_BIAS, FP8_MAX, pairwise_sum, powers_of_two
+from ..backends.pow2 import E8M0_BIAS, blocks_of, powers_of_two, report_sums, sum64
 from ..dtypes import torch_dtype
 from ..model.classify import CONVERTIBLE, PACKED, WeightFormat
 from ..output.requant_report import TensorError, exact
+from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Job
 from .chunks import in_chunks, in_chunks_shape, per_chunk_grid
 from .dequant import dequantize, scale_grid, stored_scale
 from .pad import pad_to
 from .unpack import unpack_to_float32
-
-REPORT_ROWS = 1024  # rows measured at a time: the float64 temporaries stay small
 
 
 def run_pow2_job(
@@ -77,12 +76,40 @@ def _pow2_tensors(
         if kept is not None and bool(kept[1].any()):
             q, exponents = quantize_pow2(w32, job.out_block, search, backend)
             q, exponents = _with_kept_blocks(q, exponents, weight, kept, job.out_block)
-            return (q, exponents), tensor_error(w32, q, exponents, job.out_block)
+            return (q, exponents), tensor_error(w32, q, exponents, job.out_block, backend)  # as written
         if chunked_view:  # back to its rows: quantized in chunks below, as every other input is
             w32 = w32.reshape(-1, w32.shape[-1])
     w32 = in_chunks(pad_to(w32, job.spec.shape, parts=job.pad_parts), chunks)
-    q, exponents = quantize_pow2(w32, job.out_block, search, backend)
-    return (q, exponents), tensor_error(w32, q, exponents, job.out_block)
+    q, exponents, parts = quantize_pow2_reported(w32, job.out_block, search, backend)
+    return (q, exponents), tensor_error_of(parts, w32.numel())
+
+
+def pow2_band(
+    w32: torch.Tensor,
+    weight: torch.Tensor | None,
+    grid: torch.Tensor | None,
+    fmt: WeightFormat | None,
+    block: tuple[int, int],
+    backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor, list[ReportPart], bool]:
+    """One band of whole output block rows, starting at a multiple of REPORT_ROWS: (q, E8M0 bytes, the
+    report's parts) from its float32 values w32 [1, rows, K]. `weight` and `grid` (an FP8 input's band
+    bytes and its scale grid rows [1, gn, gk], fmt its format): output blocks inside one input block whose
+    scale is a power of two keep the input's bytes and exponent, as the whole tensor's would (the last
+    value: every block of the band kept). Whether each block's exponent is searched (FP8 or packed
+    inputs) or the ceiling (float inputs) follows fmt."""
+    search = fmt is not None
+    kept = None
+    if weight is not None and grid is not None and fmt is not None and fmt.row_scales is None:
+        kept = kept_exponents(grid, fmt, tuple(weight.shape), block)
+    if kept is not None and bool(kept[1].all()):  # every block stays: no arithmetic; its parts (all error 0)
+        # count for the tensor's norm, unless every band of the tensor is kept (then the tensor is exact)
+        return weight, kept[0], report_parts(w32, weight, kept[0], block, backend), True
+    q, exponents, parts = quantize_pow2_reported(w32, block, search, backend)
+    if kept is not None and bool(kept[1].any()):  # some blocks took the input's bytes: the report as written
+        q, exponents = _with_kept_blocks(q, exponents, weight, kept, block)
+        parts = report_parts(w32, q, exponents, block, backend)
+    return q, exponents, parts, False
 
 
 def _with_kept_blocks(
@@ -107,16 +134,25 @@ def quantize_pow2(
     w32: torch.Tensor, block: tuple[int, int], search: bool, backend: Backend
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn like w32, E8M0 bytes uint8 [..., ceil(N/bn), ceil(K/bk)])."""
+    q, exponents, _ = quantize_pow2_reported(w32, block, search, backend)
+    return q, exponents
+
+
+def quantize_pow2_reported(
+    w32: torch.Tensor, block: tuple[int, int], search: bool, backend: Backend
+) -> tuple[torch.Tensor, torch.Tensor, list[ReportPart]]:
+    """quantize_pow2, with the error report's parts the backend summed as it went (one pass)."""
     shape = tuple(w32.shape)
     n, k = shape[-2], shape[-1]
     grid = (*shape[:-2], math.ceil(n / block[0]), math.ceil(k / block[1]))
     q = torch.empty(shape, dtype=torch.float8_e4m3fn)
     exponents = torch.full(grid, E8M0_BIAS, dtype=torch.uint8)
+    sums = []
     if q.numel():
-        backend.quantize_pow2_blocks(
-            w32.reshape(-1, n, k), block, search, q.view(-1, n, k), exponents.view(-1, grid[-2], grid[-1])
+        sums = backend.quantize_pow2_blocks(
+            w32.reshape(-1, n, k), block, search, q.view(-1, n, k), exponents.view(-1, grid[-2], grid[-1]), REPORT_ROWS
         )
-    return q, exponents
+    return q, exponents, [ReportPart(*s) for s in sums]
 
 
 def kept_exponents(
@@ -148,32 +184,50 @@ def _inner_index(size: int, out_block: int, in_block: int) -> torch.Tensor | Non
     return first if bool((first == last).all()) else None
 
 
-def tensor_error(w32: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor, block: tuple[int, int]) -> TensorError:
-    """w32, q: [..., N, K]; exponents: the E8M0 bytes [..., ceil(N/bn), ceil(K/bk)]."""
+@dataclass(frozen=True)
+class ReportPart:
+    """The error report's sums over one REPORT_ROWS-row chunk of one matrix (float64 sums, counts)."""
+
+    err2: float
+    norm2: float
+    saturated: int
+    flushed: int
+
+
+def report_parts(
+    w32: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor, block: tuple[int, int], backend: Backend
+) -> list[ReportPart]:
+    """The report's parts of written q and exponents (where some blocks took the input's bytes after the
+    backend quantized: pow2.report_sums over each REPORT_ROWS-row chunk of each matrix, as the backend
+    sums them). w32, q: [..., n, K]; exponents: the E8M0 bytes [..., ceil(n/bn), ceil(K/bk)]."""
     n, k = w32.shape[-2], w32.shape[-1]
-    bn, bk = block
-    gn, gk = -(-n // bn), -(-k // bk)
     x3, q3 = w32.reshape(-1, n, k), q.reshape(-1, n, k)
-    e3 = exponents.reshape(-1, gn, gk).view(torch.uint8).to(torch.int32) - E8M0_BIAS
-    step = max(bn, REPORT_ROWS // bn * bn)
-    diff2 = norm2 = 0.0
-    saturated = flushed = 0
+    e3 = exponents.reshape(x3.shape[0], -1, exponents.shape[-1]).view(torch.uint8)
+    bn, bk = block
+    parts = []
     for m in range(x3.shape[0]):
-        for r0 in range(0, n, step):  # whole block rows, zero-padded: zeros add nothing to any count
-            r1 = min(n, r0 + step)
-            g = -(-(r1 - r0) // bn)
-            x = torch.zeros(g * bn, gk * bk)
-            x[: r1 - r0, :k] = x3[m, r0:r1]
-            back = torch.zeros(g * bn, gk * bk)
-            back[: r1 - r0, :k] = q3[m, r0:r1].to(torch.float32)
-            x, back = x.view(g, bn, gk, bk), back.view(g, bn, gk, bk)
-            scale = powers_of_two(e3[m, r0 // bn : r0 // bn + g])[:, None, :, None]
-            back.mul_(scale)
-            # fixed-order sums: the same digits for any thread count or vector unit, so the manifest is the
-            # same bytes however a run is split into parts
-            diff2 += float(pairwise_sum((back - x).to(torch.float64).square().flatten(), 0))
-            norm2 += float(pairwise_sum(x.to(torch.float64).square().flatten(), 0))
-            saturated += int((x.abs() > FP8_MAX * scale).sum())
-            flushed += int(((x != 0) & (back == 0)).sum())
-    relative = math.sqrt(diff2 / norm2) if norm2 > 0 else 0.0
-    return TensorError(relative, saturated, flushed, w32.numel())
+        for r0 in range(0, n, REPORT_ROWS):
+            r1 = min(n, r0 + REPORT_ROWS)
+            e = e3[m, r0 // bn : -(-r1 // bn)].to(torch.int32) - E8M0_BIAS
+            blocks = blocks_of(x3[m, r0:r1], bn, bk)
+            y = blocks * torch.pow(2.0, -e.to(torch.float32))[:, None, :, None]
+            qf = torch.empty(q3[m, r0:r1].shape, dtype=torch.float32)
+            backend.dequantize_blocks(q3[m, r0:r1][None], torch.ones(1, 1, 1), (r1 - r0, k), qf[None])
+            amax = blocks.abs().amax(dim=(1, 3))
+            parts.append(ReportPart(*report_sums(blocks, y, blocks_of(qf, bn, bk), e, amax)))
+    return parts
+
+
+def tensor_error_of(parts: list[ReportPart], elements: int) -> TensorError:
+    """A tensor's report from its parts, in row order."""
+    err2 = sum64(torch.tensor([p.err2 for p in parts], dtype=torch.float64))
+    norm2 = sum64(torch.tensor([p.norm2 for p in parts], dtype=torch.float64))
+    relative = math.sqrt(err2 / norm2) if norm2 > 0 else 0.0
+    return TensorError(relative, sum(p.saturated for p in parts), sum(p.flushed for p in parts), elements)
+
+
+def tensor_error(
+    w32: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor, block: tuple[int, int], backend: Backend
+) -> TensorError:
+    """w32, q: [..., N, K]; exponents: the E8M0 bytes [..., ceil(N/bn), ceil(K/bk)]."""
+    return tensor_error_of(report_parts(w32, q, exponents, block, backend), w32.numel())

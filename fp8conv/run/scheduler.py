@@ -46,6 +46,7 @@ from ..rewrite.banded import BandedJob
 from ..rewrite.dequant import stored_scale
 from ..rewrite.experts import ExpertBands
 from ..rewrite.jobs import kept_scale, run_job
+from ..rewrite.pow2 import stored_exponents
 from ..source.index import CheckpointIndex
 from ..storage.direct_io import aligned_empty, round_up
 from ..storage.out_dir import OutDir
@@ -320,10 +321,14 @@ class Scheduler:
         while computing:  # every band's arithmetic, before the new scale is read
             computing.popleft().result()
         banded.add_exactness(self.totals.exactness)
-        if banded.new_scale is not None:  # after the bands, in the write thread's order
+        new_scale = banded.new_scale
+        if isinstance(banded, BandedJob) and banded.pow2:  # E8M0 bytes as the job stores them, and the report
+            new_scale = stored_exponents(new_scale, job)
+            self.totals.requant_errors[job.spec.name] = banded.report()
+        if new_scale is not None:  # after the bands, in the write thread's order
             scale_name = job.outputs[1].name
-            self._scale_writes.append(self._write_pool.submit(writer.write_tensor, scale_name, banded.new_scale))
-        return banded.new_scale
+            self._scale_writes.append(self._write_pool.submit(writer.write_tensor, scale_name, new_scale))
+        return new_scale
 
     def _band(
         self, banded: BandedJob | ExpertBands, w: Any, r0: int, out: torch.Tensor, writer: ShardWriter, slot: _OutSlot

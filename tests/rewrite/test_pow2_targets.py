@@ -18,21 +18,19 @@ from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError, PlanRefused
 from fp8conv.rewrite.pow2 import quantize_pow2
 from tests.support.helpers import load_dir, write_checkpoint
-from tests.support.reference import dequant_reference, plain_exponent, plain_pow2, same_bits, scale_values
+from tests.support.reference import (
+    dequant_reference,
+    e8m0_bytes,
+    plain_exponent,
+    plain_pow2,
+    same_bits,
+    scale_values,
+)
 
 UE8M0 = ConvertOptions(to="block", scale_fmt="ue8m0")
 UE8M0_E8M0 = ConvertOptions(to="block", scale_fmt="ue8m0", scale_dtype="e8m0")
 MXFP8 = ConvertOptions(to="mxfp8")
 MXFP8_MODELOPT = ConvertOptions(to="mxfp8", mxfp8_format="modelopt")
-
-
-def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """A power-of-two scale as its E8M0 byte b (2^(b - 127)), whether stored as the byte or as float32."""
-    if scale.dtype == torch.float32:
-        mantissa, exponent = torch.frexp(scale)
-        assert bool((mantissa == 0.5).all()), "a float32 scale that is not a power of two"
-        return (exponent - 1 + 127).to(torch.uint8)
-    return scale.view(torch.uint8)
 
 
 DEVICES = [
@@ -101,6 +99,37 @@ def test_the_search_beats_the_ceiling_where_an_outlier_dominates():
         return float(((q.double() * scale - w.double()) ** 2).sum())
 
     assert s < 2.0**e0 and sse(searched, s) < sse(ceiling, 2.0**e0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [(128, 128), (1, 32), (16, 16)])
+def test_the_search_skipped_where_the_ceiling_must_win_changes_no_block(device, block):
+    """The search is skipped where the largest value alone proves the ceiling wins (pow2.ceiling_wins);
+    the blocks are built to sit on both sides of that test: largest values just above 224 x 2^e (the
+    search may move them) and far above it, small values down in e4m3's subnormal range (the only ones a
+    lower exponent can help), saturating neighbours. Every block's answer is the full search's (the tests'
+    float64 definition)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 8 * block[0], 8 * block[1]
+    w = torch.randn(n, k, generator=gen) * 2.0 ** torch.randint(-14, 0, (n, k), generator=gen)
+    tops = 224 * (
+        1
+        + torch.rand(n // block[0], k // block[1], generator=gen)
+        * torch.tensor([0.004, 0.03, 0.9])[torch.randint(0, 3, (n // block[0], k // block[1]), generator=gen)]
+    )
+    blocks = w.view(n // block[0], block[0], k // block[1], block[1])
+    blocks[:, 0, :, 0] = tops  # each block's largest
+    # under AMAX_FLOOR (1e-4) the floor sets the ceiling: the largest value lies below 224 x 2^e, nothing
+    # clamps one exponent lower, and values subnormal at e make the lower exponent win
+    blocks[0, :, 0] = torch.randn(block[0], block[1], generator=gen) * 2.0**-30
+    blocks[0, 0, 0, 0] = 1e-5
+    blocks[1, :, 1] = 0.0  # an all-zero block: every exponent exact, the ceiling by the tie rule
+    q, exps = quantize_pow2(w, block, True, get_backend(device))
+    want_q, want_e = plain_pow2(w, block, True)
+    assert same_bits(exps, want_e) and same_bits(q, want_q)
+    ceiling = plain_pow2(w, block, False)[1]
+    assert bool((want_e != ceiling).any())  # some blocks moved by the search
+    assert int(want_e[0, 0]) < int(ceiling[0, 0]) - 1  # the floored block among them, two or more lower
 
 
 def _converted(src, out, options):
@@ -275,3 +304,40 @@ def test_scale_dtype_and_mxfp8_format_apply_where_they_mean_something():
     with pytest.raises(OptionsError, match="--mxfp8-format modelopt applies to --to mxfp8 only"):
         ConvertOptions(to="block", mxfp8_format="modelopt")
     assert "scale_dtype" not in UE8M0.to_dict() and UE8M0_E8M0.to_dict()["scale_dtype"] == "e8m0"
+
+
+@pytest.mark.parametrize("options", [UE8M0, MXFP8], ids=["ue8m0", "mxfp8"])
+@pytest.mark.parametrize("source", ["fp8", "v4-mxfp4", "half-power-of-two"])
+def test_pow2_targets_stream_in_bands_to_the_same_bytes_and_report(make_tiny, tmp_path, options, source):
+    """In bands (as every large weight streams) or whole: the same bytes, and the same error report to
+    the last digit (its sums run over fixed 128-row chunks whatever the band size), a weight whose blocks
+    are kept in some bands and requantized in others included."""
+    from fp8conv.options import RunOptions, Tuning
+
+    if source == "fp8":
+        src = make_tiny().path
+    elif source == "half-power-of-two":  # the first two block rows' scales powers of two, the rest not
+        from tests.support.helpers import fp8, fp8_block_config
+
+        scale = torch.rand(4, 3, generator=torch.Generator().manual_seed(2)) * 0.01 + 1e-3
+        scale[:2] = 2.0 ** torch.randint(-12, -6, (2, 3)).to(torch.float32)
+        tensors = {"model.layers.0.mlp.down_proj.weight": fp8((512, 384), 7)} | {
+            "model.layers.0.mlp.down_proj.weight_scale_inv": scale
+        }
+        src = write_checkpoint(tmp_path / "half", tensors, fp8_block_config())
+    else:
+        from tests.support.packed_builders import build_v4
+
+        build_v4(tmp_path / "v4")
+        src = tmp_path / "v4"
+    from tests.support.helpers import dir_snapshot
+
+    whole = fp8conv.convert(src, tmp_path / "whole", options)
+    # bands of one 128-row chunk, and of several (each computed chunk by chunk, some bands mixing kept and
+    # requantized chunks)
+    for band_elements in (3000, 125_000):
+        out = tmp_path / f"banded-{band_elements}"
+        banded = fp8conv.convert(src, out, options, run=RunOptions(tuning=Tuning(convert_band_elements=band_elements)))
+        assert dir_snapshot(tmp_path / "whole") == dir_snapshot(out), band_elements
+        assert whole.requantization == banded.requantization and banded.requantization["tensors"]
+        assert fp8conv.verify(src, out).ok
