@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .pow2 import Buffers
 from .scales import apply_global_scale, scale_to_float32
 from .scratch import scratch
 from .torch_device import TorchDeviceBackend
@@ -227,14 +228,18 @@ class CpuBackend(TorchDeviceBackend):
                 q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
                 scale_out[m, g0 : g0 + gn] = s
 
+    def _pow2_buffers(self) -> Buffers:
+        return lambda key, shape, dtype: scratch(key, shape, dtype)
+
     @staticmethod
-    def _fp8_values(q: torch.Tensor) -> torch.Tensor:
-        """e4m3 codes as float32 without torch's scalar cast (quantize_pow2_blocks' error report; its codes
-        are clamped, never NaN): the sign-extended byte shifted into a float16 worth value / 256, times 256
+    def _decode_e4m3(q: torch.Tensor, out: torch.Tensor) -> None:
+        """e4m3 codes into float32 `out` without torch's scalar cast (quantize_pow2_rows: its codes are
+        clamped, never NaN): the sign-extended byte shifted into a float16 worth value / 256, times 256
         (exact), the bits torch's cast gives."""
-        bits = q.view(torch.int8).to(torch.int16)
+        bits = scratch("pow2 bits", tuple(q.shape), torch.int16)
+        bits.copy_(q.view(torch.int8))
         bits.bitwise_left_shift_(7).bitwise_and_(CLEAR_BIT_14)
-        return bits.view(torch.float16).to(torch.float32).mul_(256.0)
+        out.copy_(bits.view(torch.float16)).mul_(256.0)
 
     def decode_4bit(
         self,

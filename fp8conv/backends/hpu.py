@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..dtypes import FP8_MAX_GAUDI2, FP8_MAX_STANDARD
+from .pow2 import REPORT_ROWS, ReportSums
 from .torch_device import TorchDeviceBackend
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class HpuBackend(TorchDeviceBackend):
         search: bool,
         q_out: torch.Tensor,
         exponents_out: torch.Tensor,
-    ) -> None:
+        report_rows: int = REPORT_ROWS,
+    ) -> list[ReportSums]:
         """On the host: the exponent search sums squared errors in float64, which the HPU does not have."""
-        TorchDeviceBackend("cpu").quantize_pow2_blocks(weight, block, search, q_out, exponents_out)
+        host = TorchDeviceBackend("cpu")
+        return host.quantize_pow2_blocks(weight, block, search, q_out, exponents_out, report_rows)

@@ -16,13 +16,19 @@ from collections.abc import Callable
 
 import torch
 
+# e4m3 codes -> float32 written into a given tensor laid out as the codes, bit for bit torch's cast (None:
+# torch's cast itself)
+Decode = Callable[[torch.Tensor, torch.Tensor], None] | None
+# quantize_pow2_rows' temporaries: (key, shape, dtype) -> a tensor the caller may overwrite until it asks
+# for the same key again
+Buffers = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+
 FP8_MAX = 448.0
 HALF_FP8_MAX = 224.0  # an e4m3 value: the largest a block one exponent lower holds unclamped
 AMAX_FLOOR = 1e-4  # DeepGEMM's: an all-zero block still gets a finite scale
 E8M0_BIAS = 127
 SEARCH_BELOW = 3  # exponents tried below the ceiling one when requantizing FP8 values
 REPORT_ROWS = 128  # the error report's row chunks (plan.bands.REPORT_ROWS says the same to the planner)
-SLICE_ELEMENTS = 1 << 22  # values quantized at once: float32 temporaries that stay in a core's cache
 FLOAT32_BIAS = 127  # float32's exponent bias (the E8M0 byte uses the same)
 FLOAT32_EXPONENT_SHIFT = 23
 
@@ -45,14 +51,24 @@ def quantize_at(blocks: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     return (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def block_squared_errors(blocks: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+def block_squared_errors(
+    blocks: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor, decode: Decode = None
+) -> torch.Tensor:
     """[G, gk] float64: sum over each block of (q * 2^e - x)^2. The difference is exact in float32 (q * 2^e
     is x rounded to a coarser grid, or clamped, or zero) and its square exact in float64; the sum runs
-    pairwise over the block's values in a fixed order of element-wise adds."""
-    diff = (q.to(torch.float32) * powers_of_two(exponents)[:, None, :, None]).sub_(blocks)
+    pairwise over the block's values in a fixed order of element-wise adds (block_sums). decode: e4m3 -> float32 into
+    a given tensor, bit for bit torch's cast (the default)."""
+    values = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    (decode or torch_decode)(q, values)
+    diff = values.mul_(powers_of_two(exponents)[:, None, :, None]).sub_(blocks)
     squares = diff.to(torch.float64)
     squares.mul_(squares)
-    return pairwise_sum(pairwise_sum_(squares, 3), 1)
+    return block_sums(squares)
+
+
+def torch_decode(q: torch.Tensor, out: torch.Tensor) -> None:
+    """e4m3 codes into float32 `out`: torch's own cast (the definition)."""
+    out.copy_(q)
 
 
 def pairwise_sum_(values: torch.Tensor, dim: int) -> torch.Tensor:
@@ -79,7 +95,7 @@ def pairwise_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
     return values.squeeze(dim)
 
 
-def choose_exponents(blocks: torch.Tensor, amax: torch.Tensor, search: bool) -> torch.Tensor:
+def choose_exponents(blocks: torch.Tensor, amax: torch.Tensor, search: bool, decode: Decode = None) -> torch.Tensor:
     """int32 [G, gk]: the ceiling exponent, or (search) the one of it and SEARCH_BELOW below it whose block
     squared error is least (the first, i.e. the largest, on a tie). The search runs only on the blocks
     ceiling_wins cannot settle, and over the ceiling and the one below it where every such block's largest
@@ -96,7 +112,7 @@ def choose_exponents(blocks: torch.Tensor, amax: torch.Tensor, search: bool) -> 
     subset = blocks.permute(0, 2, 1, 3)[g, gk].unsqueeze(2)  # [M, bn, 1, bk]: the open blocks alone
     below = 1 if bool((amax[g, gk] > HALF_FP8_MAX * powers_of_two(ceiling[g, gk])).all()) else SEARCH_BELOW
     candidates = torch.stack([ceiling[g, gk][:, None] - i for i in range(below + 1)])  # [C, M, 1]
-    errors = torch.stack([block_squared_errors(subset, quantize_at(subset, e), e) for e in candidates])
+    errors = torch.stack([block_squared_errors(subset, quantize_at(subset, e), e, decode) for e in candidates])
     best = torch.argmin(errors, dim=0)  # the first minimum: the largest exponent among equals
     chosen = ceiling.clone()
     chosen[g, gk] = torch.gather(candidates, 0, best[None])[0][:, 0]
@@ -133,48 +149,70 @@ ReportSums = tuple[float, float, int, int]
 
 
 def quantize_pow2_rows(
-    x: torch.Tensor,
-    block: tuple[int, int],
-    search: bool,
-    q_out: torch.Tensor,
-    values: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor, block: tuple[int, int], search: bool, q_out: torch.Tensor, decode: Decode, buffers: Buffers
 ) -> tuple[torch.Tensor, ReportSums]:
     """Rows x [r, K] float32 (whole block rows, or the matrix's last) quantized into q_out [r, K] e4m3 with
     power-of-two block scales (choose_exponents), and their report's sums, in one pass over the rows:
-    (E8M0 bytes [ceil(r/bn), ceil(K/bk)] uint8, ReportSums). `values`: e4m3 -> float32, bit for bit
-    torch's cast (a backend may do it faster). The rows go a slice of whole blocks at a time, a few
-    hundred KiB whose temporaries stay in cache; every block's numbers are its own, so the slices change
-    no digit.
+    (E8M0 bytes [ceil(r/bn), ceil(K/bk)] uint8, ReportSums). decode: e4m3 -> float32 into a given tensor,
+    bit for bit torch's cast (a backend may do it faster); buffers: the temporaries (a backend may reuse
+    them). x is not changed.
 
     Each block in units of its scale, y = x / 2^e (exact; at most 448 in magnitude at the ceiling, so no
     square overflows float32): per block, (value(q) - y)^2 and y^2 summed in float32 in a fixed pairwise
-    order (elementwise adds only: the same digits on every device and vector unit), then times 4^e in
-    float64 and summed pairwise over the rows' blocks. Saturated: |y| > 448, looked for only where a
-    block's exponent is below its ceiling (only there can it be). Flushed: nonzero inputs less nonzero
-    outputs (zero stays zero)."""
+    order (block_sums; elementwise adds only: the same digits on every device and vector unit), then times
+    4^e in float64 and summed pairwise over the rows' blocks. Saturated: |y| > 448, looked for (and
+    clamped) only in blocks whose largest value is (below their ceiling). Flushed: nonzero inputs less
+    nonzero outputs."""
     r, k = x.shape
     bn, bk = block
     blocks = blocks_of(x, bn, bk)
-    gr, gk = blocks.shape[0], blocks.shape[2]
-    step = max(1, SLICE_ELEMENTS // (gr * bn * bk))  # blocks per slice along K
-    exponents = torch.empty((gr, gk), dtype=torch.int32, device=x.device)
-    err2 = torch.empty((gr, gk), dtype=torch.float64, device=x.device)
-    norm2 = torch.empty_like(err2)
-    saturated = flushed = 0
-    q_rows = q_out.view(r, k)
-    for j0 in range(0, gk, step):
-        j1 = min(gk, j0 + step)
-        part = blocks[:, :, j0:j1]
-        amax = part.abs().amax(dim=(1, 3))
-        e = choose_exponents(part, amax, search)
-        y = part * powers_of_two(-e)[:, None, :, None]
-        q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        c0, c1 = j0 * bk, min(k, j1 * bk)
-        q_rows[:, c0:c1].copy_(q.view(gr * bn, -1)[:r, : c1 - c0])
-        exponents[:, j0:j1] = e
-        sat, flush = block_report(part, y, values(q), e, amax, err2[:, j0:j1], norm2[:, j0:j1])
-        saturated, flushed = saturated + sat, flushed + flush
-    return (exponents + E8M0_BIAS).to(torch.uint8), (sum64(err2), sum64(norm2), saturated, flushed)
+    shape = tuple(blocks.shape)
+    gr, gk = shape[0], shape[2]
+    aligned = blocks.data_ptr() == x.data_ptr() and q_out.is_contiguous()
+    q = q_out.view(shape) if aligned else buffers("pow2 q", shape, torch.float8_e4m3fn)
+    # max(amax, -amin): two fast reductions, no abs pass (as CpuBackend.quantize_blocks); NaN propagates
+    amax = torch.maximum(blocks.amax(dim=3).amax(dim=1), blocks.amin(dim=3).amin(dim=1).neg_())
+    exponents = choose_exponents(blocks, amax, search, decode)
+    y = torch.mul(blocks, powers_of_two(-exponents)[:, None, :, None], out=buffers("pow2 y", shape, torch.float32))
+    q.copy_(y)
+    saturated = _clamp_saturated(y, q, amax, exponents)
+    if not aligned:
+        q_out.copy_(q.view(gr * bn, gk * bk)[:r, :k])
+    report = buffers("pow2 report", (2, *shape), torch.float32)  # [y^2; (value(q) - y)^2]
+    torch.mul(y, y, out=report[0])
+    (decode or torch_decode)(q, report[1])
+    flushed = int(torch.count_nonzero(x)) - nonzero_codes(q, buffers)
+    report[1].sub_(y)
+    report[1].mul_(report[1])
+    sums = pairwise_sum(pairwise_sum_(report, 2), 3).to(torch.float64)  # [2, gr, gk]: as block_sums
+    sums.mul_(4.0 ** exponents.to(torch.float64))
+    return (exponents + E8M0_BIAS).to(torch.uint8), (sum64(sums[1]), sum64(sums[0]), saturated, flushed)
+
+
+def nonzero_codes(q: torch.Tensor, buffers: Buffers) -> int:
+    """How many e4m3 codes are not +-0 (a byte pass: counting the float32 values costs twice as much)."""
+    magnitudes = buffers("pow2 magnitudes", tuple(q.shape), torch.uint8)
+    return int(torch.count_nonzero(torch.bitwise_and(q.view(torch.uint8), 0x7F, out=magnitudes)))
+
+
+def _clamp_saturated(y: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, exponents: torch.Tensor) -> int:
+    """q [gr, bn, gk, bk] cast from y unclamped: the blocks whose largest value is over 448 in units of their
+    scale (possible only below the ceiling; a few, if any) cast again from y clamped to +-448. Returns how
+    many values saturated."""
+    over = amax * powers_of_two(-exponents) > FP8_MAX
+    if not bool(over.any()):
+        return 0
+    g, gk = torch.nonzero(over, as_tuple=True)
+    blocks = y.permute(0, 2, 1, 3)[g, gk]  # [M, bn, bk] copies: y itself stays unclamped for the report
+    saturated = int(torch.count_nonzero(blocks.abs() > FP8_MAX))
+    clamped = blocks.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    q.view(torch.uint8).permute(0, 2, 1, 3)[g, gk] = clamped
+    return saturated
+
+
+def fresh_buffers(device: torch.device | str) -> Buffers:
+    """quantize_pow2_rows' temporaries, allocated anew each time on `device`."""
+    return lambda key, shape, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
 def report_sums(
@@ -228,6 +266,6 @@ def blocks_of(rows: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
 
 
 def block_sums(values: torch.Tensor) -> torch.Tensor:
-    """[gr, bn, gk, bk] -> [gr, gk]: each block's sum, pairwise over its columns, then its rows.
-    `values` (a temporary) is overwritten."""
-    return pairwise_sum(pairwise_sum_(values, 3), 1)
+    """[gr, bn, gk, bk] -> [gr, gk]: each block's sum, pairwise over its rows (adds of whole rows of the
+    chunk: fast), then its columns. `values` (a temporary) is overwritten."""
+    return pairwise_sum(pairwise_sum_(values, 1), 2)

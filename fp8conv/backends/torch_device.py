@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .pow2 import REPORT_ROWS, ReportSums, quantize_pow2_rows
+from .pow2 import REPORT_ROWS, Buffers, Decode, ReportSums, fresh_buffers, quantize_pow2_rows
 from .scales import apply_global_scale, scale_to_float32
 
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
@@ -108,16 +108,18 @@ class TorchDeviceBackend:
                 r1 = min(n, r0 + report_rows)
                 x = weight[m, r0:r1].to(self.device, torch.float32)
                 q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=self.device)
-                exponents, chunk = quantize_pow2_rows(x, block, search, q, self._fp8_values)
+                exponents, chunk = quantize_pow2_rows(x, block, search, q, self._decode_e4m3, self._pow2_buffers())
                 q_out[m, r0:r1] = q.cpu()
                 exponents_out[m, r0 // bn : -(-r1 // bn)] = exponents.cpu()
                 sums.append(chunk)
         return sums
 
-    @staticmethod
-    def _fp8_values(q: torch.Tensor) -> torch.Tensor:
-        """e4m3 codes as float32: torch's own cast (the definition)."""
-        return q.to(torch.float32)
+    def _pow2_buffers(self) -> Buffers:
+        """quantize_pow2_rows' temporaries: fresh on this device (the CPU backend reuses its own)."""
+        return fresh_buffers(self.device)
+
+    # e4m3 -> float32 for quantize_pow2_rows: torch's own cast (the definition; the CPU backend's is faster)
+    _decode_e4m3: Decode = None
 
     def decode_4bit(
         self,

@@ -15,7 +15,7 @@ from ..output.requant_report import TensorError, exact
 from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
-from .pow2 import ReportPart, pow2_band, tensor_error_of
+from .pow2 import ReportPart, kept_exponents, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
 
@@ -55,6 +55,12 @@ class BandedJob:
         self.out_size = ELEMENT_BYTES[job.spec.dtype]
         # pow2: rows dequantized and requantized at once, whole report chunks and input and output blocks
         self.pow2_chunk_rows = math.lcm(REPORT_ROWS, self.in_block[0], self.out_block[0])
+        # pow2 from FP8: per output block, the input's exponent and whether it keeps its bytes (the input's
+        # scale a power of two); None where none can, or output blocks straddle input blocks
+        self._kept = None
+        if self.pow2 and not packed and job.fmt.row_scales is None:
+            kept = kept_exponents(self.grid[None], job.fmt, (1, n, k), self.out_block)
+            self._kept = kept if kept is not None and bool(kept[1].any()) else None
         if self.pow2:  # E8M0 bytes, stored as the job says once every band is in (pow2.stored_exponents)
             self.new_scale = torch.full(job.outputs[1].shape, E8M0_BIAS, dtype=torch.uint8)
         else:
@@ -100,18 +106,19 @@ class BandedJob:
         for c0 in range(0, rows, step):
             c1 = min(rows, c0 + step)
             values = w32[:, : c1 - c0]
+            o0, o1 = (r0 + c0) // self.out_block[0], -(-(r0 + c1) // self.out_block[0])
             if self._decode is not None:
                 self._decode(w[:, c0:c1], r0 + c0, values)
-                weight, grid = None, None
+                weight, kept_blocks = None, None
             else:
                 b0, b1 = (r0 + c0) // self.in_block[0], -(-(r0 + c1) // self.in_block[0])
-                weight, grid = fp8[:, c0:c1], self.grid[b0:b1][None]
-                self.backend.dequantize_blocks(weight, grid, self.in_block, values)
+                weight = fp8[:, c0:c1]
+                self.backend.dequantize_blocks(weight, self.grid[b0:b1][None], self.in_block, values)
+                kept_blocks = None if self._kept is None else (self._kept[0][:, o0:o1], self._kept[1][:, o0:o1])
             q, exponents, chunk_parts, chunk_kept = pow2_band(
-                values, weight, grid, self.job.fmt, self.out_block, self.backend
+                values, weight, kept_blocks, True, self.out_block, self.backend
             )
             band[:, c0:c1].copy_(q)
-            o0 = (r0 + c0) // self.out_block[0]
             self.new_scale.view(-1, self.new_scale.shape[-1])[o0 : o0 + exponents.shape[-2]] = exponents[0]
             kept, parts = kept and chunk_kept, parts + chunk_parts
         self.kept[r0] = kept  # (bands are computed side by side: one key each, never a shared flag)

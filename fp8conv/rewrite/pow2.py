@@ -87,26 +87,21 @@ def _pow2_tensors(
 def pow2_band(
     w32: torch.Tensor,
     weight: torch.Tensor | None,
-    grid: torch.Tensor | None,
-    fmt: WeightFormat | None,
+    kept: tuple[torch.Tensor, torch.Tensor] | None,
+    search: bool,
     block: tuple[int, int],
     backend: Backend,
 ) -> tuple[torch.Tensor, torch.Tensor, list[ReportPart], bool]:
-    """One band of whole output block rows, starting at a multiple of REPORT_ROWS: (q, E8M0 bytes, the
-    report's parts) from its float32 values w32 [1, rows, K]. `weight` and `grid` (an FP8 input's band
-    bytes and its scale grid rows [1, gn, gk], fmt its format): output blocks inside one input block whose
-    scale is a power of two keep the input's bytes and exponent, as the whole tensor's would (the last
-    value: every block of the band kept). Whether each block's exponent is searched (FP8 or packed
-    inputs) or the ceiling (float inputs) follows fmt."""
-    search = fmt is not None
-    kept = None
-    if weight is not None and grid is not None and fmt is not None and fmt.row_scales is None:
-        kept = kept_exponents(grid, fmt, tuple(weight.shape), block)
-    if kept is not None and bool(kept[1].all()):  # every block stays: no arithmetic; its parts (all error 0)
-        # count for the tensor's norm, unless every band of the tensor is kept (then the tensor is exact)
+    """Rows of whole output blocks, starting at a multiple of REPORT_ROWS: (q, E8M0 bytes, the report's
+    parts) from their float32 values w32 [1, rows, K]. `weight` and `kept` (an FP8 input's bytes of those
+    rows, and kept_exponents' answer for their output blocks): blocks whose input scale is a power of two
+    keep the input's bytes and exponent, as the whole tensor's would (the last value: every block kept).
+    search: each block's exponent searched (FP8 or packed inputs), or the ceiling (float inputs)."""
+    if weight is not None and kept is not None and bool(kept[1].all()):  # every block stays: no arithmetic;
+        # its parts (all error 0) count for the tensor's norm, unless every band of the tensor is kept
         return weight, kept[0], report_parts(w32, weight, kept[0], block, backend), True
     q, exponents, parts = quantize_pow2_reported(w32, block, search, backend)
-    if kept is not None and bool(kept[1].any()):  # some blocks took the input's bytes: the report as written
+    if weight is not None and kept is not None and bool(kept[1].any()):  # the report as written
         q, exponents = _with_kept_blocks(q, exponents, weight, kept, block)
         parts = report_parts(w32, q, exponents, block, backend)
     return q, exponents, parts, False
