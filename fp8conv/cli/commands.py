@@ -435,28 +435,6 @@ def _set_threads(threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    _keep_freed_memory()
-
-
-# glibc's mallopt parameters: its defaults hand a freed temporary of a few MiB back to the kernel (munmap, or a
-# trim of the heap's top) and fault its pages in again on the next band: a third of an E8M0 run went to the
-# kernel. Temporaries up to MMAP_THRESHOLD come from the heap, which keeps up to TRIM_THRESHOLD free.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed on 64-bit
-TRIM_THRESHOLD = 64 << 20
-
-
-def _keep_freed_memory() -> None:
-    """The process is the CLI's: under glibc, keep the arithmetic's freed temporaries for reuse (elsewhere
-    nothing to do: other allocators differ, and the run is right either way)."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
 def _echo_warnings(warnings: list[str], files_skipped: list[tuple[str, str]], verb: str) -> None:
