@@ -123,6 +123,9 @@ def convert_summary(result: ConvertResult) -> str:
         f"{result.tensors_copied} copied"
     )
     written = f"{gib(result.bytes_written)} written in {result.seconds:.1f} s ({rate:.0f} MiB/s)"
+    total = result.packed_blocks_total
+    if total and result.packed_blocks_exact == total:  # (some lost: a warning says how many)
+        written += f"; all {total} blocks requantized from 4-bit values or power-of-two scales exact"
     if result.part is None:
         return f"wrote {result.output}: {work}, {len(result.files_copied)} other file(s) copied, {written}"
     i, n = result.part

@@ -15,6 +15,7 @@ from ..output.requant_report import TensorError, exact
 from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
+from .exact_pow2 import prefer_exact_pow2, scales_are_powers_of_two
 from .pow2 import ReportPart, kept_exponents, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
@@ -44,8 +45,12 @@ class BandedJob:
         packed = job.fmt.kind in PACKED
         decodes = packed and not self.quantize  # to bf16, or to float32 for pow2_band
         self._decode = band_decoder(job.fmt, scale, global_scale, backend) if decodes else None
+        # a block target from power-of-two scales: blocks a power of two holds exactly take it (exact_pow2)
+        self._exact_pow2 = self.quantize and job.out_block is not None and scales_are_powers_of_two(scale, global_scale)
         self._requant = (
-            band_quantizer(job.fmt, scale, global_scale, backend, self.out_block, fp8_max, chunk_elements)
+            band_quantizer(
+                job.fmt, scale, global_scale, backend, self.out_block, fp8_max, chunk_elements, self._exact_pow2
+            )
             if packed and self.quantize
             else None
         )
@@ -92,6 +97,10 @@ class BandedJob:
             self.backend.requantize_blocks(
                 fp8, self.grid[g0:g1][None], self.in_block, ob, self.fp8_max, band, band_scale
             )
+            if self._exact_pow2:  # the band's values again, to find the blocks a power of two holds exactly
+                w32 = torch.empty(band.shape, dtype=torch.float32)
+                self.backend.dequantize_blocks(fp8, self.grid[g0:g1][None], self.in_block, w32)
+                self.counts.append(prefer_exact_pow2(w32, band, band_scale, ob, self.backend))
         self.new_scale.view(-1, self.new_scale.shape[-1])[o0:o1] = band_scale[0]  # rows of its own
 
     def _pow2(self, w: torch.Tensor, fp8: torch.Tensor, r0: int, g0: int, g1: int, band: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from ..model.classify import PACKED
 from ..plan.conversion import Action, Job
 from .chunks import in_chunks, plain_rows
 from .dequant import dequantize, scale_grid, stored_scale
+from .exact_pow2 import exact_pow2_applies, prefer_exact_pow2
 from .pad import pad_to
 from .pow2 import run_pow2_job
 from .quant import quantize, requantize
@@ -45,16 +46,7 @@ def run_job(
     if job.fmt is not None and job.fmt.kind in PACKED:
         if job.action is Action.DEQUANTIZE:
             return [dequantized_output(read, job.fmt, backend, torch_dtype(job.spec.dtype))]
-        w32 = unpack_to_float32(read, job.fmt, backend)
-        q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
-        if exactness is not None:
-            block = job.out_block or (1, job.spec.shape[-1])
-            n, k = w32.shape[-2:]  # --pad-for-tp added zeros (exact) after the blocks that hold values
-            grid = (-(-n // block[0]), -(-k // block[1]))
-            exact, total = block_exactness(w32, q[..., :n, :k], scale[..., : grid[0], : grid[1]], block, backend)
-            exactness[0] += exact
-            exactness[1] += total
-        return [q, scale]
+        return _packed_to_fp8(job, read, backend, fp8_max, exactness)
     if job.action is Action.DEQUANTIZE:
         assert job.fmt is not None and job.fmt.scale is not None
         out_dtype = torch_dtype(job.spec.dtype)
@@ -73,14 +65,40 @@ def run_job(
     if job.fmt is not None:
         assert job.fmt.scale is not None
         weight = read(job.source)
-        if tuple(weight.shape) == job.spec.shape and job.out_chunks == 1:  # dequantize and quantize in one go
+        exact_pow2 = exact_pow2_applies(job, read)
+        if tuple(weight.shape) == job.spec.shape and job.out_chunks == 1 and not exact_pow2:  # in one go
             return list(requantize(weight, stored_scale(read, job.fmt), job.fmt, job.out_block, fp8_max, backend))
         w32 = dequantize(weight, stored_scale(read, job.fmt), job.fmt, torch.float32, backend)
     else:
-        w32 = read(job.source).to(torch.float32)
-    w32 = pad_to(w32, job.spec.shape, parts=job.pad_parts)
-    q, scale = quantize(in_chunks(w32, job.out_chunks), job.out_block, fp8_max, backend)
+        w32, exact_pow2 = read(job.source).to(torch.float32), False
+    w32 = in_chunks(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_chunks)
+    q, scale = quantize(w32, job.out_block, fp8_max, backend)
+    if exact_pow2 and job.out_block is not None:  # power-of-two-scaled FP8 in another block geometry
+        exact, total = prefer_exact_pow2(w32, q, scale, job.out_block, backend)
+        if exactness is not None:
+            exactness[0] += exact
+            exactness[1] += total
     return [q.reshape(job.spec.shape), scale.reshape(job.outputs[1].shape)]
+
+
+def _packed_to_fp8(
+    job: Job, read: Reader, backend: Backend, fp8_max: float, exactness: list[int] | None
+) -> list[torch.Tensor]:
+    """A packed 4-bit weight quantized to FP8 whole, its exact output blocks (rows) counted into exactness."""
+    assert job.fmt is not None
+    w32 = unpack_to_float32(read, job.fmt, backend)
+    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
+    block = job.out_block or (1, job.spec.shape[-1])
+    n, k = w32.shape[-2:]  # --pad-for-tp added zeros (exact) after the blocks that hold values
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    if exact_pow2_applies(job, read):  # blocks a power of two holds exactly take it
+        exact, total = prefer_exact_pow2(w32, q, scale, block, backend)
+    else:
+        exact, total = block_exactness(w32, q[..., :n, :k], scale[..., : grid[0], : grid[1]], block, backend)
+    if exactness is not None:
+        exactness[0] += exact
+        exactness[1] += total
+    return [q, scale]
 
 
 def kept_scale(scale: torch.Tensor, job: Job, shape: tuple[int, ...], read: Reader | None = None) -> torch.Tensor:

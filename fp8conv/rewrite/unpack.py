@@ -17,6 +17,7 @@ from ..backends import Backend
 from ..backends.scales import scale_to_float32
 from ..backends.scratch import scratch
 from ..model.classify import Kind, WeightFormat
+from .exact_pow2 import prefer_exact_pow2
 
 # E2M1 code c: (-1)^(c >> 3) * [0, 0.5, 1, 1.5, 2, 3, 4, 6][c & 7]; INT4 (compressed-tensors): c - 8
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -85,13 +86,15 @@ def band_quantizer(
     out_block: tuple[int, int],
     fp8_max: float,
     chunk_elements: int,
+    exact_pow2: bool = False,
 ) -> Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], tuple[int, int]]:
     """For a 2-D packed weight quantized to FP8 band by band (bands of whole output blocks), decoded
     ~chunk_elements float32 values (whole output blocks) at a time (Tuning.packed_chunk_elements):
     quantize(codes, r0, q, scale) writes those rows' FP8 values into q ([1, rows, K]) and their output
     blocks' scales into scale ([1, block rows, K blocks]), as quantize(unpack_to_float32(...)) does, and
     returns (exact, total) output blocks as block_exactness counts them. The float32 values exist a
-    few blocks at a time, never a band."""
+    few blocks at a time, never a band. exact_pow2: blocks a power of two holds exactly take it
+    (exact_pow2.prefer_exact_pow2; a block target from power-of-two scales)."""
     assert fmt.shape is not None
     k = fmt.shape[1]
     decode = band_decoder(fmt, stored_scale, global_scale, backend)
@@ -106,9 +109,11 @@ def band_quantizer(
             decode(codes[:, c0:c1], r0 + c0, w32)
             q_part, s_part = q[:, c0:c1], scale[:, c0 // bn : -(-c1 // bn)]
             backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part)
-            e, t = block_exactness(
-                w32, q_part, s_part, out_block, backend, scratch("packed back", tuple(w32.shape), torch.float32)
-            )
+            if exact_pow2:  # blocks a power of two holds exactly take it (rewrite.exact_pow2)
+                e, t = prefer_exact_pow2(w32, q_part, s_part, out_block, backend)
+            else:
+                back = scratch("packed back", tuple(w32.shape), torch.float32)
+                e, t = block_exactness(w32, q_part, s_part, out_block, backend, back)
             exact, total = exact + e, total + t
         return exact, total
 

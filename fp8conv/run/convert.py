@@ -195,14 +195,20 @@ def _execute(
 
 
 def _exactness_warning(plan: ConversionPlan, exactness: tuple[int, int]) -> list[str]:
-    """Packed 4-bit weights requantized to FP8: how many output blocks (rows) kept every 4-bit value."""
+    """Packed 4-bit weights, or FP8 under power-of-two scales in another block geometry, requantized to FP8:
+    how many output blocks (rows) kept every value, when some did not."""
     exact, total = exactness
     if not total:
         return []
     unit = "rows" if plan.options.to == "channel" else f"{_out_block_text(plan)} blocks"
+    head = f"weights requantized to FP8 from 4-bit values or power-of-two scales: {exact} of {total} {unit} exact"
+    if exact == total:  # nothing lost: the summary line says so (cli.render.convert_summary)
+        return []
+    if plan.options.to == "channel":
+        return [f"{head}, {total - exact} lost bits (their amax / 448 scales put values between FP8 steps)"]
     return [
-        f"packed 4-bit weights requantized to FP8: {exact} of {total} {unit} exact, {total - exact} lost bits "
-        "(their amax / 448 scales put 4-bit values between FP8 steps)"
+        f"{head}, {total - exact} lost bits: no power of two holds every value of those blocks (amax / 448 "
+        "scales there); the others have power-of-two scales"
     ]
 
 

@@ -37,7 +37,7 @@ from tests.support.packing import (
     random_codes,
     random_e8m0,
 )
-from tests.support.reference import dequant_block_reference, quantize_reference, same_bits
+from tests.support.reference import dequant_block_reference, quantize_exact_reference, quantize_reference, same_bits
 
 
 def test_v4_tensors_are_classified_by_dtype_companion_and_config(tmp_path):
@@ -81,7 +81,9 @@ def test_v4_to_fp8_requantizes_experts_and_counts_exact_blocks(tmp_path, to):
     _, truth = build_v4(tmp_path / "c", scale_low=100)
     result = fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to=to), run=RunOptions(verify_after=True))
     assert result.verified is not None and result.verified.ok, result.verified
-    assert any(f"{result.packed_blocks_exact} of {result.packed_blocks_total}" in w for w in result.warnings)
+    lost = result.packed_blocks_exact < result.packed_blocks_total  # a warning says how many, only then
+    said = any(f"{result.packed_blocks_exact} of {result.packed_blocks_total}" in w for w in result.warnings)
+    assert said == lost
     got = load_dir(tmp_path / "out")
     suffix = ".scale" if to == "block" else ".weight_scale"  # V4 keeps its own scale name for block FP8
     exact = total = 0
@@ -89,7 +91,10 @@ def test_v4_to_fp8_requantizes_experts_and_counts_exact_blocks(tmp_path, to):
         base = name.removesuffix(".weight")
         w32 = value.to(torch.float32)
         if ".ffn.experts." in name:
-            q_ref, s_ref = quantize_reference(w32, (128, 128) if to == "block" else None)
+            if to == "block":  # E8M0 scales: power-of-two block scales wherever one holds every value
+                q_ref, s_ref, _ = quantize_exact_reference(w32, (128, 128))
+            else:
+                q_ref, s_ref = quantize_reference(w32, None)
             assert same_bits(got[name], q_ref) and same_bits(
                 got[base + suffix], s_ref.reshape(got[base + suffix].shape)
             ), name
@@ -101,13 +106,17 @@ def test_v4_to_fp8_requantizes_experts_and_counts_exact_blocks(tmp_path, to):
                     total += 1
                     exact += bool(torch.equal(back[r : r + bn, c : c + bk], w32[r : r + bn, c : c + bk]))
     assert (result.packed_blocks_exact, result.packed_blocks_total) == (exact, total)
-    # amax / 448 scales put most E2M1 values between FP8 steps: only the all-zero block (rows) is exact
-    assert 0 < exact < total
+    if to == "channel":  # amax / 448 row scales put most E2M1 values between FP8 steps: the all-zero rows
+        assert 0 < exact < total
+    else:  # every 128x128 block of these experts (group exponents within 12 of each other) under 2^e
+        assert exact == total
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["expert_dtype"] == "fp8"
     if to == "block":
         assert config["quantization_config"]["weight_block_size"] == [128, 128]
-        assert "scale_fmt" not in config["quantization_config"]  # the new scales are amax / 448
+        # every output scale a power of two (the experts' exact blocks, the linears' kept E8M0): the input's
+        # scale_fmt ue8m0 stays true, and stays
+        assert config["quantization_config"]["scale_fmt"] == "ue8m0"
         # the FP8 linears keep their bytes; their e8m0 scales widen to float32 under the same name
         assert got["layers.0.attn.wq_a.scale"].dtype == torch.float32
         assert not [n for n in got if n.endswith("weight_scale_inv")]
@@ -474,7 +483,10 @@ def test_cli_inspect_and_convert_name_the_packed_formats(tmp_path):
     assert "--to bf16 ~" in result.stdout and "problems:      none" in result.stdout
     result = runner.invoke(main, ["convert", str(tmp_path / "c"), "--to", "block", "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-    assert "128x128 blocks exact" in result.stderr and "lost bits" in result.stderr
+    # V4's experts hold every value under power-of-two block scales: no warning, the summary says so
+    assert not result.stderr and "all 9 blocks requantized from 4-bit values or power-of-two scales exact" in (
+        result.stdout
+    )
     result = runner.invoke(
         main, ["convert", str(tmp_path / "c"), "--to", "block", "--pad-for-tp", "8", "-o", str(tmp_path / "tp")]
     )

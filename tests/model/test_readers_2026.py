@@ -35,6 +35,7 @@ from tests.support.readers_2026 import (
     modelopt_mxfp8_llama,
     mxfp4,
     mxfp8,
+    scaled_by_powers_of_two,
     write_release,
 )
 from tests.support.reference import quantize_reference, same_bits
@@ -73,7 +74,7 @@ def test_release_layout_converts_to_every_target_as_its_definition_says(tmp_path
                 out[name + "_scale_inv"], rel.tensors[name + "_scale_inv"]
             )
         else:
-            expected_weight(value, to, out, name)
+            expected_weight(value, to, out, name, scaled_by_powers_of_two(rel.tensors, name))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     method = {"bf16": None, "channel": "compressed-tensors", "block": "fp8"}[to]
     assert (config.get("quantization_config") or {}).get("quant_method") == method

@@ -27,7 +27,7 @@ from tests.support.packing import (
     random_e4m3_scales,
     random_e8m0,
 )
-from tests.support.reference import quantize_reference, same_bits
+from tests.support.reference import quantize_exact_reference, quantize_reference, same_bits
 
 MX_GROUP = 32
 HIDDEN, INTER = 64, 96  # K and N of every projection: whole 32-groups, not whole 128-blocks
@@ -305,16 +305,32 @@ def write_release(path: Path, rel: Release, shards: int = 2) -> Path:
     return path
 
 
-def expected_weight(value: torch.Tensor, to: str, out: dict[str, torch.Tensor], name: str) -> None:
+def scaled_by_powers_of_two(tensors: dict[str, torch.Tensor], name: str) -> bool:
+    """Whether every stored scale of weight `name` (E8M0 bytes, or floats) is a power of two."""
+    base = name.removesuffix("weight")
+    scales = [t for n, t in tensors.items() if n.startswith(base) and n != name and "scale" in n and "input" not in n]
+    return bool(scales) and all(
+        t.dtype in (torch.uint8, torch.float8_e8m0fnu) or bool((torch.frexp(t.float().abs())[0] == 0.5).all())
+        for t in scales
+    )
+
+
+def expected_weight(
+    value: torch.Tensor, to: str, out: dict[str, torch.Tensor], name: str, pow2_scaled: bool = False
+) -> None:
     """Assert `out` holds weight `name` as `to` must write it, from its float64 value: bf16 one rounding of
-    the float32 product; channel / block a fresh quantization of that product (tests/support/reference.py)."""
+    the float32 product; channel / block a fresh quantization of that product (tests/support/reference.py),
+    block from power-of-two scales (pow2_scaled) with a power of two wherever one gives every value back."""
     w32 = value.to(torch.float32)
     if to == "bf16":
         assert same_bits(out[name], w32.to(torch.bfloat16)), name
         return
     block, suffix = (None, "_scale") if to == "channel" else ((128, 128), "_scale_inv")
     flat = w32.reshape(-1, *w32.shape[-2:])
-    pairs = [quantize_reference(m, block) for m in flat]
+    if block and pow2_scaled:
+        pairs = [quantize_exact_reference(m, block)[:2] for m in flat]
+    else:
+        pairs = [quantize_reference(m, block) for m in flat]
     q = torch.stack([p[0] for p in pairs]).reshape(w32.shape)
     s = torch.stack([p[1] for p in pairs])
     s = s.reshape(*w32.shape[:-2], *s.shape[-2:])

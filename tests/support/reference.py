@@ -74,6 +74,31 @@ def quantize_reference(
     return q.reshape(gn * bn, gk * bk)[:n, :k], scale
 
 
+def quantize_exact_reference(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """--to block from values a power of two may hold: per block, quantize_reference's amax / 448 block,
+    unless the ceiling power of two (plain_exponent) gives back every value (float64 arithmetic) and the
+    amax / 448 block is not already exact under a power-of-two scale; then that one. (q, scale, exact
+    blocks)."""
+    q, scale = quantize_reference(w, block)
+    n, k = w.shape
+    bn, bk = block
+    q, scale = q.clone(), scale.clone()
+    exact = 0
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * bn, min(n, (i + 1) * bn)), slice(j * bk, min(k, (j + 1) * bk))
+            x = w[rows, cols].double()
+            s = float(scale[i, j])
+            amax_exact = bool((q[rows, cols].double() * s == x).all())
+            e = plain_exponent(float(x.abs().max()))
+            qp = (x / 2.0**e).float().to(torch.float8_e4m3fn)
+            pow2_exact = bool((qp.double() * 2.0**e == x).all())
+            if pow2_exact and not (amax_exact and math.frexp(s)[0] == 0.5):
+                q[rows, cols], scale[i, j] = qp, 2.0**e
+            exact += pow2_exact or amax_exact
+    return q, scale, exact
+
+
 def within_fp8_bound(deq: torch.Tensor, ref: torch.Tensor, amax: torch.Tensor) -> bool:
     """|dequant(out) - ref| <= 2^-4 |ref| + amax * 2^-9 (amax broadcast per row or per element)."""
     return bool(((deq - ref).abs() <= ref.abs() * 2**-4 + amax * 2**-9).all())
