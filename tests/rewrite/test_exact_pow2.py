@@ -107,3 +107,11 @@ def test_per_tensor_fp8_under_a_power_of_two_goes_into_blocks_exactly(make_tiny,
         blocks += exact
     assert result.packed_blocks_exact == result.packed_blocks_total == blocks > 0
     assert fp8conv.verify(tiny.path, tmp_path / "out").ok
+    # in bands of 128 rows (the FP8 band path): the same files and count
+    from fp8conv.options import RunOptions, Tuning
+    from tests.support.helpers import dir_snapshot
+
+    small = RunOptions(tuning=Tuning(convert_band_elements=3000))
+    banded = fp8conv.convert(tiny.path, tmp_path / "bands", fp8conv.ConvertOptions(to="block"), run=small)
+    assert dir_snapshot(tmp_path / "bands") == dir_snapshot(tmp_path / "out")
+    assert (banded.packed_blocks_exact, banded.packed_blocks_total) == (blocks, blocks)
