@@ -178,15 +178,14 @@ def quantize_pow2_rows(
     saturated = _clamp_saturated(y, q, amax, exponents)
     if not aligned:
         q_out.copy_(q.view(gr * bn, gk * bk)[:r, :k])
-    report = buffers("pow2 report", (2, *shape), torch.float32)  # [y^2; (value(q) - y)^2]
-    torch.mul(y, y, out=report[0])
-    (decode or torch_decode)(q, report[1])
+    errors = buffers("pow2 errors", shape, torch.float32)  # value(q), then (value(q) - y)^2
+    (decode or torch_decode)(q, errors)
     flushed = int(torch.count_nonzero(x)) - nonzero_codes(q, buffers)
-    report[1].sub_(y)
-    report[1].mul_(report[1])
-    sums = pairwise_sum(pairwise_sum_(report, 2), 3).to(torch.float64)  # [2, gr, gk]: as block_sums
-    sums.mul_(4.0 ** exponents.to(torch.float64))
-    return (exponents + E8M0_BIAS).to(torch.uint8), (sum64(sums[1]), sum64(sums[0]), saturated, flushed)
+    errors.sub_(y)
+    squares = 4.0 ** exponents.to(torch.float64)
+    err2 = block_sums(errors.mul_(errors)).to(torch.float64).mul_(squares)
+    norm2 = block_sums(y.mul_(y)).to(torch.float64).mul_(squares)  # y is done with: its squares in place
+    return (exponents + E8M0_BIAS).to(torch.uint8), (sum64(err2), sum64(norm2), saturated, flushed)
 
 
 def nonzero_codes(q: torch.Tensor, buffers: Buffers) -> int:

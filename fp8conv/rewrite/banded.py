@@ -9,6 +9,7 @@ import torch
 
 from ..backends import Backend
 from ..backends.pow2 import E8M0_BIAS
+from ..backends.scratch import scratch
 from ..dtypes import ELEMENT_BYTES, torch_dtype
 from ..model.classify import PACKED
 from ..output.requant_report import TensorError, exact
@@ -110,7 +111,7 @@ class BandedJob:
         their rows of the new scale, the report's parts kept by first row."""
         rows, k = band.shape[1], band.shape[2]
         step = min(rows, self.pow2_chunk_rows)
-        w32 = torch.empty((1, step, k), dtype=torch.float32)
+        w32 = scratch("pow2 w32", (1, step, k), torch.float32)  # this thread's, reused band after band
         kept, parts = True, []
         for c0 in range(0, rows, step):
             c1 = min(rows, c0 + step)
