@@ -230,6 +230,20 @@ def test_quark_converts_exactly_to_every_target(quark, tmp_path, to):
     assert fp8conv.verify(src, tmp_path / "out").ok
 
 
+@pytest.mark.parametrize("options", [{"to": "block", "scale_fmt": "ue8m0"}, {"to": "mxfp8"}])
+def test_quark_to_the_power_of_two_targets(quark, tmp_path, options):
+    """Quark's mix to the E8M0 targets: every quantized weight requantized and reported, verify passes, and
+    the MXFP4 layer (E2M1 under E8M0 per 1x32) comes back exactly as MXFP8 (its groups' own exponents)."""
+    src, truth = quark
+    result = fp8conv.convert(src, tmp_path / "out", fp8conv.ConvertOptions(**options), run=fp8conv.RunOptions())
+    reported = result.requantization["tensors"]
+    assert set(reported) == set(truth)
+    if options["to"] == "mxfp8":
+        mxfp4 = [n for n in truth if n.startswith("model.layers.1.") and "o_proj" not in n and "down_proj" not in n]
+        assert mxfp4 and all(reported[n]["relative_frobenius"] == 0 for n in mxfp4)
+    assert fp8conv.verify(src, tmp_path / "out").ok
+
+
 def test_quark_per_layer_block_sizes_and_the_nested_form(tmp_path):
     """A layer_quant_config entry with a block size of its own reads that layer's grid in it; the sections
     under `quant_config` (transformers' QuarkConfig written back) read the same."""
