@@ -160,9 +160,9 @@ def quantize_pow2_rows(
     Each block in units of its scale, y = x / 2^e (exact; at most 448 in magnitude at the ceiling, so no
     square overflows float32): per block, (value(q) - y)^2 and y^2 summed in float32 in a fixed pairwise
     order (block_sums; elementwise adds only: the same digits on every device and vector unit), then times
-    4^e in float64 and summed pairwise over the rows' blocks. Saturated: |y| > 448, looked for (and
-    clamped) only in blocks whose largest value is (below their ceiling). Flushed: nonzero inputs less
-    nonzero outputs."""
+    4^e in float64 and summed pairwise over the rows' blocks (chunk_report). Saturated: |y| > 448, looked
+    for (and clamped) only in blocks whose largest value is over 448 there (below their ceiling). Flushed:
+    nonzero inputs less nonzero outputs."""
     r, k = x.shape
     bn, bk = block
     blocks = blocks_of(x, bn, bk)
@@ -178,14 +178,29 @@ def quantize_pow2_rows(
     saturated = _clamp_saturated(y, q, amax, exponents)
     if not aligned:
         q_out.copy_(q.view(gr * bn, gk * bk)[:r, :k])
-    errors = buffers("pow2 errors", shape, torch.float32)  # value(q), then (value(q) - y)^2
+    return (exponents + E8M0_BIAS).to(torch.uint8), chunk_report(blocks, y, q, exponents, saturated, decode, buffers)
+
+
+def chunk_report(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    q: torch.Tensor,
+    exponents: torch.Tensor,
+    saturated: int,
+    decode: Decode,
+    buffers: Buffers,
+) -> ReportSums:
+    """The report's sums of one chunk as written (quantize_pow2_rows' definition): x its values' blocks
+    [gr, bn, gk, bk] (zero padding counts nothing), y = x / 2^e laid out as x (overwritten: its squares), q
+    the written codes laid out as x, exponents [gr, gk], saturated as the caller counted it."""
+    errors = buffers("pow2 errors", tuple(y.shape), torch.float32)  # value(q), then (value(q) - y)^2
     (decode or torch_decode)(q, errors)
     flushed = int(torch.count_nonzero(x)) - nonzero_codes(q, buffers)
     errors.sub_(y)
     squares = 4.0 ** exponents.to(torch.float64)
     err2 = block_sums(errors.mul_(errors)).to(torch.float64).mul_(squares)
     norm2 = block_sums(y.mul_(y)).to(torch.float64).mul_(squares)  # y is done with: its squares in place
-    return (exponents + E8M0_BIAS).to(torch.uint8), (sum64(err2), sum64(norm2), saturated, flushed)
+    return (sum64(err2), sum64(norm2), saturated, flushed)
 
 
 def nonzero_codes(q: torch.Tensor, buffers: Buffers) -> int:
@@ -194,57 +209,35 @@ def nonzero_codes(q: torch.Tensor, buffers: Buffers) -> int:
     return int(torch.count_nonzero(torch.bitwise_and(q.view(torch.uint8), 0x7F, out=magnitudes)))
 
 
-def _clamp_saturated(y: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, exponents: torch.Tensor) -> int:
-    """q [gr, bn, gk, bk] cast from y unclamped: the blocks whose largest value is over 448 in units of their
-    scale (possible only below the ceiling; a few, if any) cast again from y clamped to +-448. Returns how
-    many values saturated."""
+def _blocks_over_range(amax: torch.Tensor, exponents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(block rows, block columns) of the blocks whose largest value is over 448 in units of their scale
+    (possible only below the ceiling; a few, if any), or None."""
     over = amax * powers_of_two(-exponents) > FP8_MAX
-    if not bool(over.any()):
+    return torch.nonzero(over, as_tuple=True) if bool(over.any()) else None
+
+
+def _clamp_saturated(y: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, exponents: torch.Tensor) -> int:
+    """q [gr, bn, gk, bk] cast from y unclamped: the blocks over 448 cast again from y clamped to +-448.
+    Returns how many values saturated."""
+    over = _blocks_over_range(amax, exponents)
+    if over is None:
         return 0
-    g, gk = torch.nonzero(over, as_tuple=True)
-    blocks = y.permute(0, 2, 1, 3)[g, gk]  # [M, bn, bk] copies: y itself stays unclamped for the report
+    blocks = y.permute(0, 2, 1, 3)[over]  # [M, bn, bk] copies: y itself stays unclamped for the report
     saturated = int(torch.count_nonzero(blocks.abs() > FP8_MAX))
     clamped = blocks.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    q.view(torch.uint8).permute(0, 2, 1, 3)[g, gk] = clamped
+    q.view(torch.uint8).permute(0, 2, 1, 3)[over] = clamped
     return saturated
+
+
+def saturated_values(y: torch.Tensor, amax: torch.Tensor, exponents: torch.Tensor) -> int:
+    """How many values of blocks y [gr, bn, gk, bk] (in units of their scales) are over 448."""
+    over = _blocks_over_range(amax, exponents)
+    return 0 if over is None else int(torch.count_nonzero(y.permute(0, 2, 1, 3)[over].abs() > FP8_MAX))
 
 
 def fresh_buffers(device: torch.device | str) -> Buffers:
     """quantize_pow2_rows' temporaries, allocated anew each time on `device`."""
     return lambda key, shape, dtype: torch.empty(shape, dtype=dtype, device=device)
-
-
-def report_sums(
-    x: torch.Tensor, y: torch.Tensor, qf: torch.Tensor, exponents: torch.Tensor, amax: torch.Tensor
-) -> ReportSums:
-    """One chunk's report (quantize_pow2_rows), from written codes: x its blocks [gr, bn, gk, bk]; y those
-    blocks in units of their scales; qf the codes as float32, laid out as y; exponents, amax [gr, gk]."""
-    err2 = torch.empty(exponents.shape, dtype=torch.float64, device=x.device)
-    norm2 = torch.empty_like(err2)
-    saturated, flushed = block_report(x, y, qf, exponents, amax, err2, norm2)
-    return (sum64(err2), sum64(norm2), saturated, flushed)
-
-
-def block_report(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    qf: torch.Tensor,
-    exponents: torch.Tensor,
-    amax: torch.Tensor,
-    err2_out: torch.Tensor,
-    norm2_out: torch.Tensor,
-) -> tuple[int, int]:
-    """Per block, its squared error and squared values (float64, times 4^e) into err2_out and norm2_out
-    [gr, gk]; returns (saturated, flushed) values. x: blocks [gr, bn, gk, bk]; y, qf laid out as x. qf is
-    overwritten."""
-    squares = 4.0 ** exponents.to(torch.float64)
-    norm2_out.copy_(block_sums(y * y)).mul_(squares)
-    flushed = int(torch.count_nonzero(x)) - int(torch.count_nonzero(qf))
-    diff = qf.sub_(y)
-    err2_out.copy_(block_sums(diff.mul_(diff))).mul_(squares)
-    scaled_max = float((amax * powers_of_two(-exponents)).max()) if amax.numel() else 0.0
-    saturated = int(torch.count_nonzero(y.abs() > FP8_MAX)) if scaled_max > FP8_MAX else 0
-    return saturated, flushed
 
 
 def sum64(values: torch.Tensor) -> float:

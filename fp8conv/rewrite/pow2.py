@@ -17,7 +17,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..backends import Backend
-from ..backends.pow2 import E8M0_BIAS, blocks_of, powers_of_two, report_sums, sum64
+from ..backends.pow2 import (
+    E8M0_BIAS,
+    Decode,
+    blocks_of,
+    chunk_report,
+    fresh_buffers,
+    powers_of_two,
+    saturated_values,
+    sum64,
+)
 from ..dtypes import torch_dtype
 from ..model.classify import CONVERTIBLE, PACKED, WeightFormat
 from ..output.requant_report import TensorError, exact
@@ -193,24 +202,36 @@ def report_parts(
     w32: torch.Tensor, q: torch.Tensor, exponents: torch.Tensor, block: tuple[int, int], backend: Backend
 ) -> list[ReportPart]:
     """The report's parts of written q and exponents (where some blocks took the input's bytes after the
-    backend quantized: pow2.report_sums over each REPORT_ROWS-row chunk of each matrix, as the backend
-    sums them). w32, q: [..., n, K]; exponents: the E8M0 bytes [..., ceil(n/bn), ceil(K/bk)]."""
+    backend quantized): pow2.chunk_report over each REPORT_ROWS-row chunk of each matrix, as the backend
+    sums them. w32, q: [..., n, K]; exponents: the E8M0 bytes [..., ceil(n/bn), ceil(K/bk)]."""
     n, k = w32.shape[-2], w32.shape[-1]
     x3, q3 = w32.reshape(-1, n, k), q.reshape(-1, n, k)
     e3 = exponents.reshape(x3.shape[0], -1, exponents.shape[-1]).view(torch.uint8)
     bn, bk = block
+    buffers, decode = fresh_buffers(w32.device), _unit_scale_decoder(backend)
     parts = []
     for m in range(x3.shape[0]):
         for r0 in range(0, n, REPORT_ROWS):
             r1 = min(n, r0 + REPORT_ROWS)
             e = e3[m, r0 // bn : -(-r1 // bn)].to(torch.int32) - E8M0_BIAS
             blocks = blocks_of(x3[m, r0:r1], bn, bk)
-            y = blocks * torch.pow(2.0, -e.to(torch.float32))[:, None, :, None]
-            qf = torch.empty(q3[m, r0:r1].shape, dtype=torch.float32)
-            backend.dequantize_blocks(q3[m, r0:r1][None], torch.ones(1, 1, 1), (r1 - r0, k), qf[None])
-            amax = blocks.abs().amax(dim=(1, 3))
-            parts.append(ReportPart(*report_sums(blocks, y, blocks_of(qf, bn, bk), e, amax)))
+            y = blocks * powers_of_two(-e)[:, None, :, None]
+            amax = torch.maximum(blocks.amax(dim=3).amax(dim=1), blocks.amin(dim=3).amin(dim=1).neg_())
+            codes = blocks_of(q3[m, r0:r1], bn, bk)
+            sums = chunk_report(blocks, y, codes, e, saturated_values(y, amax, e), decode, buffers)
+            parts.append(ReportPart(*sums))
     return parts
+
+
+def _unit_scale_decoder(backend: Backend) -> Decode:
+    """e4m3 codes [gr, bn, gk, bk] into float32 laid out alike: the backend's dequantization under a unit
+    scale (torch's cast's bits, at the backend's speed)."""
+
+    def decode(codes: torch.Tensor, out: torch.Tensor) -> None:
+        rows = codes.reshape(1, -1, codes.shape[2] * codes.shape[3])
+        backend.dequantize_blocks(rows, torch.ones(1, 1, 1), (rows.shape[1], rows.shape[2]), out.view(rows.shape))
+
+    return decode
 
 
 def tensor_error_of(parts: list[ReportPart], elements: int) -> TensorError:
