@@ -67,13 +67,13 @@ class Backend(Protocol):
         search: bool,
         q_out: torch.Tensor,
         exponents_out: torch.Tensor,
-        report_rows: int = ...,
+        report_rows: int,
     ) -> list[tuple[float, float, int, int]]:
         """Quantize float32 weight [M, N, K] to float8_e4m3fn blocks whose scales are powers of two
         (fp8conv.backends.pow2 defines the exponent: the ceiling one, or with `search` the least squared
         error of it and a few below). exponents_out: [M, ceil(N/bn), ceil(K/bk)] uint8 E8M0 bytes. Returns
         the error report's sums of each `report_rows`-row chunk of each matrix, in order
-        (pow2.quantize_pow2_rows)."""
+        (pow2.quantize_pow2_rows; the planner's bands are whole chunks: plan.bands.REPORT_ROWS)."""
         ...
 
     def decode_4bit(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..dtypes import FP8_MAX_GAUDI2, FP8_MAX_STANDARD
-from .pow2 import REPORT_ROWS, ReportSums
+from .pow2 import ReportSums
 from .torch_device import TorchDeviceBackend
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class HpuBackend(TorchDeviceBackend):
         search: bool,
         q_out: torch.Tensor,
         exponents_out: torch.Tensor,
-        report_rows: int = REPORT_ROWS,
+        report_rows: int,
     ) -> list[ReportSums]:
         """On the host: the exponent search sums squared errors in float64, which the HPU does not have."""
         host = TorchDeviceBackend("cpu")

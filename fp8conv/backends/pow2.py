@@ -28,7 +28,6 @@ HALF_FP8_MAX = 224.0  # an e4m3 value: the largest a block one exponent lower ho
 AMAX_FLOOR = 1e-4  # DeepGEMM's: an all-zero block still gets a finite scale
 E8M0_BIAS = 127
 SEARCH_BELOW = 3  # exponents tried below the ceiling one when requantizing FP8 values
-REPORT_ROWS = 128  # the error report's row chunks (plan.bands.REPORT_ROWS says the same to the planner)
 FLOAT32_BIAS = 127  # float32's exponent bias (the E8M0 byte uses the same)
 FLOAT32_EXPONENT_SHIFT = 23
 

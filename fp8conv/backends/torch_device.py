@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .pow2 import REPORT_ROWS, Buffers, Decode, ReportSums, fresh_buffers, quantize_pow2_rows
+from .pow2 import Buffers, Decode, ReportSums, fresh_buffers, quantize_pow2_rows
 from .scales import apply_global_scale, scale_to_float32
 
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
@@ -98,7 +98,7 @@ class TorchDeviceBackend:
         search: bool,
         q_out: torch.Tensor,
         exponents_out: torch.Tensor,
-        report_rows: int = REPORT_ROWS,
+        report_rows: int,
     ) -> list[ReportSums]:
         bn = block[0]
         m_count, n, _ = weight.shape
