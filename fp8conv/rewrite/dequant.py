@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ..backends import Backend
+from ..backends.pow2 import Decode
 from ..backends.scales import scale_to_float32
 from ..model.classify import WeightFormat
 
@@ -51,3 +52,14 @@ def dequantize(
             out.view(-1, n, k),
         )
     return out
+
+
+def unit_scale_decoder(backend: Backend) -> Decode:
+    """e4m3 codes [gr, bn, gk, bk] into float32 laid out alike: the backend's dequantization under a unit
+    scale (torch's cast's bits, at the backend's speed)."""
+
+    def decode(codes: torch.Tensor, out: torch.Tensor) -> None:
+        rows = codes.reshape(1, -1, codes.shape[2] * codes.shape[3])
+        backend.dequantize_blocks(rows, torch.ones(1, 1, 1), (rows.shape[1], rows.shape[2]), out.view(rows.shape))
+
+    return decode

@@ -18,6 +18,7 @@ import torch
 from ..backends import Backend
 from ..backends.pow2 import blocks_of, ceil_exponents, powers_of_two
 from ..plan.conversion import Action, Job
+from .dequant import unit_scale_decoder
 
 CHUNK_ELEMENTS = 1 << 20  # values checked at once: a few MiB of float32 temporaries
 
@@ -81,10 +82,10 @@ def _exact_chunk(
     exponents = ceil_exponents(amax)
     y = blocks * powers_of_two(-exponents)[:, None, :, None]  # exact, at most 448: no clamp
     codes = y.to(torch.float8_e4m3fn)
-    pow2_exact = _blocks_equal(_decoded(codes.view(gr * bn, gk * bk), backend).view(y.shape), y)
-    back = torch.empty((r, k), dtype=torch.float32)
-    backend.dequantize_blocks(q[None], scale[None].to(torch.float32), block, back[None])
-    amax_exact = _blocks_equal(blocks_of(back, bn, bk), blocks)
+    decoded = torch.empty(y.shape, dtype=torch.float32)
+    unit_scale_decoder(backend)(codes, decoded)
+    pow2_exact = ~(decoded != y).any(dim=3).any(dim=1)
+    amax_exact = exact_blocks(x, q, scale, block, backend)[0]
     mantissa, _ = torch.frexp(scale)
     kept = amax_exact & (mantissa.abs() == 0.5)  # already exact under a power of two (an all-zero block's 1.0)
     take = pow2_exact & ~kept
@@ -96,13 +97,24 @@ def _exact_chunk(
     return int((pow2_exact | amax_exact).sum())
 
 
-def _decoded(codes: torch.Tensor, backend: Backend) -> torch.Tensor:
-    """[R, C] e4m3 codes as float32 (the backend's dequantization under a unit scale: torch's cast's bits)."""
-    out = torch.empty(codes.shape, dtype=torch.float32)
-    backend.dequantize_blocks(codes[None], torch.ones(1, 1, 1), tuple(codes.shape), out[None])
-    return out
-
-
-def _blocks_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[gr, gk] bool: blocks [gr, bn, gk, bk] equal value for value."""
-    return ~(a != b).any(dim=3).any(dim=1)
+def exact_blocks(
+    w32: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    backend: Backend,
+    back_buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """bool [M, gn, gk]: the output blocks in which float32(q) * scale gives back every value of w32
+    [..., n, K] (q likewise, scale [..., gn, gk]). back_buffer: float32 like w32, overwritten (else a fresh
+    one)."""
+    n, k = w32.shape[-2], w32.shape[-1]
+    bn, bk = block
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    shape = (math.prod(w32.shape[:-2]), n, k)
+    back = torch.empty(shape, dtype=torch.float32) if back_buffer is None else back_buffer.view(shape)
+    backend.dequantize_blocks(q.reshape(back.shape), scale.reshape(-1, gn, gk).to(torch.float32), block, back)
+    differs = back.ne_(w32.reshape(back.shape))  # in place: 1.0 where a value did not come back
+    if n % bn or k % bk:  # zero-pad to whole blocks: padding never differs
+        differs = torch.nn.functional.pad(differs, (0, gk * bk - k, 0, gn * bn - n))
+    return differs.view(-1, gn, bn, gk, bk).amax(dim=(2, 4)) == 0

@@ -19,7 +19,6 @@ import torch
 from ..backends import Backend
 from ..backends.pow2 import (
     E8M0_BIAS,
-    Decode,
     blocks_of,
     chunk_report,
     fresh_buffers,
@@ -33,7 +32,7 @@ from ..output.requant_report import TensorError, exact
 from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Job
 from .chunks import in_chunks, in_chunks_shape, per_chunk_grid
-from .dequant import dequantize, scale_grid, stored_scale
+from .dequant import dequantize, scale_grid, stored_scale, unit_scale_decoder
 from .pad import pad_to
 from .unpack import unpack_to_float32
 
@@ -208,7 +207,7 @@ def report_parts(
     x3, q3 = w32.reshape(-1, n, k), q.reshape(-1, n, k)
     e3 = exponents.reshape(x3.shape[0], -1, exponents.shape[-1]).view(torch.uint8)
     bn, bk = block
-    buffers, decode = fresh_buffers(w32.device), _unit_scale_decoder(backend)
+    buffers, decode = fresh_buffers(w32.device), unit_scale_decoder(backend)
     parts = []
     for m in range(x3.shape[0]):
         for r0 in range(0, n, REPORT_ROWS):
@@ -221,17 +220,6 @@ def report_parts(
             sums = chunk_report(blocks, y, codes, e, saturated_values(y, amax, e), decode, buffers)
             parts.append(ReportPart(*sums))
     return parts
-
-
-def _unit_scale_decoder(backend: Backend) -> Decode:
-    """e4m3 codes [gr, bn, gk, bk] into float32 laid out alike: the backend's dequantization under a unit
-    scale (torch's cast's bits, at the backend's speed)."""
-
-    def decode(codes: torch.Tensor, out: torch.Tensor) -> None:
-        rows = codes.reshape(1, -1, codes.shape[2] * codes.shape[3])
-        backend.dequantize_blocks(rows, torch.ones(1, 1, 1), (rows.shape[1], rows.shape[2]), out.view(rows.shape))
-
-    return decode
 
 
 def tensor_error_of(parts: list[ReportPart], elements: int) -> TensorError:

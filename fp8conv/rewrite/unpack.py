@@ -17,7 +17,7 @@ from ..backends import Backend
 from ..backends.scales import scale_to_float32
 from ..backends.scratch import scratch
 from ..model.classify import Kind, WeightFormat
-from .exact_pow2 import prefer_exact_pow2
+from .exact_pow2 import exact_blocks, prefer_exact_pow2
 
 # E2M1 code c: (-1)^(c >> 3) * [0, 0.5, 1, 1.5, 2, 3, 4, 6][c & 7]; INT4 (compressed-tensors): c - 8
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -152,17 +152,7 @@ def block_exactness(
     backend: Backend,
     back_buffer: torch.Tensor | None = None,
 ) -> tuple[int, int]:
-    """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value.
-    back_buffer: float32 like w32, overwritten (else a fresh one)."""
-    n, k = w32.shape[-2], w32.shape[-1]
-    bn, bk = block
-    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
-    shape = (math.prod(w32.shape[:-2]), n, k)
-    back = torch.empty(shape, dtype=torch.float32) if back_buffer is None else back_buffer.view(shape)
-    backend.dequantize_blocks(q.reshape(back.shape), scale.reshape(-1, gn, gk), block, back)
-    differs = back.ne_(w32.reshape(back.shape))  # in place: 1.0 where a value did not come back
-    if n % bn or k % bk:  # zero-pad to whole blocks: padding never differs
-        differs = torch.nn.functional.pad(differs, (0, gk * bk - k, 0, gn * bn - n))
-    per_block = differs.view(-1, gn, bn, gk, bk).amax(dim=(2, 4))
-    total = per_block.numel()
-    return total - int(per_block.count_nonzero()), total
+    """(exact, total) output blocks: a block is exact when float32(q) * scale gives back every value
+    (exact_pow2.exact_blocks). back_buffer: float32 like w32, overwritten (else a fresh one)."""
+    exact = exact_blocks(w32, q, scale, block, backend, back_buffer)
+    return int(exact.sum()), exact.numel()
