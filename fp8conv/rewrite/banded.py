@@ -99,7 +99,7 @@ class BandedJob:
                 fp8, self.grid[g0:g1][None], self.in_block, ob, self.fp8_max, band, band_scale
             )
             if self._exact_pow2:  # the band's values again, to find the blocks a power of two holds exactly
-                w32 = torch.empty(band.shape, dtype=torch.float32)
+                w32 = scratch("exact w32", tuple(band.shape), torch.float32)  # reused band after band
                 self.backend.dequantize_blocks(fp8, self.grid[g0:g1][None], self.in_block, w32)
                 self.counts.append(prefer_exact_pow2(w32, band, band_scale, ob, self.backend))
         self.new_scale.view(-1, self.new_scale.shape[-1])[o0:o1] = band_scale[0]  # rows of its own
