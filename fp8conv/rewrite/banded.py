@@ -16,7 +16,7 @@ from ..output.requant_report import TensorError, exact
 from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
-from .exact_pow2 import prefer_exact_pow2, scales_are_powers_of_two
+from .exact_pow2 import exact_pow2_for, prefer_exact_pow2
 from .pow2 import ReportPart, kept_exponents, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
@@ -47,7 +47,7 @@ class BandedJob:
         decodes = packed and not self.quantize  # to bf16, or to float32 for pow2_band
         self._decode = band_decoder(job.fmt, scale, global_scale, backend) if decodes else None
         # a block target from power-of-two scales: blocks a power of two holds exactly take it (exact_pow2)
-        self._exact_pow2 = self.quantize and job.out_block is not None and scales_are_powers_of_two(scale, global_scale)
+        self._exact_pow2 = exact_pow2_for(job, scale, global_scale)
         self._requant = (
             band_quantizer(
                 job.fmt, scale, global_scale, backend, self.out_block, fp8_max, chunk_elements, self._exact_pow2

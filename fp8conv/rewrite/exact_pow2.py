@@ -24,12 +24,22 @@ CHUNK_ELEMENTS = 1 << 20  # values checked at once: a few MiB of float32 tempora
 
 
 def exact_pow2_applies(job: Job, read: Callable[[str], torch.Tensor]) -> bool:
-    """A requantization to FP8 blocks (not rows: --to channel keeps amax / 448) from an FP8 or packed weight
-    whose stored scales are all powers of two."""
+    """exact_pow2_for, with the job's stored scales read by name."""
     fmt = job.fmt
-    if job.action is not Action.QUANTIZE or job.out_block is None or fmt is None or fmt.scale is None:
+    if fmt is None or fmt.scale is None:
         return False
-    return scales_are_powers_of_two(read(fmt.scale), read(fmt.global_scale) if fmt.global_scale else None)
+    return exact_pow2_for(job, read(fmt.scale), read(fmt.global_scale) if fmt.global_scale else None)
+
+
+def exact_pow2_for(job: Job, scale: torch.Tensor, global_scale: torch.Tensor | None) -> bool:
+    """A requantization to FP8 blocks (not rows: --to channel keeps amax / 448) from an FP8 or packed weight
+    whose stored scales (`scale`, and `global_scale` if any) are all powers of two."""
+    return (
+        job.action is Action.QUANTIZE
+        and job.out_block is not None
+        and job.fmt is not None
+        and scales_are_powers_of_two(scale, global_scale)
+    )
 
 
 def scales_are_powers_of_two(scale: torch.Tensor, global_scale: torch.Tensor | None = None) -> bool:
