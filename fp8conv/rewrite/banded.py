@@ -125,9 +125,7 @@ class BandedJob:
                 weight = fp8[:, c0:c1]
                 self.backend.dequantize_blocks(weight, self.grid[b0:b1][None], self.in_block, values)
                 kept_blocks = None if self._kept is None else (self._kept[0][:, o0:o1], self._kept[1][:, o0:o1])
-            q, exponents, chunk_parts, chunk_kept = pow2_band(
-                values, weight, kept_blocks, True, self.out_block, self.backend
-            )
+            q, exponents, chunk_parts, chunk_kept = pow2_band(values, weight, kept_blocks, self.out_block, self.backend)
             band[:, c0:c1].copy_(q)
             self.new_scale.view(-1, self.new_scale.shape[-1])[o0 : o0 + exponents.shape[-2]] = exponents[0]
             kept, parts = kept and chunk_kept, parts + chunk_parts

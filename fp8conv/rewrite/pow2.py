@@ -96,7 +96,6 @@ def pow2_band(
     w32: torch.Tensor,
     weight: torch.Tensor | None,
     kept: tuple[torch.Tensor, torch.Tensor] | None,
-    search: bool,
     block: tuple[int, int],
     backend: Backend,
 ) -> tuple[torch.Tensor, torch.Tensor, list[ReportPart], bool]:
@@ -104,11 +103,11 @@ def pow2_band(
     parts) from their float32 values w32 [1, rows, K]. `weight` and `kept` (an FP8 input's bytes of those
     rows, and kept_exponents' answer for their output blocks): blocks whose input scale is a power of two
     keep the input's bytes and exponent, as the whole tensor's would (the last value: every block kept).
-    search: each block's exponent searched (FP8 or packed inputs), or the ceiling (float inputs)."""
+    Only FP8 and packed weights stream in bands: each block's exponent is searched."""
     if weight is not None and kept is not None and bool(kept[1].all()):  # every block stays: no arithmetic;
         # its parts (all error 0) count for the tensor's norm, unless every band of the tensor is kept
         return weight, kept[0], report_parts(w32, weight, kept[0], block, backend), True
-    q, exponents, parts = quantize_pow2_reported(w32, block, search, backend)
+    q, exponents, parts = quantize_pow2_reported(w32, block, True, backend)
     if weight is not None and kept is not None and bool(kept[1].any()):  # the report as written
         q, exponents = _with_kept_blocks(q, exponents, weight, kept, block)
         parts = report_parts(w32, q, exponents, block, backend)
