@@ -12,6 +12,7 @@ import torch
 import fp8conv
 from fp8conv.errors import PlanRefused
 from tests.support.helpers import load_dir
+from tests.support.readers_2026 import scaled_by_powers_of_two
 from tests.support.reference import quantize_exact_reference, quantize_reference, same_bits
 from tests.support.releases_late_2026 import INKLING_FP8, build_inkling_fp8
 
@@ -210,12 +211,8 @@ def test_quark_converts_exactly_to_every_target(quark, tmp_path, to):
         if to == "block" and kept:  # block FP8 in the input's own blocks: its bytes kept
             assert same_bits(out[name], stored[name]), name
             continue
-        stored_scale = stored.get(name + "_scale")
-        pow2_scaled = stored_scale is not None and (
-            stored_scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
-            or bool((torch.frexp(stored_scale.float().abs())[0] == 0.5).all())
-        )
-        if to == "block" and pow2_scaled:  # MXFP8 / MXFP4 layers: power-of-two blocks wherever one is exact
+        if to == "block" and scaled_by_powers_of_two(stored, name):  # MXFP8 / MXFP4 layers: power-of-two
+            # blocks wherever one is exact
             q, scale, _ = quantize_exact_reference(value, (128, 128))
         else:
             q, scale = quantize_reference(value, None if to == "channel" else (128, 128))
