@@ -1,0 +1,226 @@
+"""The exact float32 value of every logical tensor of a checkpoint, read in row bands.
+
+A checkpoint's logical tensors are what its classification names: each quantized weight (decoded with its
+scales exactly as fp8conv decodes an input) and each plain tensor. The audit reads both the source and
+the other tool's output through this one module, so the two sides are decoded by the same definitions.
+Every reader works on the tensor as [M, N, K] (M: the product of leading dimensions) and returns rows
+[r0, r1) of matrix m; only layouts that cannot be read by rows (packed 4-bit, scale rows in another unit,
+pre-sharded chunks) are decoded whole, once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ...backends.scales import scale_to_float32
+from ...backends.torch_device import TorchDeviceBackend
+from ...dtypes import FP8_E4M3, torch_dtype
+from ...model.classify import CONVERTIBLE, PACKED, Classification, Kind, WeightFormat
+from ...rewrite.dequant import dequantize, scale_grid, stored_scale
+from ...rewrite.unpack import unpack_to_float32
+from ...source.index import CheckpointIndex
+from ...storage.safetensors_file import TensorEntry, as_writable_memoryview, pread_into, read_tensor, tensor_buffer
+
+REFERENCE = TorchDeviceBackend("cpu")  # the reference arithmetic: one float32 product, bit for bit
+FLOAT_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Band:
+    """Rows of one matrix: their values, the per-element scale an FP8 value was stored at (None for a
+    float tensor) and the stored elements' bits (None when decoded from several tensors)."""
+
+    values: torch.Tensor  # float32 [rows, K]
+    scale: torch.Tensor | None = None
+    bits: torch.Tensor | None = None
+
+
+class Files:
+    """Open file descriptors of one checkpoint's shards, closed together."""
+
+    def __init__(self, index: CheckpointIndex):
+        self.index = index
+        self._fds: dict[str, int] = {}
+
+    def fd(self, name: str) -> tuple[int, TensorEntry, str]:
+        shard = self.index.shard_of(name).name
+        if shard not in self._fds:
+            self._fds[shard] = os.open(self.index.root / shard, os.O_RDONLY)
+        return self._fds[shard], self.index.entry(name), shard
+
+    def whole(self, name: str) -> torch.Tensor:
+        return read_tensor(*self.fd(name))
+
+    def rows(self, name: str, first: int, count: int, row_elements: int) -> torch.Tensor:
+        """`count` rows of `row_elements` elements from row `first` of the tensor flattened to 2-D."""
+        fd, entry, shard = self.fd(name)
+        dtype = torch_dtype(entry.dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = tensor_buffer(count * row_elements * size)
+        pread_into(fd, as_writable_memoryview(raw), entry.start + first * row_elements * size, entry, shard)
+        return raw.view(dtype).reshape(count, row_elements)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+@dataclass
+class Values:
+    """One logical tensor: its name, logical shape, how it is stored, and a reader of its rows."""
+
+    name: str
+    shape: tuple[int, ...]
+    stored: str  # e.g. "bfloat16", "float8_e4m3fn block (128, 128), float32 scales"
+    row_unit: int  # bands start at multiples of this many rows
+    read: Callable[[int, int, int], Band]  # (matrix m, r0, r1) -> rows [r0, r1) of matrix m
+    fp8: bool = False  # values are FP8 codes times a scale
+    unreadable: str | None = None  # why an engine cannot read it as stored (then `read` gives raw codes)
+    fmt: WeightFormat | None = field(default=None, repr=False)
+
+    @property
+    def matrices(self) -> int:
+        return math.prod(self.shape[:-2]) if len(self.shape) >= 2 else 1
+
+    @property
+    def rows(self) -> int:
+        return matrix_shape(self.shape)[0]
+
+    @property
+    def cols(self) -> int:
+        return matrix_shape(self.shape)[1]
+
+    @property
+    def float_dtype(self) -> torch.dtype | None:
+        """The float dtype the values are stored in (None: FP8 at a scale, or decoded from codes)."""
+        return FLOAT_NAMES.get(self.stored)
+
+
+def logical_values(index: CheckpointIndex, classification: Classification, files: Files) -> dict[str, Values]:
+    """Every logical tensor of a classified checkpoint by the name it plays (a packed weight by the name
+    it unpacks to), refused weights included as `unreadable` raw codes."""
+    found: dict[str, Values] = {}
+    for name in classification.plain:
+        found[name] = plain_values(name, index.entry(name), files)
+    for fmt in classification.weights.values():
+        values = weight_values(fmt, index, files)
+        found[values.name] = values
+    return found
+
+
+def plain_values(name: str, entry: TensorEntry, files: Files) -> Values:
+    """A tensor read as stored (a vector or a scalar as one row); FP8 bytes without a scale are unreadable."""
+    n, k = matrix_shape(entry.shape)
+    unreadable = (
+        "float8 codes with no scale: an engine reads the codes as the values" if entry.dtype == FP8_E4M3 else None
+    )
+
+    def read(m: int, r0: int, r1: int) -> Band:
+        raw = files.rows(name, m * n + r0, r1 - r0, k)
+        return Band(raw.to(torch.float32), None, raw)
+
+    stored = str(torch_dtype(entry.dtype)).removeprefix("torch.")
+    return Values(name, tuple(entry.shape), stored, 1, read, False, unreadable)
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(N, K) of a tensor read as [M, N, K]: a vector is one row, a scalar one element."""
+    if len(shape) >= 2:
+        return shape[-2], shape[-1]
+    return 1, (shape[0] if shape else 1)
+
+
+def weight_values(fmt: WeightFormat, index: CheckpointIndex, files: Files) -> Values:
+    entry = index.entry(fmt.weight)
+    name = fmt.out_name or fmt.weight
+    if fmt.kind is Kind.UNQUANTIZED:  # a float weight beside a stray scale: the scale is structure's finding
+        return plain_values(fmt.weight, entry, files)
+    if fmt.kind in (Kind.UNVERIFIED, Kind.UNSUPPORTED) or fmt.scale is None:
+        values = plain_values(fmt.weight, entry, files)
+        values.name, values.fmt = name, fmt
+        values.unreadable = f"{fmt.kind}: {fmt.reason}" if fmt.reason else str(fmt.kind)
+        return values
+    if fmt.kind in CONVERTIBLE and fmt.row_scales is None and fmt.chunked is None and len(entry.shape) >= 2:
+        return scaled_fp8_values(fmt, entry, index, files)
+    return whole_values(fmt, entry, files)
+
+
+def describe(fmt: WeightFormat, scale_entry: TensorEntry | None) -> str:
+    scale = f", {torch_dtype(scale_entry.dtype)} scales".replace("torch.", "") if scale_entry else ""
+    block = f" {tuple(fmt.block)}" if fmt.block and fmt.kind in (Kind.BLOCK, Kind.MXFP8) else ""
+    return f"float8_e4m3fn {fmt.kind}{block}{scale}"
+
+
+ScaleDecode = Callable[[torch.Tensor], torch.Tensor]
+
+
+def scaled_fp8_values(
+    fmt: WeightFormat,
+    entry: TensorEntry,
+    index: CheckpointIndex,
+    files: Files,
+    *,
+    block: tuple[int, int] | None = None,
+    decode_scale: ScaleDecode = scale_to_float32,
+) -> Values:
+    """Block, channel, per-tensor or MXFP8 FP8, rows decoded with their scale rows. `block` and
+    `decode_scale` replace the checkpoint's own reading (the audit's hypotheses of what went wrong)."""
+    assert fmt.scale is not None
+    shape = entry.shape
+    n, k = shape[-2], shape[-1]
+    m_count = math.prod(shape[:-2])
+    bn, bk = block or fmt.math_block(shape)
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    scale_entry = index.entry(fmt.scale)
+    by_rows = scale_entry.numel == m_count * gn * gk and scale_entry.numel > m_count
+    whole_scale: list[torch.Tensor] = []
+
+    def grid(m: int, r0: int, r1: int) -> torch.Tensor:
+        g0, g1 = r0 // bn, math.ceil(r1 / bn)
+        if by_rows:
+            return decode_scale(files.rows(fmt.scale, m * gn + g0, g1 - g0, gk)).reshape(1, g1 - g0, gk)
+        if not whole_scale:
+            stored = decode_scale(files.whole(fmt.scale))
+            whole_scale.append(scale_grid(stored.reshape(-1), fmt, shape).reshape(m_count, gn, gk))
+        return whole_scale[0][m : m + 1, g0:g1]
+
+    def read(m: int, r0: int, r1: int) -> Band:
+        codes = files.rows(fmt.weight, m * n + r0, r1 - r0, k)
+        scales = grid(m, r0, r1)
+        out = torch.empty((1, r1 - r0, k), dtype=torch.float32)
+        REFERENCE.dequantize_blocks(codes.reshape(1, r1 - r0, k), scales, (bn, bk), out)
+        per_element = scales[0].repeat_interleave(bn, 0)[: r1 - r0].repeat_interleave(bk, 1)[:, :k]
+        return Band(out[0], per_element, codes)
+
+    return Values(fmt.out_name or fmt.weight, shape, describe(fmt, scale_entry), bn, read, True, fmt=fmt)
+
+
+def whole_values(fmt: WeightFormat, entry: TensorEntry, files: Files) -> Values:
+    """A layout read whole (packed 4-bit, scale rows in another unit, chunked rows): decoded once, when
+    first read, and kept while the tensor is judged."""
+    cache: list[torch.Tensor] = []
+    packed = fmt.kind in PACKED
+    shape = fmt.shape if packed and fmt.shape is not None else entry.shape
+    n, k = shape[-2], shape[-1]
+
+    def decoded() -> torch.Tensor:
+        if not cache:
+            if packed:
+                cache.append(unpack_to_float32(files.whole, fmt, REFERENCE).reshape(-1, k))
+            else:
+                weight = files.whole(fmt.weight)
+                scale = stored_scale(files.whole, fmt)
+                cache.append(dequantize(weight, scale, fmt, torch.float32, REFERENCE).reshape(-1, k))
+        return cache[0]
+
+    def read(m: int, r0: int, r1: int) -> Band:
+        return Band(decoded()[m * n + r0 : m * n + r1])
+
+    scale_entry = files.index.entry(fmt.scale) if fmt.scale else None
+    return Values(fmt.out_name or fmt.weight, shape, describe(fmt, scale_entry), n, read, False, fmt=fmt)
