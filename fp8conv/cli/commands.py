@@ -10,11 +10,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from ..backends import DEVICES
+from ..check.audit.provenance import rewritten_shards
+from ..check.audit.structure import CLAIMS
 from ..check.inspect_report import inspect
 from ..dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
 from ..errors import DEBUG_ENV, Fp8ConvError, OptionsError, PlanRefused
@@ -32,9 +35,10 @@ from ..options import (
     options_from,
 )
 from ..output.finish import finalize, parse_part
+from ..output.manifest import MANIFEST
 from ..output.requant_report import summary_line
 from ..run import warm_start
-from .render import convert_summary, render_plan, render_report
+from .render import convert_summary, render_audit, render_plan, render_report
 from .workers import WORKER_COMMAND, bind_to_parent, run_workers
 
 if TYPE_CHECKING:
@@ -513,8 +517,38 @@ def finalize_command(output: str) -> None:
     show_default=True,
     help="Fraction of tensors whose numbers are checked (the structure is always checked whole).",
 )
-def verify_command(checkpoint: str, output: str, sample: float) -> None:
-    """Check OUTPUT against CHECKPOINT, with the options recorded in OUTPUT/.fp8conv/manifest.json."""
+@click.option(
+    "--to",
+    "claimed",
+    type=click.Choice(sorted(CLAIMS)),
+    default=None,
+    help="What OUTPUT should be (another tool's output; else read from its config and tensors).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: every tensor's verdict.")
+def verify_command(checkpoint: str, output: str, sample: float, claimed: str | None, as_json: bool) -> None:
+    """Check OUTPUT against CHECKPOINT: fp8conv's own output with the options in its manifest, or any other
+    tool's output tensor by tensor against the exact values of CHECKPOINT."""
     from ..check.verify import verify
 
-    _report_verify(verify(checkpoint, output, sample=sample))
+    rewritten = rewritten_shards(output)
+    if claimed is None and (Path(output) / MANIFEST).is_file() and not rewritten:
+        result = verify(checkpoint, output, sample=sample)
+        if as_json:
+            click.echo(json.dumps(asdict(result), indent=2))
+            sys.exit(0 if result.ok else 1)
+        _report_verify(result)
+        return
+    from ..check.audit.audit import audit
+
+    report = audit(checkpoint, output, to=claimed, sample=sample)
+    if rewritten:
+        report.notes.append(
+            f"{MANIFEST} is fp8conv's, but {len(rewritten)} shard(s) it records have other sizes now "
+            f"({rewritten[0]}...): another tool rewrote a copy, so it was audited as that tool's output"
+        )
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=2))
+    else:
+        click.echo(render_audit(report))
+    if not report.ok:
+        sys.exit(1)

@@ -9,6 +9,7 @@ from ..check.inspect_report import InspectReport
 from ..options import DEFAULT_BLOCK
 
 if TYPE_CHECKING:
+    from ..check.audit.audit import AuditResult
     from ..run.convert import ConvertResult
     from ..run.dry_run import PlanSummary
 
@@ -131,3 +132,19 @@ def convert_summary(result: ConvertResult) -> str:
     i, n = result.part
     state = "all parts done, finalized" if result.finalized else "other parts unfinished; the last to finish finalizes"
     return f"wrote part {i}/{n} of {result.output}: {work}, {written}; {state}"
+
+
+LISTED = 20  # missing / extra tensors printed by name; the rest counted (--json lists them all)
+
+
+def render_audit(report: AuditResult) -> str:
+    """verify of another tool's output: each tensor that is not right, what is missing or extra, the
+    findings, then the summary line (--json has every tensor's verdict)."""
+    lines = [tensor.line() for tensor in report.tensors if not tensor.ok]
+    for what, names in (("missing", report.missing), ("extra", report.extra)):
+        lines += [f"{what:<11} {name}" for name in names[:LISTED]]
+        if len(names) > LISTED:
+            lines.append(f"{what:<11} ... and {len(names) - LISTED} more")
+    lines += [f"finding     {finding}" for finding in report.findings]
+    lines += [f"note        {note}" for note in report.notes]
+    return "\n".join([*lines, report.summary()])
