@@ -706,11 +706,12 @@ def _write_shards(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def build_family(name: str, folder: Path) -> FamilyFixture:
-    """Build family `name` in `folder` (created; must not exist or be empty)."""
+def build_family(name: str, folder: Path, spec: Spec | None = None) -> FamilyFixture:
+    """Build family `name` (or a `spec` of the test's own, under that name) in `folder` (created; must not
+    exist or be empty)."""
     from safetensors.torch import load_file
 
-    spec = SPECS[name]
+    spec = spec or SPECS[name]
     folder = Path(folder)
     staging = folder.with_name(folder.name + ".hf")
     _make_model(spec).save_pretrained(staging)
