@@ -13,11 +13,14 @@ from .output.finish import FinalizeResult, finalize
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .check.audit.audit import AuditResult, audit
     from .check.verify import VerifyResult, verify
     from .run.convert import ConvertResult, convert
 
 # convert and verify import torch; loaded on first use so that `import fp8conv`, inspect and --help do not.
 _LAZY = {
+    "AuditResult": "check.audit.audit",
+    "audit": "check.audit.audit",
     "ConvertResult": "run.convert",
     "convert": "run.convert",
     "VerifyResult": "check.verify",
@@ -34,6 +37,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AuditResult",
     "CheckpointError",
     "ConvertOptions",
     "ConvertResult",
@@ -47,6 +51,7 @@ __all__ = [
     "RunOptions",
     "VerifyResult",
     "__version__",
+    "audit",
     "convert",
     "finalize",
     "inspect",

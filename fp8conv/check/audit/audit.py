@@ -133,7 +133,7 @@ def audit(
     problems = [p.one_line() for p in src_cls.problems]
     if problems:  # the source itself must be read for sure: the audit's truth is its exact decode
         raise_source_unreadable(problems)
-    src_files, out_files = Files(src.index), Files(out.index)
+    src_files, out_files = Files(src.index, "source"), Files(out.index, "other")
     try:
         truth = logical_values(src.index, src_cls, src_files)
         found = logical_values(out.index, out_cls, out_files)
@@ -198,7 +198,7 @@ def _judge_match(
         transposed = " (stored transposed?)" if (expected[2], expected[1]) == (other.rows, other.cols) else ""
         detail = f"shape {list(other.shape)}, but its source makes {list(_shape_of(match, truth))}{transposed}"
         return TensorVerdict(match.other, "shape", other.stored, made, detail)
-    reader = _truth_reader(match, truth)
+    reader = _truth_reader(match, truth, files)
     j = judge(reader, other, band_elements, _unit(match, truth))
     if other.unreadable:
         return TensorVerdict(match.other, "unreadable", other.stored, made, other.unreadable, None, j)
@@ -222,11 +222,13 @@ def _unit(match: Match, truth: dict[str, Values]) -> int:
     return max([1] + [truth[s.source].row_unit for matrix in match.layout for s in matrix])
 
 
-def _truth_reader(match: Match, truth: dict[str, Values]) -> TruthReader:
-    """The exact rows [r0, r1) of output matrix m, stacked from the source segments that make them."""
+def _truth_reader(match: Match, truth: dict[str, Values], files: Files) -> TruthReader:
+    """The exact rows [r0, r1) of output matrix m, stacked from the source segments that make them (each
+    copied out as read: the next read reuses the buffer)."""
 
     def read(m: int, r0: int, r1: int) -> torch.Tensor:
-        parts, offset = [], 0
+        stacked: torch.Tensor | None = None
+        offset = 0
         for seg in match.layout[m]:
             a, b = seg.rows
             lo, hi = max(r0, offset), min(r1, offset + b - a)
@@ -234,9 +236,15 @@ def _truth_reader(match: Match, truth: dict[str, Values]) -> TruthReader:
                 values = truth[seg.source]
                 s0, s1 = a + lo - offset, a + hi - offset
                 start = s0 // values.row_unit * values.row_unit
-                parts.append(values.read(seg.matrix, start, s1).values[s0 - start :])
+                part = values.read(seg.matrix, start, s1).values[s0 - start :]
+                if lo == r0 and hi == r1:
+                    return part  # one segment makes the whole band
+                if stacked is None:
+                    stacked = files.buffer("stacked", (r1 - r0, values.cols), torch.float32)
+                stacked[lo - r0 : hi - r0].copy_(part)
             offset += b - a
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        assert stacked is not None
+        return stacked
 
     return read
 
