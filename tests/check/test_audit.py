@@ -7,7 +7,10 @@ dequantization in tests/support/families.py), so the audit's decode is checked a
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ from tests.support.audit_builders import (
 )
 from tests.support.families import FamilyFixture, build_family
 from tests.support.helpers import load_dir
+from tests.support.hf_cache import lay_out_hf_cache
 from tests.support.reference import dequant_block_reference
 
 GATE = "model.layers.0.mlp.gate_proj.weight"
@@ -316,6 +320,19 @@ def test_config_and_companion_findings(qwen3_192, bf16_output, tmp_path):
     assert any("declares no quantization_config, yet weights are float8_e4m3fn" in f for f in result.findings)
 
 
+def test_a_config_width_the_tensors_disagree_with(qwen3_192, bf16_output, tmp_path):
+    out = copy_checkpoint(bf16_output, tmp_path / "widths")
+    config = json.loads((out / "config.json").read_text())
+    config["intermediate_size"] = 256
+    (out / "config.json").write_text(json.dumps(config))
+    result = audit(qwen3_192.path, out)
+    assert all(t.ok for t in result.tensors) and not result.ok
+    # one line per MLP tensor of that width, each naming the key
+    assert len(result.findings) == 3, result.findings
+    for finding, proj in zip(sorted(result.findings), ("down_proj", "gate_proj", "up_proj"), strict=True):
+        assert proj in finding and "intermediate_size says 256" in finding, finding
+
+
 def test_faults_in_an_fp8_output(qwen3_192, tmp_path):
     """In a block-FP8 output: one code with a flipped bit is named; a weight whose scale was dropped is
     unreadable (engines read its codes as values)."""
@@ -425,6 +442,26 @@ def test_json_sample_and_the_exit_status(qwen3_192, bf16_output, tmp_path):
     code, text = _cli("verify", qwen3_192.path, out, "--sample", "0.001", "--json")
     doc = json.loads(text)
     assert code == 1 and len(doc["tensors"]) < 13 and doc["missing"] == ["model.layers.0.mlp.up_proj.weight"]
+
+
+def test_hub_ids_through_an_offline_cache(qwen3_192, bf16_output, tmp_path):
+    """SRC and OTHER as Hub repo IDs, read from huggingface_hub's cache in offline mode."""
+    cache = tmp_path / "hub-cache"
+    lay_out_hf_cache(qwen3_192.path, cache, "acme/qwen3-fp8")
+    broken = copy_checkpoint(bf16_output, tmp_path / "broken")
+    rewrite_tensors(broken, {GATE: _block_size_from_grid(qwen3_192)})
+    lay_out_hf_cache(broken, cache, "someone/qwen3-bf16")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "hf-home")}
+    done = subprocess.run(
+        [sys.executable, "-m", "fp8conv", "verify", "acme/qwen3-fp8", "someone/qwen3-bf16"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    assert f"wrong       {GATE}" in done.stdout and "block size (96, 128) inferred" in done.stdout, done.stdout
+    assert "13 exact" not in done.stdout and "1 wrong" in done.stdout
 
 
 def test_a_source_that_cannot_be_decoded_for_sure_is_refused(qwen3_192, bf16_output, tmp_path):
