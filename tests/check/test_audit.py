@@ -23,6 +23,7 @@ from fp8conv.check.audit.audit import AuditResult, TensorVerdict, audit
 from fp8conv.cli.commands import main
 from fp8conv.errors import Fp8ConvError
 from tests.support.audit_builders import (
+    build_mistral_native,
     build_qwen3_192,
     build_qwen3_whole_blocks,
     copy_checkpoint,
@@ -420,6 +421,26 @@ def test_fused_experts_under_a_language_model_prefix(qwen3_moe, tmp_path):
     assert _wrong(result) == {fused}
     ranges = _by_name(result)[fused].judgement.wrong_ranges
     assert ranges[0][0] == 1 and ranges[0][1] >= half and ranges[-1][2] <= broken.shape[1]
+
+
+@pytest.mark.parametrize("source_names", ["native", "hf"])
+def test_mistral_native_names_against_hf_names(tmp_path, source_names):
+    """A Mistral-native source (consolidated.safetensors, `layers.N.attention.wq`) audited against an HF
+    named output, and the other way round; a wrong wq is named under the output's own name."""
+    pytest.importorskip("transformers")
+    fixture, native = build_mistral_native(tmp_path / "src")
+    src, made_from = (native, fixture.path) if source_names == "native" else (fixture.path, native)
+    out = tmp_path / "out"
+    fp8conv.convert(made_from, out, ConvertOptions(to="bf16"))
+    shutil.rmtree(out / ".fp8conv")
+    result = audit(src, out)
+    assert result.ok and len(result.tensors) == 12, [t.line() for t in result.tensors] + result.missing + result.extra
+    assert any(t.made_from.startswith("renamed from") for t in result.tensors)
+    q = "layers.0.attention.wq.weight" if source_names == "hf" else "model.layers.0.self_attn.q_proj.weight"
+    assert q in {t.name for t in result.tensors}
+    tensors = load_dir(out)
+    rewrite_tensors(out, {q: (tensors[q].float() * 2).to(torch.bfloat16)})
+    assert _wrong(audit(src, out)) == {q}
 
 
 # -- the command ----------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.families import FamilyFixture, Spec, _fp8_block, _linear, build_family
+from tests.support.families import FamilyFixture, Spec, _fp8_block, _linear, build_family, mistral_name
 from tests.support.helpers import load_dir
 
 QWEN3_192 = Spec(
@@ -41,6 +41,44 @@ QWEN3_WHOLE_BLOCKS = Spec(
     _fp8_block(),
     _linear,
 )
+
+
+# a Mistral-shaped dense model with per-tensor FP8, for the Mistral-native names (consolidated.safetensors)
+MISTRAL_PER_TENSOR = Spec(
+    "mistral",
+    dict(QWEN3_192.hf),
+    "tensor",
+    lambda _: {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"},
+    _linear,
+    scale_shape=(),
+)
+
+
+def build_mistral_native(folder: Path) -> tuple[FamilyFixture, Path]:
+    """The same FP8 weights twice: HF names (folder/hf) and Mistral's native names with params.json
+    (folder/native)."""
+    from safetensors.torch import save_file
+
+    fixture = build_family("mistral-per-tensor", folder / "hf", MISTRAL_PER_TENSOR)
+    native = folder / "native"
+    native.mkdir()
+    save_file({mistral_name(n): t for n, t in load_dir(fixture.path).items()}, str(native / "consolidated.safetensors"))
+    hf = fixture.config
+    params = {
+        "dim": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "head_dim": hf["head_dim"],
+        "hidden_dim": hf["intermediate_size"],
+        "n_heads": hf["num_attention_heads"],
+        "n_kv_heads": hf["num_key_value_heads"],
+        "rope_theta": 1e6,
+        "norm_eps": 1e-5,
+        "vocab_size": hf["vocab_size"],
+        "tied_embeddings": False,
+        "quantization": {"qformat_weight": "fp8_e4m3"},
+    }
+    (native / "params.json").write_text(json.dumps(params))
+    return fixture, native
 
 
 def build_qwen3_192(folder: Path) -> FamilyFixture:
