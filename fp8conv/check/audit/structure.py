@@ -9,12 +9,14 @@ behind beside bf16 weights, MLP widths config.json does not state, and a claim o
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...model.classify import CONVERTIBLE, PACKED, Classification, Kind
 from ...model.family_widths import width_disagreements
 from ...source.index import CheckpointIndex
-from .values import Values
+
+if TYPE_CHECKING:  # the CLI imports CLAIMS from here: no torch before a command needs it
+    from .values import Values
 
 COMPANION_SUFFIXES = (
     ".weight_scale_inv",
