@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from ..storage.json_file import read_json_object
 from ..storage.out_dir import OutDir
 from ..storage.safetensors_file import ShardHeader, read_tensor
 from .engine_layouts import engine_layout_problems
+from .sampling import sampled
 from .verify_bands import JobBands, pieces
 
 
@@ -54,10 +54,6 @@ class VerifyResult:
     tensors_sampled: int
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def _sampled(name: str, fraction: float) -> bool:
-    return fraction >= 1 or (zlib.crc32(name.encode()) % 10_000) < fraction * 10_000
 
 
 def verify(
@@ -186,7 +182,7 @@ class OutputCheck:
         try:
             for job in shard.jobs:
                 self.checked += 1
-                if not _sampled(job.source, self.sample) or any(o.name not in header.tensors for o in job.outputs):
+                if not sampled(job.source, self.sample) or any(o.name not in header.tensors for o in job.outputs):
                     continue
                 self.sampled += 1
                 for message in self._numbers(job, header, fd_out, read_in):

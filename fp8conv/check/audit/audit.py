@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from ...model.classify import classify
 from ...records import collector_paused
 from ...source.checkpoint import Checkpoint, open_checkpoint
+from ..sampling import sampled
 from .causes import likely_cause
 from .judge import Judgement, TruthReader, judge
 from .names import Match, match_names
@@ -109,10 +109,6 @@ class AuditResult:
             "notes": self.notes,
             "seconds": self.seconds,
         }
-
-
-def sampled(name: str, fraction: float) -> bool:
-    return fraction >= 1 or (zlib.crc32(name.encode()) % 10_000) < fraction * 10_000
 
 
 def audit(
