@@ -95,6 +95,20 @@ def test_transformers_dequantization_of_192_rows_is_named_wrong_and_the_rest_pas
     assert code == 1 and "likely cause: block size (96, 128)" in text and "verify FAILED" in text, text
 
 
+def test_transformers_dequantization_of_a_ragged_moe_names_every_fp8_weight(qwen3_moe, tmp_path):
+    """Widths 200, 330 and 136 under 128x128 blocks: every FP8 weight (experts included, matched under
+    transformers' own names) is wrong, each with the block size transformers took from its grid; the
+    rest of the checkpoint passes."""
+    out = tmp_path / "transformers"
+    transformers_dequantized(qwen3_moe.path, out)
+    result = audit(qwen3_moe.path, out)
+    assert _wrong(result) == set(qwen3_moe.fp8_weights)
+    for verdict in result.tensors:
+        if not verdict.ok:
+            assert verdict.cause and "inferred from the scale grid" in verdict.cause, verdict.line()
+    assert not result.missing and not result.extra
+
+
 def test_compressed_tensors_fp8_block_dequantizer_output_passes(tmp_path):
     convert = pytest.importorskip("compressed_tensors.entrypoints.convert")
     src = build_qwen3_whole_blocks(tmp_path / "src")
