@@ -33,6 +33,7 @@ from tests.support.audit_builders import (
 from tests.support.families import FamilyFixture, build_family
 from tests.support.helpers import load_dir
 from tests.support.hf_cache import lay_out_hf_cache
+from tests.support.packed_builders import build_v4
 from tests.support.reference import dequant_block_reference
 
 GATE = "model.layers.0.mlp.gate_proj.weight"
@@ -455,6 +456,42 @@ def test_mistral_native_names_against_hf_names(tmp_path, source_names):
     tensors = load_dir(out)
     rewrite_tensors(out, {q: (tensors[q].float() * 2).to(torch.bfloat16)})
     assert _wrong(audit(src, out)) == {q}
+
+
+def test_packed_4bit_sources_gpt_oss_transposed_and_deepseek_v4(tmp_path):
+    """MXFP4 sources decoded one expert at a time: gpt-oss's fused experts in transformers' transposed
+    [E, K, N] and DeepSeek-V4's per-expert MXFP4 with E8M0 block-FP8 attention. fp8conv's outputs pass;
+    an expert scaled in the copy is named, in that expert alone; E8M0 exponents read as integers in an
+    attention weight are named."""
+    pytest.importorskip("transformers")
+    gpt_oss = build_family("gpt-oss", tmp_path / "gpt-oss")
+    out = tmp_path / "gpt-oss-bf16"
+    fp8conv.convert(gpt_oss.path, out, ConvertOptions(to="bf16"))
+    shutil.rmtree(out / ".fp8conv")
+    assert audit(gpt_oss.path, out).ok
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors = load_dir(out)
+    assert tensors[fused].shape[1] < tensors[fused].shape[2]  # [E, hidden, 2I]: transposed
+    broken = tensors[fused].clone()
+    broken[2] = (broken[2].float() * 1.5).to(torch.bfloat16)
+    rewrite_tensors(out, {fused: broken})
+    verdict = _by_name(audit(gpt_oss.path, out))[fused]
+    assert verdict.verdict == "wrong" and {m for m, _, _ in verdict.judgement.wrong_ranges} == {2}
+
+    tensors_v4, truth = build_v4(tmp_path / "v4")
+    for to in ("bf16", "block"):
+        made = tmp_path / f"v4-{to}"
+        fp8conv.convert(tmp_path / "v4", made, ConvertOptions(to=to))
+        shutil.rmtree(made / ".fp8conv")
+        result = audit(tmp_path / "v4", made)
+        assert result.ok and len(result.tensors) == len(tensors_v4) - len(truth), [t.line() for t in result.tensors]
+    made = tmp_path / "v4-bf16"
+    name = next(n for n in truth if ".attn." in n)
+    scale = tensors_v4[name.removesuffix(".weight") + ".scale"].view(torch.uint8).float()
+    misread = dequant_block_reference(tensors_v4[name], scale, (128, 128), torch.bfloat16)
+    rewrite_tensors(made, {name: misread})
+    verdict = _by_name(audit(tmp_path / "v4", made))[name]
+    assert verdict.cause is not None and verdict.cause.startswith("E8M0 scales read as integers"), verdict.line()
 
 
 # -- the command ----------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ A checkpoint's logical tensors are what its classification names: each quantized
 scales exactly as fp8conv decodes an input) and each plain tensor. The audit reads both the source and
 the other tool's output through this one module, so the two sides are decoded by the same definitions.
 Every reader works on the tensor as [M, N, K] (M: the product of leading dimensions) and returns rows
-[r0, r1) of matrix m; only layouts that cannot be read by rows (packed 4-bit, scale rows in another unit,
-pre-sharded chunks) are decoded whole, once.
+[r0, r1) of matrix m; packed 4-bit weights are decoded one matrix (expert) at a time, and
+layouts that cannot be read by rows (scale rows in another unit, pre-sharded chunks) whole, once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import functools
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from ...backends.torch_device import TorchDeviceBackend
 from ...dtypes import FP8_E4M3, torch_dtype
 from ...model.classify import CONVERTIBLE, PACKED, Classification, Kind, WeightFormat
 from ...rewrite.dequant import dequantize, scale_grid, stored_scale
-from ...rewrite.unpack import unpack_to_float32
+from ...rewrite.unpack import band_decoder
 from ...source.index import CheckpointIndex
 from ...storage.safetensors_file import TensorEntry, as_writable_memoryview, pread_into, read_tensor, tensor_buffer
 
@@ -170,6 +170,8 @@ def weight_values(fmt: WeightFormat, index: CheckpointIndex, files: Files) -> Va
         return values
     if fmt.kind in CONVERTIBLE and fmt.row_scales is None and fmt.chunked is None and len(entry.shape) >= 2:
         return scaled_fp8_values(fmt, entry, index, files)
+    if fmt.kind in PACKED:
+        return packed_values(fmt, files)
     return whole_values(fmt, entry, files)
 
 
@@ -236,22 +238,48 @@ def _per_element(files: Files, grid: torch.Tensor, block: tuple[int, int], rows:
     return out
 
 
+def packed_values(fmt: WeightFormat, files: Files) -> Values:
+    """Packed 4-bit: one matrix at a time (an expert of a fused tensor) decoded when first read and kept
+    while its rows are read; gpt-oss's experts as transformers holds them, transposed to [E, K, N]."""
+    assert fmt.shape is not None and fmt.scale is not None and fmt.group is not None
+    shape = tuple(fmt.shape)
+    n, k = shape[-2], shape[-1]
+    transpose = fmt.kind is Kind.MXFP4_GPT_OSS
+    container = torch.empty((), dtype=torch_dtype(files.index.entry(fmt.weight).dtype)).element_size()
+    global_scale = files.whole(fmt.global_scale) if fmt.global_scale is not None else None
+    one = replace(fmt, shape=(n, k))
+    kept: dict[int, torch.Tensor] = {}
+
+    def matrix(m: int) -> torch.Tensor:
+        if m not in kept:
+            kept.clear()
+            codes = files.rows(fmt.weight, m * n, n, k // 2 // container).view(torch.uint8).reshape(1, n, k // 2)
+            scale = files.rows(fmt.scale, m * n, n, k // fmt.group)
+            out = torch.empty((1, n, k), dtype=torch.float32)
+            band_decoder(one, scale, global_scale, REFERENCE)(codes, 0, out)
+            kept[m] = out[0].T.contiguous() if transpose else out[0]
+        return kept[m]
+
+    def read(m: int, r0: int, r1: int) -> Band:
+        return Band(matrix(m)[r0:r1])
+
+    logical = (*shape[:-2], k, n) if transpose else shape
+    scale_entry = files.index.entry(fmt.scale)
+    return Values(fmt.out_name or fmt.weight, logical, describe(fmt, scale_entry), 1, read, False, fmt=fmt)
+
+
 def whole_values(fmt: WeightFormat, entry: TensorEntry, files: Files) -> Values:
-    """A layout read whole (packed 4-bit, scale rows in another unit, chunked rows): decoded once, when
-    first read, and kept while the tensor is judged."""
+    """A layout read whole (scale rows in another unit, chunked rows): decoded once, when first read, and
+    kept while the tensor is judged."""
     cache: list[torch.Tensor] = []
-    packed = fmt.kind in PACKED
-    shape = fmt.shape if packed and fmt.shape is not None else entry.shape
+    shape = entry.shape
     n, k = shape[-2], shape[-1]
 
     def decoded() -> torch.Tensor:
         if not cache:
-            if packed:
-                cache.append(unpack_to_float32(files.whole, fmt, REFERENCE).reshape(-1, k))
-            else:
-                weight = files.whole(fmt.weight)
-                scale = stored_scale(files.whole, fmt)
-                cache.append(dequantize(weight, scale, fmt, torch.float32, REFERENCE).reshape(-1, k))
+            weight = files.whole(fmt.weight)
+            scale = stored_scale(files.whole, fmt)
+            cache.append(dequantize(weight, scale, fmt, torch.float32, REFERENCE).reshape(-1, k))
         return cache[0]
 
     def read(m: int, r0: int, r1: int) -> Band:
