@@ -22,6 +22,7 @@ from fp8conv import ConvertOptions
 from fp8conv.check.audit.audit import AuditResult, TensorVerdict, audit
 from fp8conv.cli.commands import main
 from fp8conv.errors import Fp8ConvError
+from tests.support import layouts_2026
 from tests.support.audit_builders import (
     build_mistral_native,
     build_qwen3_192,
@@ -492,6 +493,42 @@ def test_packed_4bit_sources_gpt_oss_transposed_and_deepseek_v4(tmp_path):
     rewrite_tensors(made, {name: misread})
     verdict = _by_name(audit(tmp_path / "v4", made))[name]
     assert verdict.cause is not None and verdict.cause.startswith("E8M0 scales read as integers"), verdict.line()
+
+
+@pytest.mark.parametrize(
+    ("layout", "to"),
+    [
+        ("mimo_flash", "channel"),
+        ("mimo_fused_qkv", "bf16"),
+        ("mimo_fused_qkv", "block"),
+        ("mistral4", "block"),
+        ("mistral_native", "block"),
+    ],
+)
+def test_2026_layouts_pass_as_engines_read_them(tmp_path, layout, to):
+    """Pre-sharded fused qkv (plain order once unquantized, chunked grids kept in FP8), per-head K/V
+    scales, fused experts, and a Mistral-native output whose params.json holds the quantization."""
+    getattr(layouts_2026, f"build_{layout}")(tmp_path / "src")
+    out = tmp_path / "out"
+    fp8conv.convert(tmp_path / "src", out, ConvertOptions(to=to))
+    shutil.rmtree(out / ".fp8conv")
+    result = audit(tmp_path / "src", out)
+    assert result.ok, [t.line() for t in result.tensors if not t.ok] + result.findings
+
+
+def test_a_fused_qkv_dequantized_in_its_stored_chunks_is_named(tmp_path):
+    """MiMo's qkv_proj stored as [q_0; k_0; v_0; q_1; ...]: dequantized without putting its rows in the
+    plain order, an engine reads q rows as k and v. The audit names the rows that moved."""
+    stored, plain = layouts_2026.build_mimo_fused_qkv(tmp_path / "src")
+    out = tmp_path / "out"
+    fp8conv.convert(tmp_path / "src", out, ConvertOptions(to="bf16"))
+    shutil.rmtree(out / ".fp8conv")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    assert torch.equal(load_dir(out)[name], plain[name].to(torch.bfloat16))  # fp8conv's: the plain order
+    rewrite_tensors(out, {name: stored[name].to(torch.bfloat16)})
+    verdict = _by_name(audit(tmp_path / "src", out))[name]
+    assert verdict.verdict == "wrong" and verdict.cause is not None
+    assert verdict.cause.startswith("rows in another order: "), verdict.cause
 
 
 # -- the command ----------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from ...model.classify import classify
+from ...model.weight_format import ChunkedRows
 from ...records import collector_paused
 from ...source.checkpoint import Checkpoint, open_checkpoint
+from ...source.config import MISTRAL_PARAMS_NAME, load_config, present
 from ..sampling import sampled
 from .causes import likely_cause
 from .judge import Judgement, TruthReader, judge
@@ -124,8 +126,8 @@ def audit(
     started = time.monotonic()
     with collector_paused():
         src, out = open_checkpoint(source), open_checkpoint(other)
-        src_cls = classify(src.index, src.config)
-        out_cls = classify(out.index, out.config)
+        src_cls = classify(src.index, engine_config(src))
+        out_cls = classify(out.index, engine_config(out))
     problems = [p.one_line() for p in src_cls.problems]
     if problems:  # the source itself must be read for sure: the audit's truth is its exact decode
         raise_source_unreadable(problems)
@@ -162,6 +164,20 @@ def audit(
     return result
 
 
+def engine_config(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """config.json; for a Mistral-native checkpoint (params.json alone), params.json's compressed-tensors
+    `quantization`, which vLLM's Mistral reader passes through as the quantization_config."""
+    if ckpt.config is not None:
+        return ckpt.config
+    path = ckpt.index.root / MISTRAL_PARAMS_NAME
+    if not present(path):
+        return None
+    quant = load_config(path).get("quantization")
+    if isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
+        return {"quantization_config": quant}
+    return None
+
+
 def raise_source_unreadable(problems: list[str]) -> None:
     from ...errors import CheckpointError
 
@@ -195,6 +211,12 @@ def _judge_match(
         detail = f"shape {list(other.shape)}, but its source makes {list(_shape_of(match, truth))}{transposed}"
         return TensorVerdict(match.other, "shape", other.stored, made, detail)
     reader = _truth_reader(match, truth, files)
+    chunked = _chunked_source(match, truth)
+    if chunked is not None and other.float_dtype is not None:
+        # a fused projection stored pre-sharded is read in the plain order once unquantized (as fp8conv
+        # writes it: engines read float fused projections so); FP8 keeps the chunks, each on its grid
+        reader = _in_plain_order(reader, chunked, other.rows)
+        made += ", its rows in the plain order engines read unquantized"
     j = judge(reader, other, band_elements, _unit(match, truth))
     if other.unreadable:
         return TensorVerdict(match.other, "unreadable", other.stored, made, other.unreadable, None, j)
@@ -205,6 +227,21 @@ def _judge_match(
         if source is not None:
             verdict.cause = likely_cause(source, src.index, files, other, j, band_elements, reader)
     return verdict
+
+
+def _chunked_source(match: Match, truth: dict[str, Values]) -> ChunkedRows | None:
+    direct = match.direct
+    fmt = truth[direct].fmt if direct else None
+    return fmt.chunked if fmt is not None else None
+
+
+def _in_plain_order(reader: TruthReader, chunked: ChunkedRows, rows: int) -> TruthReader:
+    order = torch.tensor(chunked.plain_order(), dtype=torch.long)
+
+    def read(m: int, r0: int, r1: int) -> torch.Tensor:
+        return reader(m, 0, rows).index_select(0, order[r0:r1])
+
+    return read
 
 
 def _shape_of(match: Match, truth: dict[str, Values]) -> tuple[int, ...]:
