@@ -121,7 +121,9 @@ def inspect_command(
         click.echo(render_report(report))
 
 
-def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+def _progress_bar(
+    quiet: bool, desc: str = "converting", unit: str = "B"
+) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
     if quiet or not sys.stderr.isatty():
         return None, lambda: None
     from tqdm import tqdm
@@ -130,7 +132,8 @@ def _progress_bar(quiet: bool) -> tuple[Callable[[int, int], None] | None, Calla
 
     def update(done: int, total: int) -> None:
         if "bar" not in bar:
-            bar["bar"] = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting")
+            divisor = 1024 if unit == "B" else 1000
+            bar["bar"] = tqdm(total=total, unit=unit, unit_scale=True, unit_divisor=divisor, desc=desc)
         bar["bar"].update(done - bar["bar"].n)
 
     def close() -> None:
@@ -540,7 +543,11 @@ def verify_command(checkpoint: str, output: str, sample: float, claimed: str | N
         return
     from ..check.audit.audit import audit
 
-    report = audit(checkpoint, output, to=claimed, sample=sample)
+    progress, close = _progress_bar(as_json, desc="verifying", unit=" values")
+    try:
+        report = audit(checkpoint, output, to=claimed, sample=sample, progress=progress)
+    finally:
+        close()
     if rewritten:
         report.notes.append(
             f"{MANIFEST} is fp8conv's, but {len(rewritten)} shard(s) it records have other sizes now "

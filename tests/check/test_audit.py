@@ -553,6 +553,14 @@ def test_json_sample_and_the_exit_status(qwen3_192, bf16_output, tmp_path):
     assert code == 1 and len(doc["tensors"]) < 13 and doc["missing"] == ["model.layers.0.mlp.up_proj.weight"]
 
 
+def test_progress_counts_every_judged_value(qwen3_192, bf16_output):
+    calls: list[tuple[int, int]] = []
+    result = audit(qwen3_192.path, bf16_output, progress=lambda done, total: calls.append((done, total)))
+    values = sum(t.judgement.elements for t in result.tensors if t.judgement)
+    assert len(calls) == len(result.tensors) == 14
+    assert calls[-1] == (values, values) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
 def test_hub_ids_through_an_offline_cache(qwen3_192, bf16_output, tmp_path):
     """SRC and OTHER as Hub repo IDs, read from huggingface_hub's cache in offline mode."""
     cache = tmp_path / "hub-cache"

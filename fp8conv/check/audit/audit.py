@@ -9,8 +9,10 @@ and, where the pattern is a known one, its likely cause (causes.py). Nothing in 
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,9 +122,11 @@ def audit(
     to: str | None = None,
     sample: float = 1.0,
     band_elements: int = BAND_ELEMENTS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> AuditResult:
     """Judge every tensor of `other` (or a deterministic `sample` fraction of them, by name) against the
-    exact values of `source`; structure and config are checked whole either way."""
+    exact values of `source`; structure and config are checked whole either way. progress(done, total):
+    elements judged so far, after each tensor."""
     started = time.monotonic()
     with collector_paused():
         src, out = open_checkpoint(source), open_checkpoint(other)
@@ -153,9 +157,13 @@ def audit(
         if to is not None:
             made_from_quantized = [found[m.other] for m in matches if any(truth[s].fmt is not None for s in m.sources)]
             result.findings += target_mismatches(to, made_from_quantized)
-        for match in matches:
-            if sampled(match.other, sample):
-                result.tensors.append(_judge_match(match, truth, found[match.other], src, src_files, band_elements))
+        judged = [m for m in matches if sampled(m.other, sample)]
+        total, done = sum(math.prod(found[m.other].shape) for m in judged), 0
+        for match in judged:
+            result.tensors.append(_judge_match(match, truth, found[match.other], src, src_files, band_elements))
+            done += math.prod(found[match.other].shape)
+            if progress is not None:
+                progress(done, total)
     finally:
         src_files.close()
         out_files.close()
