@@ -159,7 +159,9 @@ def audit(
             result.findings += target_mismatches(to, made_from_quantized)
         judged = [m for m in matches if sampled(m.other, sample)]
         total, done = sum(math.prod(found[m.other].shape) for m in judged), 0
-        for match in judged:
+        for i, match in enumerate(judged):
+            if i + 1 < len(judged):  # the next tensor's bytes come in while this one is judged
+                _hint(judged[i + 1], truth, found, src_files, out_files)
             result.tensors.append(_judge_match(match, truth, found[match.other], src, src_files, band_elements))
             done += math.prod(found[match.other].shape)
             if progress is not None:
@@ -191,6 +193,14 @@ def raise_source_unreadable(problems: list[str]) -> None:
 
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     raise CheckpointError(f"the source cannot be decoded for sure: {problems[0]}{more}", fix="fix the source first")
+
+
+def _hint(match: Match, truth: dict[str, Values], found: dict[str, Values], src: Files, out: Files) -> None:
+    for name in found[match.other].stored_tensors:
+        out.hint(name)
+    for source in match.sources:
+        for name in truth[source].stored_tensors:
+            src.hint(name)
 
 
 def _shapes(values: dict[str, Values]) -> dict[str, tuple[int, ...]]:

@@ -59,6 +59,14 @@ class Files:
         self._fds: dict[str, int] = {}
         self._hinted: set[str] = set()
 
+    def hint(self, name: str) -> None:
+        """Ask the kernel for the tensor's bytes now (once): it fetches them while earlier bands compute."""
+        if name in self._hinted or not hasattr(os, "posix_fadvise"):
+            return
+        self._hinted.add(name)
+        fd, entry, _ = self.fd(name)
+        os.posix_fadvise(fd, entry.start, entry.nbytes, os.POSIX_FADV_WILLNEED)
+
     def buffer(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This side's buffer `slot`, valid until the next read into the same slot."""
         return scratch(f"audit {self.label} {slot}", shape, dtype)
@@ -76,10 +84,7 @@ class Files:
         """`count` rows of `row_elements` elements from row `first` of the tensor flattened to 2-D (into
         buffer `slot`, or a fresh one)."""
         fd, entry, shard = self.fd(name)
-        if name not in self._hinted and hasattr(os, "posix_fadvise"):
-            # the whole tensor is read band after band: the kernel fetches it while the first bands compute
-            self._hinted.add(name)
-            os.posix_fadvise(fd, entry.start, entry.nbytes, os.POSIX_FADV_WILLNEED)
+        self.hint(name)
         dtype = torch_dtype(entry.dtype)
         size = torch.empty((), dtype=dtype).element_size()
         nbytes = count * row_elements * size
@@ -105,6 +110,13 @@ class Values:
     fp8: bool = False  # values are FP8 codes times a scale
     unreadable: str | None = None  # why an engine cannot read it as stored (then `read` gives raw codes)
     fmt: WeightFormat | None = field(default=None, repr=False)
+
+    @property
+    def stored_tensors(self) -> tuple[str, ...]:
+        """The checkpoint tensors its values are read from."""
+        if self.fmt is None:
+            return (self.name,)
+        return tuple(n for n in (self.fmt.weight, self.fmt.scale) if n is not None)
 
     @property
     def matrices(self) -> int:
