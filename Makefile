@@ -69,6 +69,10 @@ test-avx2: setup $(ENGINE_STAMP)
 bench: setup
 	$(PY) bench/bench.py $(BENCH_ARGS)
 
+# verify of another tool's output beside the conversions that made it and the cat floor (bench/audit.md)
+bench-audit: setup
+	$(PY) bench/audit.py
+
 # Kernel throughput of every backend present (in process, one thread) and their bit parity.
 kernel: setup
 	$(PY) bench/kernel.py
