@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp8conv-installed
 DEMO_DIR := build/demo
 
-.PHONY: setup demo test lint bench kernel gpu-check slurm-test engine-test test-avx2 clean
+.PHONY: setup demo test lint bench bench-audit kernel gpu-check slurm-test engine-test test-avx2 clean
 
 setup: $(STAMP)
 
