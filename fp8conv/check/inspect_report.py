@@ -86,7 +86,7 @@ def inspect(
     `scales`: also read every scale tensor (only those) and list the problems convert refuses them for
     (zero, negative, NaN/Inf); a Hub ID is then downloaded first, as convert does."""
     ckpt = open_checkpoint(source, revision=revision, headers_only=not scales)
-    cls = classify(ckpt.index, ckpt.config, block_size)
+    cls = classify(ckpt.index, ckpt.classification_config(), block_size)
     scale_problems: list[Fp8ConvError] = []
     if scales and not cls.problems:  # as in convert: a checkpoint its headers refuse has its scales unread
         from ..plan.preflight import check_scales  # torch: plain inspect starts without it

@@ -75,7 +75,7 @@ def verify(
     options = options or manifest.convert_options()
     with collector_paused():
         ckpt = open_checkpoint(source)
-        plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.config, options.block_size), options)
+        plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.classification_config(), options.block_size), options)
     check = OutputCheck(ckpt.index, plan, out, sample, max_failures, tuning.verify_band_elements)
     check.documents()
     for shard in plan.shards:

@@ -302,7 +302,7 @@ def _stream_feed(
     output shard's scales checked once its inputs are there (before it is converted), the per-shard
     verify after a commit, and closing a shard's reader before it is evicted."""
     by_name = {s.name: s for s in plan.shards}
-    cls = classify(ckpt.index, ckpt.config, plan.options.block_size)
+    cls = classify(ckpt.index, ckpt.classification_config(), plan.options.block_size)
 
     def arrived(name: str, path: Path) -> None:
         adopt_local_header(ckpt.index, name, path)

@@ -127,7 +127,7 @@ def _plan(
     headers, options and scales show.
     Unread here, --stream checks an output shard's scales once its inputs are there."""
     block_size, revision = options.block_size, how.revision
-    cls = classify(ckpt.index, ckpt.config, block_size)
+    cls = classify(ckpt.index, ckpt.classification_config(), block_size)
     if cls.problems:
         raise PlanRefused(cls.problems, listed_by=inspect_invocation(block_size, revision))
     plan = plan_conversion(ckpt, cls, options)

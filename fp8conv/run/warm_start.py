@@ -143,7 +143,7 @@ def _first_reads(
     from ..source.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(source)
-    cls = classify(ckpt.index, ckpt.config, options.block_size)
+    cls = classify(ckpt.index, ckpt.classification_config(), options.block_size)
     if cls.problems:
         return {}
     plan = plan_conversion(ckpt, cls, options)

@@ -12,7 +12,15 @@ from ..storage.input_files import containment_root as containment_root  # re-exp
 from ..storage.input_files import is_contained_file
 from ..storage.safetensors_file import ShardHeader
 from . import hub
-from .config import CONFIG_NAME, MODELOPT_CONFIG_NAME, load_config, present, with_modelopt_config
+from .config import (
+    CONFIG_NAME,
+    MISTRAL_PARAMS_NAME,
+    MODELOPT_CONFIG_NAME,
+    READ_FROM_KEY,
+    load_config,
+    present,
+    with_modelopt_config,
+)
 from .index import INDEX_NAME, CheckpointIndex, load_index
 from .mistral_native import hf_shards_first
 
@@ -30,6 +38,21 @@ class Checkpoint:
     single_file: bool
     other_files: list[str] = field(default_factory=list)  # relative paths, copied unchanged
     skipped_files: list[tuple[str, str]] = field(default_factory=list)  # (relative path, why)
+
+    def classification_config(self) -> dict[str, Any] | None:
+        """The config its tensors are classified by: config.json; for a Mistral-native checkpoint
+        (params.json alone), params.json's compressed-tensors `quantization` as the quantization_config,
+        which vLLM's Mistral reader passes through (fp8conv's own native block FP8 states its block size
+        only there)."""
+        if self.config is not None:
+            return self.config
+        path = self.root / MISTRAL_PARAMS_NAME
+        if not present(path):
+            return None
+        quant = load_config(path).get("quantization")
+        if isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
+            return {"quantization_config": {**quant, READ_FROM_KEY: MISTRAL_PARAMS_NAME}}
+        return None
 
 
 def open_checkpoint(

@@ -295,6 +295,33 @@ def test_mistral_native_only_fp8_targets(tmp_path, to):
     assert fp8conv.verify(tmp_path / "in", tmp_path / "out").ok
 
 
+@pytest.mark.parametrize("to", ["channel", "block"])
+def test_a_mistral_native_fp8_output_reads_back(tmp_path, to):
+    """fp8conv's own Mistral-native FP8 output, whose block size is stated only in params.json's
+    compressed-tensors quantization: inspect reads it from there, and converting it to bf16 gives every
+    weight our reference's bf16 rounding of its FP8 values (block: the exact decode, requantized
+    losslessly here)."""
+    truth = build_mistral_native(tmp_path / "in")
+    fp8conv.convert(tmp_path / "in", tmp_path / "fp8", fp8conv.ConvertOptions(to=to))
+    report = fp8conv.inspect(tmp_path / "fp8")
+    assert not report.problems, report.problems
+    if to == "block":
+        assert list(report.block_size) == [128, 128] and report.block_size_from == "params.json"
+    fp8conv.convert(tmp_path / "fp8", tmp_path / "bf16", fp8conv.ConvertOptions(to="bf16"))
+    fp8, back = load_dir(tmp_path / "fp8"), load_dir(tmp_path / "bf16")
+    suffix = ".qscale_weight" if to == "channel" else ".weight_scale"
+    for name in truth:
+        scale = fp8[name[: -len(".weight")] + suffix].float()
+        values = fp8[name].float() * (
+            scale
+            if to == "channel"
+            else scale.repeat_interleave(128, 0)[: fp8[name].shape[0]].repeat_interleave(128, 1)[
+                :, : fp8[name].shape[1]
+            ]
+        )
+        assert same_bits(back[name], values.to(torch.bfloat16)), name
+
+
 def test_mistral_native_dense_names_and_refusals(tmp_path):
     """A dense Mistral-native params.json (vLLM's MistralForCausalLM, llama.py mistral_mapping): ignore in
     its module names; block FP8 refused when wq/wk's rotary permutation would cross scale blocks (head_dim

@@ -22,7 +22,6 @@ from ...model.classify import classify
 from ...model.weight_format import ChunkedRows
 from ...records import collector_paused
 from ...source.checkpoint import Checkpoint, open_checkpoint
-from ...source.config import MISTRAL_PARAMS_NAME, load_config, present
 from ..sampling import sampled
 from .causes import likely_cause
 from .judge import Judgement, TruthReader, judge
@@ -130,8 +129,8 @@ def audit(
     started = time.monotonic()
     with collector_paused():
         src, out = open_checkpoint(source), open_checkpoint(other)
-        src_cls = classify(src.index, engine_config(src))
-        out_cls = classify(out.index, engine_config(out))
+        src_cls = classify(src.index, src.classification_config())
+        out_cls = classify(out.index, out.classification_config())
     problems = [p.one_line() for p in src_cls.problems]
     if problems:  # the source itself must be read for sure: the audit's truth is its exact decode
         raise_source_unreadable(problems)
@@ -172,20 +171,6 @@ def audit(
     result.ok = not (result.missing or result.extra or result.findings) and all(t.ok for t in result.tensors)
     result.seconds = time.monotonic() - started
     return result
-
-
-def engine_config(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """config.json; for a Mistral-native checkpoint (params.json alone), params.json's compressed-tensors
-    `quantization`, which vLLM's Mistral reader passes through as the quantization_config."""
-    if ckpt.config is not None:
-        return ckpt.config
-    path = ckpt.index.root / MISTRAL_PARAMS_NAME
-    if not present(path):
-        return None
-    quant = load_config(path).get("quantization")
-    if isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
-        return {"quantization_config": quant}
-    return None
 
 
 def raise_source_unreadable(problems: list[str]) -> None:
