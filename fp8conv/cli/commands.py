@@ -38,6 +38,7 @@ from ..output.finish import finalize, parse_part
 from ..output.manifest import MANIFEST
 from ..output.requant_report import summary_line
 from ..run import warm_start
+from ..source.config import present
 from .render import convert_summary, render_audit, render_plan, render_report
 from .workers import WORKER_COMMAND, bind_to_parent, run_workers
 
@@ -534,7 +535,7 @@ def verify_command(checkpoint: str, output: str, sample: float, claimed: str | N
     from ..check.verify import verify
 
     rewritten = rewritten_shards(output)
-    if claimed is None and (Path(output) / MANIFEST).is_file() and not rewritten:
+    if claimed is None and present(Path(output) / MANIFEST) and not rewritten:
         result = verify(checkpoint, output, sample=sample)
         if as_json:
             click.echo(json.dumps(asdict(result), indent=2))

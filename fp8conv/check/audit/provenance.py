@@ -8,28 +8,36 @@ would judge the wrong thing, so they are audited like any other tool's output.
 
 from __future__ import annotations
 
-import json
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
-from ...output.manifest import MANIFEST
+from ...errors import Fp8ConvError
+from ...output.manifest import MANIFEST, load_manifest
 
 
 def rewritten_shards(output: str | os.PathLike[str]) -> list[str]:
     """The shards the manifest records that are regular files of another size now; [] when there is no
-    manifest, it cannot be read (manifest verify refuses it by name) or every size still agrees."""
+    manifest, it or its folder is a link, or it cannot be read: manifest verify refuses those by name,
+    so nothing here reads through a link."""
     folder = Path(output)
+    if not (_is(folder / MANIFEST.parent, stat.S_ISDIR) and _is(folder / MANIFEST, stat.S_ISREG)):
+        return []
     try:
-        doc = json.loads((folder / MANIFEST).read_text())
-        shards = doc["shards"]
-        recorded = {name: int(entry["size"]) for name, entry in shards.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        manifest = load_manifest(folder)
+    except Fp8ConvError:
         return []
     changed = []
-    for name, size in recorded.items():
-        path = folder / name
-        if path.is_symlink() or not path.is_file():
-            continue  # links and missing shards are manifest verify's to refuse
-        if path.stat().st_size != size:
-            changed.append(name)
+    for name, entry in manifest.shards.items():
+        if _is(folder / name, stat.S_ISREG) and os.lstat(folder / name).st_size != entry["size"]:
+            changed.append(name)  # (links and missing shards: manifest verify's to refuse)
     return changed
+
+
+def _is(path: Path, is_kind: Callable[[int], bool]) -> bool:
+    """The path itself (never a link's target) is of that kind."""
+    try:
+        return bool(is_kind(os.lstat(path).st_mode))
+    except OSError:
+        return False
