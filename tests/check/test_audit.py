@@ -6,11 +6,13 @@ dequantization in tests/support/families.py), so the audit's decode is checked a
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -514,6 +516,43 @@ def test_2026_layouts_pass_as_engines_read_them(tmp_path, layout, to):
     shutil.rmtree(out / ".fp8conv")
     result = audit(tmp_path / "src", out)
     assert result.ok, [t.line() for t in result.tensors if not t.ok] + result.findings
+
+
+def test_a_tensor_decoded_whole_is_released_once_judged(tmp_path, monkeypatch):
+    """Layouts decoded whole (MiMo's chunked qkv) or one expert at a time (gpt-oss) are held while their
+    tensor is judged, then dropped: the audit's memory does not grow with the tensors it has judged."""
+    from fp8conv.check.audit import values as values_module
+
+    kept: list[weakref.ref] = []
+    for name in ("whole_values", "packed_values"):
+        made = getattr(values_module, name)
+
+        def spy(*args, made=made):
+            values = made(*args)
+            read = values.read
+
+            def reading(m, r0, r1, read=read):
+                band = read(m, r0, r1)
+                kept.append(weakref.ref(band.values._base))  # the decoded tensor the band is a view of
+                return band
+
+            values.read = reading
+            return values
+
+        monkeypatch.setattr(values_module, name, spy)
+    layouts_2026.build_mimo_fused_qkv(tmp_path / "mimo")
+    fp8conv.convert(tmp_path / "mimo", tmp_path / "mimo-bf16", ConvertOptions(to="bf16"))
+    gpt_oss = build_family("gpt-oss", tmp_path / "gpt-oss")
+    fp8conv.convert(gpt_oss.path, tmp_path / "gpt-oss-bf16", ConvertOptions(to="bf16"))
+    held: list[int] = []
+
+    def after_each_tensor(done: int, total: int) -> None:  # while the audit still holds every Values
+        gc.collect()
+        held.append(sum(ref() is not None for ref in kept))
+
+    assert audit(tmp_path / "mimo", tmp_path / "mimo-bf16", progress=after_each_tensor).ok
+    assert audit(gpt_oss.path, tmp_path / "gpt-oss-bf16", progress=after_each_tensor).ok
+    assert kept and held and set(held) == {0}
 
 
 def test_a_fused_qkv_dequantized_in_its_stored_chunks_is_named(tmp_path):

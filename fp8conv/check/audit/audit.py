@@ -162,6 +162,8 @@ def audit(
             if i + 1 < len(judged):  # the next tensor's bytes come in while this one is judged
                 _hint(judged[i + 1], truth, found, src_files, out_files)
             result.tensors.append(_judge_match(match, truth, found[match.other], src, src_files, band_elements))
+            for values in (found[match.other], *(truth[s] for s in match.sources)):
+                values.release()  # a tensor decoded whole is held while it is judged, not for the whole audit
             done += math.prod(found[match.other].shape)
             if progress is not None:
                 progress(done, total)
@@ -270,9 +272,7 @@ def _truth_reader(match: Match, truth: dict[str, Values], files: Files) -> Truth
             lo, hi = max(r0, offset), min(r1, offset + b - a)
             if lo < hi:
                 values = truth[seg.source]
-                s0, s1 = a + lo - offset, a + hi - offset
-                start = s0 // values.row_unit * values.row_unit
-                part = values.read(seg.matrix, start, s1).values[s0 - start :]
+                part = values.values_of(seg.matrix, a + lo - offset, a + hi - offset)
                 if lo == r0 and hi == r1:
                     return part  # one segment makes the whole band
                 if stacked is None:

@@ -34,17 +34,9 @@ def likely_cause(
     if flipped:
         return flipped
     for cause, misread in _misreadings(source, index, files):
-        if judge(_reader(misread), other, band_elements, misread.row_unit).verdict != "wrong":
+        if judge(misread.values_of, other, band_elements, misread.row_unit).verdict != "wrong":
             return cause
     return _permuted_rows(truth, other, judgement, band_elements)
-
-
-def _reader(values: Values) -> TruthReader:
-    def read(m: int, r0: int, r1: int) -> torch.Tensor:
-        start = r0 // values.row_unit * values.row_unit
-        return values.read(m, start, r1).values[r0 - start :]
-
-    return read
 
 
 def _misreadings(source: Values, index: CheckpointIndex, files: Files) -> list[tuple[str, Values]]:

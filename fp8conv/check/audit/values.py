@@ -110,6 +110,12 @@ class Values:
     fp8: bool = False  # values are FP8 codes times a scale
     unreadable: str | None = None  # why an engine cannot read it as stored (then `read` gives raw codes)
     fmt: WeightFormat | None = field(default=None, repr=False)
+    release: Callable[[], None] = field(default=lambda: None, repr=False)  # drops what a reader keeps decoded
+
+    def values_of(self, m: int, r0: int, r1: int) -> torch.Tensor:
+        """Float32 rows [r0, r1) of matrix m, whatever the row unit its reads start on."""
+        start = r0 // self.row_unit * self.row_unit
+        return self.read(m, start, r1).values[r0 - start :]
 
     @property
     def stored_tensors(self) -> tuple[str, ...]:
@@ -252,7 +258,8 @@ def _per_element(files: Files, grid: torch.Tensor, block: tuple[int, int], rows:
 
 def packed_values(fmt: WeightFormat, files: Files) -> Values:
     """Packed 4-bit: one matrix at a time (an expert of a fused tensor) decoded when first read and kept
-    while its rows are read; gpt-oss's experts as transformers holds them, transposed to [E, K, N]."""
+    while its rows are read (until release); gpt-oss's experts as transformers holds them, transposed to
+    [E, K, N]."""
     assert fmt.shape is not None and fmt.scale is not None and fmt.group is not None
     shape = tuple(fmt.shape)
     n, k = shape[-2], shape[-1]
@@ -277,12 +284,13 @@ def packed_values(fmt: WeightFormat, files: Files) -> Values:
 
     logical = (*shape[:-2], k, n) if transpose else shape
     scale_entry = files.index.entry(fmt.scale)
-    return Values(fmt.out_name or fmt.weight, logical, describe(fmt, scale_entry), 1, read, False, fmt=fmt)
+    name = fmt.out_name or fmt.weight
+    return Values(name, logical, describe(fmt, scale_entry), 1, read, False, fmt=fmt, release=kept.clear)
 
 
 def whole_values(fmt: WeightFormat, entry: TensorEntry, files: Files) -> Values:
     """A layout read whole (scale rows in another unit, chunked rows): decoded once, when first read, and
-    kept while the tensor is judged."""
+    kept while the tensor is judged (until release)."""
     cache: list[torch.Tensor] = []
     shape = entry.shape
     n, k = shape[-2], shape[-1]
@@ -298,4 +306,5 @@ def whole_values(fmt: WeightFormat, entry: TensorEntry, files: Files) -> Values:
         return Band(decoded()[m * n + r0 : m * n + r1])
 
     scale_entry = files.index.entry(fmt.scale) if fmt.scale else None
-    return Values(fmt.out_name or fmt.weight, shape, describe(fmt, scale_entry), n, read, False, fmt=fmt)
+    name = fmt.out_name or fmt.weight
+    return Values(name, shape, describe(fmt, scale_entry), n, read, False, fmt=fmt, release=cache.clear)
