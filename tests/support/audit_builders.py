@@ -125,7 +125,3 @@ def rewrite_tensors(folder: Path, change: dict[str, torch.Tensor | None]) -> Non
         save_file(tensors, str(shard), metadata={"format": "pt"})
     if index:
         index_path.write_text(json.dumps(index))
-
-
-def all_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    return load_dir(folder)

@@ -49,16 +49,11 @@ class Match:
     other: str
     how: str  # "same name", "renamed from X", "fused from 8 experts", "expert 3 of X"
     layout: list[list[Segment]]  # per matrix of the output tensor: the segments its rows stack
+    direct: str | None = None  # the one source tensor this output is row for row (same or renamed name)
 
     @property
     def sources(self) -> list[str]:
         return sorted({s.source for matrix in self.layout for s in matrix})
-
-    @property
-    def direct(self) -> str | None:
-        """The one source tensor this output is, row for row, if it is that simple."""
-        sources = self.sources
-        return sources[0] if self.how in ("same name",) or self.how.startswith("renamed") else None
 
 
 Shapes = dict[str, tuple[int, ...]]
@@ -106,7 +101,8 @@ def match_names(source: Shapes, other: Shapes) -> tuple[list[Match], list[str], 
         if found is not None:
             m = _matrices(source[found])
             how = "same name" if found == name else f"renamed from {found}"
-            matches.append(Match(name, how, [[Segment(found, i, (0, _rows(source[found])))] for i in range(m)]))
+            layout = [[Segment(found, i, (0, _rows(source[found])))] for i in range(m)]
+            matches.append(Match(name, how, layout, direct=found))
             continue
         made = _fused_from_experts(name, c, other[name], by_canonical, source) or _expert_of_fused(
             c, name, by_canonical, source
