@@ -276,7 +276,9 @@ def test_the_collector_is_paused_while_the_index_is_built_and_restored_after(tmp
     try:
         frozen = gc.get_freeze_count()
         index_module.load_index(path, [], index_file)
-        assert gc.get_freeze_count() == frozen
+        # none unfrozen (0) and none added; a frozen object that dies meanwhile (another test's thread ending)
+        # leaves the count, so it may be a few lower
+        assert 0.9 * frozen < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
     index_file.write_text(index_file.read_text().replace('"b.weight"', '"ghost.weight"'))
