@@ -40,6 +40,7 @@ FP8_E4M3 = "F8_E4M3"
 # (e4m3fnuz-like; the compressed-tensors config then says so, or vllm-gaudi rescales a second time).
 FP8_MAX_STANDARD = 448.0
 FP8_MAX_GAUDI2 = 240.0
+INT8_MAX = 127.0  # symmetric INT8 (--to int8): -127..127, as compressed-tensors and vLLM quantize
 FLOAT_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 # UE8M0 scales: float8_e8m0fnu, or uint8 exponents; both mean 2^(byte - 127)
 UE8M0_SCALE_DTYPES = frozenset({"F8_E8M0", "U8"})

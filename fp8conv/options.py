@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .backends import DEVICES
-from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD
+from .dtypes import DEQUANT_TARGETS, FP8_MAX_GAUDI2, FP8_MAX_STANDARD, INT8_MAX
 from .errors import OptionsError
 from .model.families import ROLE_GROUPS
 from .storage.direct_io import ALIGN
@@ -25,7 +25,9 @@ from .storage.writer import MAX_SEGMENTS, SEGMENT_BYTES
 if TYPE_CHECKING:
     from .source.shard_fetch import ShardSource
 
-TARGETS = ("bf16", "channel", "block", "mxfp8")
+TARGETS = ("bf16", "channel", "block", "mxfp8", "int8")
+# one float32 scale per output row, dynamic per-token activations (compressed-tensors): FP8 or INT8 weights
+ROW_SCALED_TARGETS = ("channel", "int8")
 SCALE_FORMATS = ("ue8m0",)  # --to block --scale-fmt: power-of-two scales (stored as SCALE_DTYPES say)
 # --scale-dtype, how --scale-fmt ue8m0 stores its power-of-two scales: float32 (DeepSeek-V3.1's weight_scale_inv,
 # what every block-FP8 client reads) or float8_e8m0fnu (DeepSeek-V4's `.scale`; mlx-lm reads its raw byte,
@@ -62,6 +64,16 @@ class ConvertOptions:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def row_scaled(self) -> bool:
+        """One scale per output row (--to channel, --to int8): the same plan, another element type."""
+        return self.to in ROW_SCALED_TARGETS
+
+    @property
+    def quant_max(self) -> float:
+        """The largest magnitude a written weight code holds: the FP8 range, or 127 for INT8."""
+        return INT8_MAX if self.to == "int8" else self.fp8_max
 
     def validate(self) -> None:
         if self.to not in TARGETS:
@@ -157,6 +169,16 @@ class Tuning:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def row_scaled(self) -> bool:
+        """One scale per output row (--to channel, --to int8): the same plan, another element type."""
+        return self.to in ROW_SCALED_TARGETS
+
+    @property
+    def quant_max(self) -> float:
+        """The largest magnitude a written weight code holds: the FP8 range, or 127 for INT8."""
+        return INT8_MAX if self.to == "int8" else self.fp8_max
+
     def validate(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
@@ -207,6 +229,16 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def row_scaled(self) -> bool:
+        """One scale per output row (--to channel, --to int8): the same plan, another element type."""
+        return self.to in ROW_SCALED_TARGETS
+
+    @property
+    def quant_max(self) -> float:
+        """The largest magnitude a written weight code holds: the FP8 range, or 127 for INT8."""
+        return INT8_MAX if self.to == "int8" else self.fp8_max
 
     def validate(self) -> None:
         if self.part is not None and (len(self.part) != 2 or not 1 <= self.part[0] <= self.part[1]):

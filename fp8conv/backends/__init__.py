@@ -52,11 +52,13 @@ class Backend(Protocol):
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
     ) -> None:
-        """Quantize float32 weight [M, N, K] to float8_e4m3fn blocks of `block` (channel: (1, K)).
+        """Quantize float32 weight [M, N, K] to q_out's codes, float8_e4m3fn or int8, in blocks of `block`
+        (channel: (1, K)).
 
         Per block, over the block zero-padded to full size: scale = amax / fp8_max in float32 (1.0 for
         an all-zero block, so it stays zero, never NaN); q = clamp(w / scale, -fp8_max, fp8_max) cast
-        to float8_e4m3fn (round to nearest even). scale_out: [M, ceil(N/bn), ceil(K/bk)] float32.
+        to float8_e4m3fn (round to nearest even), or for int8 (fp8_max 127) rounded half to even, then
+        cast. scale_out: [M, ceil(N/bn), ceil(K/bk)] float32.
         """
         ...
 

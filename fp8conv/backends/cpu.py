@@ -27,7 +27,7 @@ import torch
 from .pow2 import Buffers
 from .scales import apply_global_scale, scale_to_float32
 from .scratch import scratch
-from .torch_device import TorchDeviceBackend
+from .torch_device import TorchDeviceBackend, round_for_codes_
 
 CHUNK_ELEMENTS = 1 << 20  # ~1M elements: measured best (per-call overhead vs cache) for dequant and requant
 CLEAR_BIT_14 = -16385  # 0xBFFF as int16: the sign-extension copy of the sign bit lands on bit 14
@@ -194,7 +194,7 @@ class CpuBackend(TorchDeviceBackend):
             # as quantize_blocks below: max(amax, -amin), float32 division, clamp, one cast
             amax = torch.maximum(prod.amax(dim=1), prod.amin(dim=1).neg_())
             s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-            torch.div(prod, s[:, None], out=prod).clamp_(-fp8_max, fp8_max)
+            round_for_codes_(torch.div(prod, s[:, None], out=prod).clamp_(-fp8_max, fp8_max), q_out.dtype)
             q_out[m, r0 : r0 + rows].copy_(prod)
             scale_out[m, r0 : r0 + rows, 0] = s
 
@@ -224,7 +224,7 @@ class CpuBackend(TorchDeviceBackend):
                 # (vector_norm inf, aminmax) are ~15x slower. NaN propagates as through abs.
                 amax = torch.maximum(w.amax(dim=3).amax(dim=1), w.amin(dim=3).amin(dim=1).neg_())
                 s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-                torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max)
+                round_for_codes_(torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max), q_out.dtype)
                 q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
                 scale_out[m, g0 : g0 + gn] = s
 

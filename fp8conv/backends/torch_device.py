@@ -16,6 +16,13 @@ from .scales import apply_global_scale, scale_to_float32
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
 
 
+def round_for_codes_(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scaled, clamped float32 values made ready for one cast to `dtype`: an FP8 cast rounds to nearest even
+    itself; a cast to INT8 truncates, so INT8 codes are rounded first, half to even (torch.round, every
+    device), and the cast is then exact."""
+    return values.round_() if dtype == torch.int8 else values
+
+
 class TorchDeviceBackend:
     def __init__(self, device: str = "cpu", name: str = "reference") -> None:
         self.device = torch.device(device)
@@ -71,7 +78,8 @@ class TorchDeviceBackend:
         for m, r0, r1, g0, g1, blocks in self._padded_block_chunks(weight, block):
             amax = blocks.abs().amax(dim=(1, 3))
             scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-            q = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+            q = round_for_codes_((blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max), q_out.dtype)
+            q = q.to(q_out.dtype)
             q_out[m, r0:r1] = q.reshape(-1, q.shape[2] * q.shape[3])[: r1 - r0, : weight.shape[2]].cpu()
             scale_out[m, g0:g1] = scale.cpu()
 

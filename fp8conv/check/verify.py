@@ -193,7 +193,7 @@ class OutputCheck:
     def _numbers(self, job: Job, header: ShardHeader, fd_out: int, read_in) -> list[str]:
         """_check_job's findings, band by band (verify_bands): a few bands in memory, never a large tensor
         whole; the first band that fails stands for the tensor."""
-        fp8_max = self.plan.options.fp8_max
+        fp8_max = self.plan.options.quant_max
         if job.action is Action.COPY and len(job.outputs) > 1:  # a weight kept as stored, with its scale:
             # each a copy of its own, checked band by band (a 91 GiB Engram table never whole)
             copies = [replace(job, source=o.name, outputs=(o,), fmt=None) for o in job.outputs]
@@ -311,6 +311,10 @@ def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: f
     truth = pad_to(truth, tuple(q.shape), 0.0, job.pad_parts)
     if job.action is Action.QUANTIZE_POW2:
         return problems + _pow2_problems(job, q, full_scale, truth)
+    if got[0].dtype == torch.int8:  # integer steps of the row's scale: half a step, and float32's own rounding
+        if not bool(((q * full_scale - truth).abs() <= full_scale * (0.5 + 2**-12) + truth.abs() * 2**-22).all()):
+            problems.append(f"{name}: outside the INT8 rounding bound of the input (half a step of its row's scale)")
+        return problems
     amax = full_scale * fp8_max
     if not bool(((q * full_scale - truth).abs() <= truth.abs() * 2**-4 + amax * 2**-9).all()):
         problems.append(f"{name}: outside the FP8 rounding bound of the input")

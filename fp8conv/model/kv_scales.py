@@ -107,11 +107,12 @@ def declare_kv_cache(
     if target == "channel" and scheme is not None:
         output_qconfig["kv_cache_scheme"] = scheme
         return []
-    why = (
-        "an fp8 config has no KV-cache declaration (vLLM's Fp8Config reads none)"
-        if target == "block"
-        else "compressed-tensors has no spelling for it that vLLM loads"
-    )
+    if target == "block":
+        why = "an fp8 config has no KV-cache declaration (vLLM's Fp8Config reads none)"
+    elif target == "int8":  # for hardware without FP8: an FP8 KV cache is the server's choice, not the file's
+        why = "an INT8 output is for hardware without FP8, so it declares no FP8 KV cache"
+    else:
+        why = "compressed-tensors has no spelling for it that vLLM loads"
     return [
         f"the input declares {said}; {why}, so vLLM runs this output with an unquantized KV cache unless "
         f"served with --kv-cache-dtype fp8, which applies the {len(kept)} KV-cache scale tensor(s) kept"

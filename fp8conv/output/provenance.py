@@ -51,6 +51,11 @@ def describe_target(plan: ConversionPlan) -> str:
             "channel-wise FP8 (compressed-tensors FP8_DYNAMIC: float8_e4m3fn weights, one float32 scale "
             f"per output row, dynamic per-token activations{gaudi})"
         )
+    if opts.to == "int8":
+        return (
+            "INT8 W8A8 (compressed-tensors int-quantized: symmetric int8 weights, one float32 scale per output "
+            "row, dynamic per-token INT8 activations)"
+        )
     quant = (plan.config or {}).get("quantization_config") or {}
     block = quant.get("weight_block_size") or list(opts.block_size or DEFAULT_BLOCK)
     pad = f", MLP widths zero-padded for tensor parallel {opts.pad_for_tp}" if opts.pad_for_tp else ""

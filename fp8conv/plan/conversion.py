@@ -44,6 +44,7 @@ from ..source.config import (
     rewrite_for_block,
     rewrite_for_channel,
     rewrite_for_dequantized,
+    rewrite_for_int8,
     rewrite_for_mxfp8,
     rewrite_mistral_params,
 )
@@ -278,6 +279,8 @@ def _plan_mistral_native(
     if to == "channel":
         flavor = "float8_e4m3fnuz" if planner.options.fp8_max == FP8_MAX_GAUDI2 else None
         quant = rewrite_for_channel({}, ignore, flavor)["quantization_config"]
+    elif to == "int8":  # (refused: native_problems; the params as they would be)
+        quant = rewrite_for_int8({}, ignore)["quantization_config"]
     else:
         quant = compressed_tensors_block(planner.out_block, ignore)
     files = _OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: native_params(params, quant, ignore)})
@@ -320,9 +323,14 @@ def _plan_mistral_params(ckpt: Checkpoint, config: dict[str, Any] | None, target
     copied = tuple(name for name in copied if name != MISTRAL_PARAMS_NAME)
     rewritten = rewrite_mistral_params(params, config, target)
     if rewritten is None:
-        why = "Mistral-format config with no spelling for block FP8; config.json describes the output"
+        spelled = "INT8 (no confirmed reading in vLLM's Mistral loader)" if target == "int8" else "block FP8"
+        why = f"Mistral-format config with no spelling for {spelled}; config.json describes the output"
         return _OtherFiles(copied, (*skipped, (MISTRAL_PARAMS_NAME, why)), {})
     return _OtherFiles(copied, skipped, {MISTRAL_PARAMS_NAME: rewritten})
+
+
+# how a row-scaled target is named in messages
+_ROW_SCALED = {"channel": "channel FP8", "int8": "INT8 W8A8"}
 
 
 class _Planner:
@@ -338,11 +346,14 @@ class _Planner:
             self.out_block = MXFP8_GROUP
         # an unquantized checkpoint (e.g. bf16 after fine-tuning) gets its Linears quantized
         self.quantize_floats = options.to != "bf16" and not cls.holds_quantized()
+        self.row_dtype = "I8" if options.to == "int8" else FP8_E4M3  # a row-scaled target's weights
         # a model_type the table does not name has its roles found by rule from the tensors (roles.py)
         self.family = input_family(ckpt, cls)
         self.padding: MlpPadding | None = None
         # transformers-5 FineGrainedFP8Config saves write quantization_config.expert_dtype "fp8" too
         self.deepseek_v4 = cls.settings.expert_dtype is not None and model_type_of(ckpt.config) in DEEPSEEK_V4_TYPES
+        if options.to == "int8" and self.deepseek_v4:
+            self.problems.append(_int8_v4_problem(ckpt, cls))
         if options.pad_for_tp:
             packed = next((w.weight for w in cls.weights.values() if w.kind in PACKED), None)
             if self.deepseek_v4 or packed is not None:
@@ -441,18 +452,19 @@ class _Planner:
         base = module_of(name)
         if self.pow2:
             return self._pow2_job(name, base, out_shape, fmt, pad.parts)
-        if to == "channel":  # (a chunked fused projection is refused: fused_qkv_problems)
-            if not name.endswith(".weight") and not reads_fused_channel(self.ckpt.config, name):
+        if self.options.row_scaled:  # (a chunked fused projection is refused: fused_qkv_problems)
+            if not name.endswith(".weight") and not (to == "channel" and reads_fused_channel(self.ckpt.config, name)):
                 self.problems.append(
                     CheckpointError(
-                        "is a fused expert parameter as transformers 5 saves it; no engine reads channel FP8 "
+                        f"is a fused expert parameter as transformers 5 saves it; no engine reads {_ROW_SCALED[to]} "
                         "(compressed-tensors) in that layout",
                         tensor=name,
                         shard=self.ckpt.index.shard_of(name).name,
                         fix="convert with --to bf16, or --to block (transformers' fused FP8 layout)",
                     )
                 )
-            return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape, name), fmt, None, pad.parts)
+            outputs = _channel_outputs(base, out_shape, name, self.row_dtype)
+            return Job(name, Action.QUANTIZE, outputs, fmt, None, pad.parts)
         # what the job is but for its names, once per kind of weight (a release has 100k in a few dozen)
         chunks = fmt.chunked.chunks if fmt.chunked is not None else 1
         key = (fmt.kind, fmt.block, fmt.row_scales is None, shape, out_shape, pad.parts, chunks)
@@ -493,8 +505,8 @@ class _Planner:
         base = module_of(fmt.out_name)  # never padded: --pad-for-tp refuses packed checkpoints
         if self.pow2:
             return replace(self._pow2_job(fmt.out_name, base, shape, fmt, 1), source=fmt.weight)
-        if self.options.to == "channel":
-            return Job(fmt.weight, Action.QUANTIZE, _channel_outputs(base, shape), fmt, None)
+        if self.options.row_scaled:
+            return Job(fmt.weight, Action.QUANTIZE, _channel_outputs(base, shape, None, self.row_dtype), fmt, None)
         outputs = _block_outputs(base, shape, self.out_block, fmt.out_name, _block_scale_name(fmt, base))
         return Job(fmt.weight, Action.QUANTIZE, outputs, fmt, self.out_block)
 
@@ -539,8 +551,9 @@ class _Planner:
                 )
             if self.pow2:
                 return self._pow2_job(name, base, out_shape, None, pad.parts)
-            if self.options.to == "channel":
-                return Job(name, Action.QUANTIZE, _channel_outputs(base, out_shape), None, None, pad.parts)
+            if self.options.row_scaled:
+                outputs = _channel_outputs(base, out_shape, None, self.row_dtype)
+                return Job(name, Action.QUANTIZE, outputs, None, None, pad.parts)
             block = self.out_block
             return Job(name, Action.QUANTIZE, _block_outputs(base, out_shape, block), None, block, pad.parts)
         fused_channel = len(shape) == 3 and reads_fused_channel(self.ckpt.config, name)
@@ -556,16 +569,12 @@ class _Planner:
             # transformers swaps every `*.experts` module not listed for FP8 experts (and vLLM quantizes
             # a FusedMoE not ignored): bf16 fused experts left as they are must be listed, or they load as garbage
             self.unquantized_linears.append(m.group(1))
-            if (
-                self.options.to == "channel"
-                and self.family is not None
-                and not self.family.fused_experts_beside_channel
-            ):
+            if self.options.row_scaled and self.family is not None and not self.family.fused_experts_beside_channel:
                 self.problems.append(
                     CheckpointError(
                         f"is a fused 3-D expert parameter; transformers loads {self.family.name} experts under a "
                         "compressed-tensors config one Linear per expert (experts.E.gate_proj ...), so it would not "
-                        "load beside channel FP8",
+                        f"load beside {_ROW_SCALED[self.options.to]}",
                         tensor=name,
                         shard=self.ckpt.index.shard_of(name).name,
                         fix="convert with --to block or --to bf16",
@@ -613,6 +622,8 @@ class _Planner:
         if to == "channel":
             flavor = "float8_e4m3fnuz" if self.options.fp8_max == FP8_MAX_GAUDI2 else None
             out = _with_expert_dtype(rewrite_for_channel(config, ignore, flavor), expert_dtype)
+        elif to == "int8":  # (DeepSeek-V4 is refused: int8_v4_problem)
+            out = rewrite_for_int8(config, ignore)
         elif to == "mxfp8":
             spelling = self.options.mxfp8_format or "compressed-tensors"
             out = _with_expert_dtype(rewrite_for_mxfp8(config, ignore, spelling), expert_dtype)
@@ -689,11 +700,13 @@ def _ue8m0_block_problem(ckpt: Checkpoint, cls: Classification, block: tuple[int
     )
 
 
-def _channel_outputs(base: str, shape: tuple[int, ...], weight: str | None = None) -> tuple[TensorSpec, ...]:
+def _channel_outputs(
+    base: str, shape: tuple[int, ...], weight: str | None = None, dtype: str = FP8_E4M3
+) -> tuple[TensorSpec, ...]:
     # X.weight -> X.weight_scale; a bare fused parameter X (transformers 5) -> X_scale
     weight = weight or base + ".weight"
     return (
-        TensorSpec(weight, FP8_E4M3, shape),
+        TensorSpec(weight, dtype, shape),
         TensorSpec(weight + "_scale", "F32", (*shape[:-1], 1)),
     )
 
@@ -715,6 +728,18 @@ def _block_outputs(
 def _block_scale_name(fmt: WeightFormat, base: str) -> str | None:
     """DeepSeek-V4 names block scales `<module>.scale`; its output keeps that name (None: the default)."""
     return base + V4_SCALE_SUFFIX if fmt.scale is not None and fmt.scale.endswith(V4_SCALE_SUFFIX) else None
+
+
+def _int8_v4_problem(ckpt: Checkpoint, cls: Classification) -> CheckpointError:
+    """DeepSeek-V4's loaders take its experts' dtype from expert_dtype (fp8 or fp4): none reads INT8."""
+    first = next(iter(cls.weights), None)
+    return CheckpointError(
+        "is DeepSeek-V4, whose loaders (vLLM, sglang, transformers) read its experts as expert_dtype fp8 or fp4; "
+        "none reads INT8 experts",
+        tensor=first,
+        shard=ckpt.index.shard_of(first).name if first else None,
+        fix="convert with --to bf16, --to channel or --to block",
+    )
 
 
 def _with_expert_dtype(config: dict[str, Any], value: str | None) -> dict[str, Any]:

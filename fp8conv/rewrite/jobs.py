@@ -67,12 +67,13 @@ def run_job(
         weight = read(job.source)
         exact_pow2 = exact_pow2_applies(job, read)
         if tuple(weight.shape) == job.spec.shape and job.out_chunks == 1 and not exact_pow2:  # in one go
-            return list(requantize(weight, stored_scale(read, job.fmt), job.fmt, job.out_block, fp8_max, backend))
+            scale, dtype = stored_scale(read, job.fmt), torch_dtype(job.spec.dtype)
+            return list(requantize(weight, scale, job.fmt, job.out_block, fp8_max, backend, dtype))
         w32 = dequantize(weight, stored_scale(read, job.fmt), job.fmt, torch.float32, backend)
     else:
         w32, exact_pow2 = read(job.source).to(torch.float32), False
     w32 = in_chunks(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_chunks)
-    q, scale = quantize(w32, job.out_block, fp8_max, backend)
+    q, scale = quantize(w32, job.out_block, fp8_max, backend, torch_dtype(job.spec.dtype))
     if exact_pow2 and job.out_block is not None:  # power-of-two-scaled FP8 in another block geometry
         exact, total = prefer_exact_pow2(w32, q, scale, job.out_block, backend)
         if exactness is not None:
@@ -87,7 +88,10 @@ def _packed_to_fp8(
     """A packed 4-bit weight quantized to FP8 whole, its exact output blocks (rows) counted into exactness."""
     assert job.fmt is not None
     w32 = unpack_to_float32(read, job.fmt, backend)
-    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend)
+    dtype = torch_dtype(job.spec.dtype)
+    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend, dtype)
+    if dtype == torch.int8:  # exactness is an FP8 question (4-bit values on an e4m3 grid): the report says more
+        return [q, scale]
     block = job.out_block or (1, job.spec.shape[-1])
     n, k = w32.shape[-2:]  # --pad-for-tp added zeros (exact) after the blocks that hold values
     grid = (-(-n // block[0]), -(-k // block[1]))

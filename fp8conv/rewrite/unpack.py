@@ -109,6 +109,8 @@ def band_quantizer(
             decode(codes[:, c0:c1], r0 + c0, w32)
             q_part, s_part = q[:, c0:c1], scale[:, c0 // bn : -(-c1 // bn)]
             backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part)
+            if q.dtype == torch.int8:  # exactness is an FP8 question (_packed_to_fp8)
+                continue
             if exact_pow2:  # blocks a power of two holds exactly take it (rewrite.exact_pow2)
                 e, t = prefer_exact_pow2(w32, q_part, s_part, out_block, backend)
             else:

@@ -200,7 +200,7 @@ def _exactness_warning(plan: ConversionPlan, exactness: tuple[int, int]) -> list
     exact, total = exactness
     if not total:
         return []
-    unit = "rows" if plan.options.to == "channel" else f"{_out_block_text(plan)} blocks"
+    unit = "rows" if plan.options.row_scaled else f"{_out_block_text(plan)} blocks"
     head = f"weights requantized to FP8 from 4-bit values or power-of-two scales: {exact} of {total} {unit} exact"
     if exact == total:  # nothing lost: the summary line says so (cli.render.convert_summary)
         return []

@@ -155,7 +155,7 @@ class Scheduler:
         self.direct_io, self.progress = direct_io, progress
         self.packed_chunk = tuning.packed_chunk_elements  # packed bands quantized to FP8, decoded this much at once
         self.limits = write_limits(max_memory, tuning)  # the writer's segments and copy chunk, counted under a cap
-        self.fp8_max = plan.options.fp8_max
+        self.fp8_max = plan.options.quant_max  # (127 for INT8)
         self.totals = RunTotals()
         self.done = 0  # bytes of output done, for progress
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # reused band buffers, by (kind, slot)

@@ -93,6 +93,30 @@ def rewrite_for_channel(config: dict[str, Any], ignore: list[str], fp8_dtype_fla
     return out
 
 
+def rewrite_for_int8(config: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
+    """compressed-tensors W8A8 (its preset): symmetric INT8 weights with one float32 scale per output row,
+    dynamic per-token INT8 activations, format int-quantized; what vLLM's CompressedTensorsW8A8Int8 (Linear)
+    and CompressedTensorsW8A8Int8MoEMethod read."""
+    out = _without_quantization(config)
+    int8 = {"num_bits": 8, "type": "int"}
+    out["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**int8, "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {**int8, "strategy": "token", "symmetric": True, "dynamic": True},
+                "output_activations": None,
+                "format": "int-quantized",
+            }
+        },
+        "ignore": ignore,
+    }
+    return out
+
+
 def compressed_tensors_block(block: tuple[int, int], ignore: list[str]) -> dict[str, Any]:
     """compressed-tensors FP8_BLOCK (llm-compressor's preset): block FP8 weights with `weight_scale`
     grids, dynamic per-group activations; what a Mistral-native params.json can say for block FP8."""

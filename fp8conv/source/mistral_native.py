@@ -97,7 +97,9 @@ def native_problems(
         return []
     why = None
     layout = engine_layout(params)
-    if pow2:
+    if to == "int8":
+        why = "vLLM's Mistral loader has no confirmed reading of INT8 weights (compressed-tensors int-quantized) there"
+    elif pow2:
         why = (
             f"params.json's quantization is read as fp8_e4m3 per-tensor or compressed-tensors only, and vLLM's "
             f"Mistral loader has no confirmed reading of {'MXFP8' if to == 'mxfp8' else 'ue8m0 block scales'} there"

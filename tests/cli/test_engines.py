@@ -59,6 +59,62 @@ def test_transformers_with_compressed_tensors_loads_channel_output(tiny, tmp_pat
     assert (compressed - decompressed).abs().max() < 0.25 * decompressed.abs().max()
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+def test_transformers_with_compressed_tensors_loads_int8_output(make_tiny, tmp_path):
+    """A dense model (every layer dense, the MTP layer too): transformers 5.25 gathers the per-expert INT8
+    Linears of a compressed-tensors MoE into its fused experts for none of its load paths (an error naming
+    experts.gate_up_proj: loud, never garbage; vLLM loads them, tests_engine)."""
+    pytest.importorskip("compressed_tensors")
+    tiny = make_tiny(shape=TinyModelShape(first_k_dense_replace=3))
+    out = tmp_path / "int8"
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="int8"))
+    got = load_dir(out)
+    assert sum(t.dtype == torch.int8 for t in got.values()) == len(tiny.linear_weights)
+    reference = {}
+    for name, t in got.items():
+        if name.endswith("_scale"):
+            continue
+        scale = got.get(name + "_scale")
+        reference[name] = (t.to(torch.float32) * scale).to(torch.bfloat16) if scale is not None else t
+    ref_dir = reference_model_dir(tmp_path, tiny.path, reference)
+    # decompressed to bf16 by compressed-tensors' int-quantized decompressor: the weights the reference computes
+    decompressed = transformers_logits(
+        out, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
+    assert decompressed.abs().max() > 0 and same_bits(decompressed, transformers_logits(ref_dir))
+    # against the exact values (the bf16 output): INT8 rows (steps of amax / 127, ~0.7% of these weights) hold
+    # them closer than channel FP8 (3 mantissa bits, ~2.5%), so its logits are closer too
+    fp8conv.convert(tiny.path, tmp_path / "bf16", ConvertOptions(to="bf16"))
+    fp8conv.convert(tiny.path, tmp_path / "channel", ConvertOptions(to="channel"))
+    exact = transformers_logits(tmp_path / "bf16")
+    channel = transformers_logits(
+        tmp_path / "channel", quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
+    assert 0 < (decompressed - exact).norm() < (channel - exact).norm()
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+def test_transformers_loads_the_int8_moe_output_right_or_refuses_it_loudly(tiny, tmp_path):
+    """transformers 5.25 refuses it (its fused experts find none of the per-expert INT8 Linears); a later one
+    that loads it must compute the decoded weights."""
+    pytest.importorskip("compressed_tensors")
+    out = tmp_path / "int8"
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="int8"))
+    decompressed = transformers.CompressedTensorsConfig(run_compressed=False)
+    try:
+        got = transformers_logits(out, quantization_config=decompressed)
+    except RuntimeError as exc:
+        assert "conversion of the weights" in str(exc)
+        return
+    tensors = load_dir(out)
+    reference = {
+        n: (t.to(torch.float32) * tensors[n + "_scale"]).to(torch.bfloat16) if n + "_scale" in tensors else t
+        for n, t in tensors.items()
+        if not n.endswith("_scale")
+    }
+    assert same_bits(got, transformers_logits(reference_model_dir(tmp_path, tiny.path, reference)))
+
+
 def test_padded_block_output_computes_the_same_function(tiny, tmp_path):
     fp8conv.convert(tiny.path, tmp_path / "block", ConvertOptions(to="block"))
     fp8conv.convert(tiny.path, tmp_path / "padded", ConvertOptions(to="block", pad_for_tp=4))

@@ -92,7 +92,7 @@ def test_the_cap_counts_what_the_write_side_holds(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer_module, "aligned_empty", tracked)
     monkeypatch.setattr(scheduler, "aligned_empty", tracked)
-    plan = SimpleNamespace(options=SimpleNamespace(fp8_max=448.0))
+    plan = SimpleNamespace(options=SimpleNamespace(quant_max=448.0))
     sched = scheduler.Scheduler(None, plan, None, None, False, None, cap)  # type: ignore[arg-type]
     parts = 12
     spec = TensorSpec("x", "U8", (parts * SEGMENT_BYTES,))

@@ -1,0 +1,157 @@
+"""--to int8: symmetric INT8 weights, one float32 scale per output row (absmax / 127, round half to even,
+clamp), compressed-tensors W8A8 int-quantized; checked against a plain definition written here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fp8conv
+from fp8conv import ConvertOptions
+from fp8conv.cli.commands import main
+from fp8conv.errors import Fp8ConvError, OptionsError
+from fp8conv.options import RunOptions, Tuning
+from tests.support.helpers import load_dir, write_checkpoint
+from tests.support.packed_builders import build_int4
+from tests.support.reference import dequant_reference, same_bits
+from tests.support.synthetic import DIALECTS, TinyModelShape
+
+W8A8_GROUP = {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+    "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True},
+    "output_activations": None,
+    "format": "int-quantized",
+}
+
+
+def int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain definition, row by row in float64 where that changes nothing: scale = float32(amax / 127)
+    (1 for an all-zero row), q = the integer nearest float32(w / scale), ties to even, clamped to +-127."""
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], 1, dtype=torch.float32)
+    for r in range(w.shape[0]):
+        row = w[r].to(torch.float32)
+        amax = row.abs().max()
+        scale = amax / 127.0 if amax > 0 else torch.tensor(1.0)
+        y = (row / scale).tolist()  # float32 quotients, as Python floats (exact)
+        codes = [max(-127, min(127, round(v))) for v in y]  # Python's round: half to even
+        q[r] = torch.tensor(codes, dtype=torch.int8)
+        scales[r, 0] = scale
+    return q, scales
+
+
+@pytest.mark.parametrize("dialect", ["block", "per-tensor", "channel", "bf16"])
+@pytest.mark.parametrize("bands", [False, True])
+def test_every_linear_is_the_plain_int8_definition_of_the_input(make_tiny, tmp_path, dialect, bands):
+    assert dialect in DIALECTS
+    tiny = make_tiny(dialect=dialect)
+    out = tmp_path / "int8"
+    run = RunOptions(tuning=Tuning(convert_band_elements=3000)) if bands else RunOptions()
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="int8"), run=run)
+    src, got = load_dir(tiny.path), load_dir(out)
+    quantized = [n for n in got if got[n].dtype == torch.int8]
+    assert sorted(quantized) == sorted(tiny.linear_weights)
+    for name in quantized:
+        w = dequant_reference(src, name) if src[name].dtype == torch.float8_e4m3fn else src[name].float()
+        q, scale = int8_reference(w)
+        assert same_bits(got[name], q), name
+        assert same_bits(got[name + "_scale"], scale), name
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["format"] == "int-quantized" and quant["config_groups"] == {"group_0": W8A8_GROUP}
+    assert "lm_head" in quant["ignore"] and got["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_ties_round_to_even_and_the_largest_value_is_127(tmp_path):
+    """amax 127 makes the scale 1: x.5 values show the rounding (half to even, not away from zero)."""
+    row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, -126.5] + [0.0] * 23)
+    w = torch.stack([row, -row, torch.zeros(32)]).to(torch.bfloat16)
+    write_checkpoint(tmp_path / "c", {"model.layers.0.mlp.down_proj.weight": w}, {"model_type": "llama"})
+    fp8conv.convert(tmp_path / "c", tmp_path / "o", ConvertOptions(to="int8"))
+    got = load_dir(tmp_path / "o")
+    q, scale = got["model.layers.0.mlp.down_proj.weight"], got["model.layers.0.mlp.down_proj.weight_scale"]
+    assert q[0, :9].tolist() == [127, 0, 2, 2, 0, -2, -2, 3, -126]
+    assert q[1, :9].tolist() == [-127, 0, -2, -2, 0, 2, 2, -3, 126]
+    assert scale[:, 0].tolist() == [1.0, 1.0, 1.0] and not q[2].any()  # an all-zero row: scale 1, zeros
+
+
+def test_reference_and_cpu_backends_write_the_same_bytes(make_tiny, tmp_path):
+    tiny = make_tiny()
+    for device in ("cpu", "reference"):
+        fp8conv.convert(tiny.path, tmp_path / device, ConvertOptions(to="int8"), run=RunOptions(device=device))
+    ours, theirs = load_dir(tmp_path / "cpu"), load_dir(tmp_path / "reference")
+    assert ours.keys() == theirs.keys() and all(same_bits(ours[n], theirs[n]) for n in ours)
+
+
+def test_packed_int4_experts_become_int8_rows(tmp_path):
+    _, truth = build_int4(tmp_path / "c", {"model.layers.0.mlp.experts.0.down_proj": (64, 96)})
+    fp8conv.convert(tmp_path / "c", tmp_path / "o", ConvertOptions(to="int8"))
+    got = load_dir(tmp_path / "o")
+    name = "model.layers.0.mlp.experts.0.down_proj.weight"
+    q, scale = int8_reference(truth[name].to(torch.float32))
+    assert same_bits(got[name], q) and same_bits(got[name + "_scale"], scale)
+
+
+def test_verify_passes_the_output_and_names_a_changed_code(make_tiny, tmp_path):
+    tiny = make_tiny()
+    out = tmp_path / "int8"
+    fp8conv.convert(tiny.path, out, ConvertOptions(to="int8"))
+    assert fp8conv.verify(tiny.path, out).ok
+    name = tiny.linear_weights[0]
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_dir(out)
+    q = tensors[name].clone()
+    q[0, 0] = q[0, 0] + (1 if q[0, 0] < 127 else -1)  # one code one step away
+    from safetensors.torch import load_file, save_file
+
+    shard_tensors = load_file(shard)
+    shard_tensors[name] = q
+    save_file(shard_tensors, shard, metadata={"format": "pt"})
+    result = fp8conv.verify(tiny.path, out)
+    assert not result.ok and any(name in p and "differs from the reference" in p for p in result.failures)
+
+
+def test_cli_converts_and_describes_int8(make_tiny, tmp_path):
+    tiny = make_tiny()
+    r = CliRunner().invoke(main, ["convert", str(tiny.path), "--to", "int8", "-o", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert "INT8 W8A8" in card
+    r = CliRunner().invoke(main, ["inspect", str(tiny.path)])
+    assert "--to int8 ~" in r.output
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fp8_max": 240.0}, "--fp8-max 240 / --target gaudi2 applies to --to channel only"),
+        ({"pad_for_tp": 2}, "--pad-for-tp N (N >= 1) applies to --to block only, or --to mxfp8"),
+        ({"scale_fmt": "ue8m0"}, "--scale-fmt ue8m0 applies to --to block only"),
+    ],
+)
+def test_options_int8_does_not_take(options, message):
+    with pytest.raises(OptionsError) as exc:
+        ConvertOptions(to="int8", **options)
+    assert message in str(exc.value)
+
+
+def test_deepseek_v4_is_refused_by_name(tmp_path):
+    from tests.support.packed_builders import build_v4
+
+    build_v4(tmp_path / "v4")
+    with pytest.raises(Fp8ConvError) as exc:
+        fp8conv.convert(tmp_path / "v4", tmp_path / "o", ConvertOptions(to="int8"))
+    assert "none reads INT8 experts" in str(exc.value) and "--to channel" in str(exc.value)
+    assert not (tmp_path / "o" / "config.json").exists()
+
+
+def test_int8_output_is_as_large_as_channel_fp8(make_tiny, tmp_path):
+    tiny = make_tiny(shape=TinyModelShape())
+    sizes = {}
+    for to in ("channel", "int8"):
+        sizes[to] = fp8conv.convert(tiny.path, tmp_path / to, ConvertOptions(to=to)).bytes_written
+    assert sizes["int8"] == sizes["channel"] and math.isfinite(sizes["int8"])
