@@ -35,6 +35,7 @@ class Converted:
     channel: Path
     block: Path  # --to block, unpadded
     block_tp2: Path  # --to block --pad-for-tp 2
+    int8: Path  # --to int8 (compressed-tensors W8A8)
 
 
 def fp8conv_cli(*args: str) -> None:
@@ -49,11 +50,12 @@ def converted(tmp_path_factory) -> dict[str, Converted]:
     out = {}
     for kind in KINDS:
         fp8 = build_fp8(kind, root)
-        c = Converted(fp8, *(root / f"{kind}-{t}" for t in ("bf16", "channel", "block", "block-tp2")))
+        c = Converted(fp8, *(root / f"{kind}-{t}" for t in ("bf16", "channel", "block", "block-tp2", "int8")))
         fp8conv_cli("convert", str(fp8), "--to", "bf16", "-o", str(c.bf16))
         fp8conv_cli("convert", str(fp8), "--to", "channel", "-o", str(c.channel))
         fp8conv_cli("convert", str(fp8), "--to", "block", "-o", str(c.block))
         fp8conv_cli("convert", str(fp8), "--to", "block", "--pad-for-tp", "2", "-o", str(c.block_tp2))
+        fp8conv_cli("convert", str(fp8), "--to", "int8", "-o", str(c.int8))
         out[kind] = c
     return out
 

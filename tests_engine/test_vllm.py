@@ -89,6 +89,14 @@ KERNELS_LINE = "fp8conv-worker: vLLM's CPU FP8 kernels here:"
 CHANNEL_FP8_KERNELS = ("ChannelWiseTorchFP8ScaledMMLinearKernel", "CPUFP8W8A8ScaledMMLinearKernel")
 
 
+# INT8 W8A8 in vLLM (oneDNN on the CPU) against the exact weights (the bf16 output, in transformers): the
+# same token's log-probability within this (nats). Weights move by half a step of amax / 127 per row (~0.7%
+# rms of these gaussian rows) and activations by half a step per token: measured ~0.01-0.03 here, twice that
+# allowed for the other host's kernels.
+INT8_LOGPROB_TOL = 0.06
+INT8_KERNEL = "CPUInt8ScaledMMLinearKernel"
+
+
 def _missing_cpu_kernels(stderr: str) -> str:
     line = next((x for x in stderr.splitlines() if x.startswith(KERNELS_LINE)), KERNELS_LINE + " (not reported)")
     return line.removeprefix(KERNELS_LINE).strip()
@@ -115,6 +123,25 @@ def test_block_padded_output_computed_by_vllm_where_the_cpu_has_its_kernel(conve
     hf_tokens, hf_logprobs = _transformers_greedy(converted[kind].bf16)
     verdict = _compare_greedy(got, hf_tokens, hf_logprobs, BF16_LOGPROB_TOL)
     VERDICTS.append(f"COMPUTED {kind} block (padded, this CPU has AMX): vLLM {got['tokens']}: {verdict}")
+
+
+def test_int8_dense_output_computed_by_vllm_matches_the_bf16_output(converted, tmp_path):
+    """vLLM computes the --to int8 output with its INT8 kernel (dynamic per-token INT8 activations): its
+    greedy tokens and their log-probabilities are those of the exact weights (the bf16 output) in
+    transformers, within INT8_LOGPROB_TOL (or a near tie flips)."""
+    path = converted["qwen3"].int8
+    proc = run_worker("qwen3 int8: generate", "generate", str(path), str(tmp_path / "out.json"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert INT8_KERNEL in proc.stdout + proc.stderr  # vLLM ran INT8, not bf16
+    got = json.loads((tmp_path / "out.json").read_text())
+    hf_tokens, hf_logprobs = _transformers_greedy(converted["qwen3"].bf16)
+    verdict = _compare_greedy(got, hf_tokens, hf_logprobs, INT8_LOGPROB_TOL)
+    first = got["logprobs"][0]
+    diffs = [abs(lp - float(hf_logprobs[0][int(t)])) for t, lp in first.items()]
+    VERDICTS.append(
+        f"COMPUTED qwen3 int8 ({INT8_KERNEL}): {verdict}; first-token top-{len(diffs)} log-probabilities within "
+        f"{max(diffs):.4f} of the bf16 output's in transformers"
+    )
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
@@ -234,6 +261,8 @@ LOAD_ONLY = [
     ("qwen3", "block_tp2"),
     ("deepseek_v3", "channel"),
     ("qwen3_moe", "channel"),
+    ("deepseek_v3", "int8"),
+    ("qwen3_moe", "int8"),
 ]
 
 
@@ -311,7 +340,9 @@ def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind
     rank's parameters are the checkpoint's bytes, split the way tensor parallelism splits them."""
     path = getattr(converted[kind], target)
     used, quantized = _check_loaded(path, loaded / f"{kind}-{target}")
-    VERDICTS.append(f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} FP8 scales")
+    VERDICTS.append(
+        f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} quantization scales"
+    )
 
 
 @pytest.mark.parametrize("name", POW2)

@@ -53,8 +53,8 @@ def _no_amx_fp8() -> None:
 
 
 def _declare_cpu_fp8_kernels() -> None:
-    """LOAD-ONLY: vLLM picks each FP8 layer's CPU kernel while it builds the model, and refuses to build a
-    layer whose kernel this CPU or this build lacks (no AMX; no fp8_scaled_mm_cpu outside _C). Nothing
+    """LOAD-ONLY: vLLM picks each FP8 (and INT8 MoE) layer's CPU kernel while it builds the model, and refuses
+    to build a layer whose kernel this CPU or this build lacks (no AMX; no fp8_scaled_mm_cpu outside _C). Nothing
     computes here, so the W8A16 kernels a CPU with AMX and the FP8 ops would pick are declared available,
     and the AMX-FP8 ones absent: every host builds the same model, parameters and weight loaders."""
     from vllm import _custom_ops as ops
@@ -65,6 +65,10 @@ def _declare_cpu_fp8_kernels() -> None:
     ops._supports_cpu_fp8_w8a16 = True
     linear_cpu.CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
     cpu_moe.CPUExpertsFp8._supports_current_device = staticmethod(lambda: True)
+    # INT8 W8A8 MoE (--to int8): vLLM's CPU experts need AMX tiles (CPUExpertsInt8) and route by plain top-k
+    # only (DeepSeek's grouped top-k runs on a GPU's Triton experts, the same parameters): both declared
+    cpu_moe.CPUExpertsInt8._supports_current_device = staticmethod(lambda: True)
+    cpu_moe.CPUExpertsInt8._supports_routing_method = staticmethod(lambda *args: True)
 
 
 def _declare_cpu_mxfp8_kernels() -> None:
