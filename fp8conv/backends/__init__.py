@@ -39,6 +39,7 @@ class Backend(Protocol):
         fp8_max: float,
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
+        row_sums: torch.Tensor | None = None,
     ) -> None:
         """quantize_blocks(dequantize_blocks(weight, scale, in_block) as float32, out_block, ...): the
         same bits, without necessarily holding the float32 weight."""
@@ -51,6 +52,7 @@ class Backend(Protocol):
         fp8_max: float,
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
+        row_sums: torch.Tensor | None = None,
     ) -> None:
         """Quantize float32 weight [M, N, K] to q_out's codes, float8_e4m3fn or int8, in blocks of `block`
         (channel: (1, K)).
@@ -58,7 +60,8 @@ class Backend(Protocol):
         Per block, over the block zero-padded to full size: scale = amax / fp8_max in float32 (1.0 for
         an all-zero block, so it stays zero, never NaN); q = clamp(w / scale, -fp8_max, fp8_max) cast
         to float8_e4m3fn (round to nearest even), or for int8 (fp8_max 127) rounded half to even, then
-        cast. scale_out: [M, ceil(N/bn), ceil(K/bk)] float32.
+        cast. scale_out: [M, ceil(N/bn), ceil(K/bk)] float32. row_sums (INT8 rows only, block (1, K)):
+        [M, N, row_report.ROW_SUMS] float64, each row's error report sums (row_report.int8_row_sums_).
         """
         ...
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .pow2 import Buffers
+from .row_report import int8_row_sums_
 from .scales import apply_global_scale, scale_to_float32
 from .scratch import scratch
 from .torch_device import TorchDeviceBackend, round_for_codes_
@@ -176,6 +177,7 @@ class CpuBackend(TorchDeviceBackend):
         fp8_max: float,
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
+        row_sums: torch.Tensor | None = None,
     ) -> None:
         """Channel output fused chunk by chunk: dequantize a few rows into a cache-sized buffer, take
         their amax and divide them there. The float32 weight never goes to memory (a band-sized
@@ -183,7 +185,7 @@ class CpuBackend(TorchDeviceBackend):
         k = weight.shape[2]
         scale = scale.to(torch.float32)
         if out_block != (1, k) or bool((scale.abs() >= SCALE_LIMIT).any()):
-            super().requantize_blocks(weight, scale, in_block, out_block, fp8_max, q_out, scale_out)
+            super().requantize_blocks(weight, scale, in_block, out_block, fp8_max, q_out, scale_out, row_sums)
             return
 
         def into(m: int, r0: int, rows: int) -> torch.Tensor:
@@ -194,8 +196,9 @@ class CpuBackend(TorchDeviceBackend):
             # as quantize_blocks below: max(amax, -amin), float32 division, clamp, one cast
             amax = torch.maximum(prod.amax(dim=1), prod.amin(dim=1).neg_())
             s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-            round_for_codes_(torch.div(prod, s[:, None], out=prod).clamp_(-fp8_max, fp8_max), q_out.dtype)
-            q_out[m, r0 : r0 + rows].copy_(prod)
+            torch.div(prod, s[:, None], out=prod).clamp_(-fp8_max, fp8_max)
+            sums = None if row_sums is None else row_sums[m, r0 : r0 + rows]
+            self._write_codes(prod, s, q_out[m, r0 : r0 + rows], sums)
             scale_out[m, r0 : r0 + rows, 0] = s
 
     def quantize_blocks(
@@ -205,11 +208,12 @@ class CpuBackend(TorchDeviceBackend):
         fp8_max: float,
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
+        row_sums: torch.Tensor | None = None,
     ) -> None:
         bn, bk = block
         m_count, n, k = weight.shape
         if k % bk or (n % bn and n > bn):  # partial blocks: the reference pads them, simply
-            super().quantize_blocks(weight, block, fp8_max, q_out, scale_out)
+            super().quantize_blocks(weight, block, fp8_max, q_out, scale_out, row_sums)
             return
         gk = k // bk
         step = max(bn, (max(1, CHUNK_ELEMENTS // max(k, 1)) // bn) * bn) if n >= bn else n
@@ -224,9 +228,23 @@ class CpuBackend(TorchDeviceBackend):
                 # (vector_norm inf, aminmax) are ~15x slower. NaN propagates as through abs.
                 amax = torch.maximum(w.amax(dim=3).amax(dim=1), w.amin(dim=3).amin(dim=1).neg_())
                 s = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-                round_for_codes_(torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max), q_out.dtype)
-                q_out[m, r0 : r0 + rows].copy_(tmp.view(rows, k))
+                torch.div(w, s[:, None, :, None], out=tmp).clamp_(-fp8_max, fp8_max)
+                sums = None if row_sums is None else row_sums[m, r0 : r0 + rows]  # (channel: one row per block)
+                self._write_codes(tmp.view(rows, k), s.view(-1), q_out[m, r0 : r0 + rows], sums)
                 scale_out[m, g0 : g0 + gn] = s
+
+    @staticmethod
+    def _write_codes(y: torch.Tensor, scale: torch.Tensor, q_out: torch.Tensor, row_sums: torch.Tensor | None) -> None:
+        """Scaled, clamped rows y [rows, K] (a scratch buffer, overwritten) into q_out's codes; with row_sums
+        (INT8 rows, scale [rows]), their report's sums (row_report)."""
+        if row_sums is None:
+            q_out.copy_(round_for_codes_(y, q_out.dtype))
+            return
+        assert q_out.dtype == torch.int8 and y.shape[0] == scale.shape[0], "row sums are INT8 rows'"
+        rounded = scratch("int8 rounded", y.numel(), torch.float32).view(y.shape)
+        q_out.copy_(torch.round(y, out=rounded))
+        work = scratch("int8 work", y.numel(), torch.float32).view(y.shape)
+        int8_row_sums_(y, rounded, scale, work, row_sums)
 
     def _pow2_buffers(self) -> Buffers:
         return lambda key, shape, dtype: scratch(key, shape, dtype)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from .pow2 import Buffers, Decode, ReportSums, fresh_buffers, quantize_pow2_rows
+from .row_report import int8_row_sums_
 from .scales import apply_global_scale, scale_to_float32
 
 ROWS_PER_CHUNK = 256  # rounded to whole blocks: keeps the float32 temporaries small
@@ -61,11 +62,12 @@ class TorchDeviceBackend:
         fp8_max: float,
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
+        row_sums: torch.Tensor | None = None,
     ) -> None:
         # float32 stays on the device: only FP8 goes over the bus, in and out
         w32 = torch.empty(weight.shape, dtype=torch.float32, device=self.device)
         self.dequantize_blocks(weight, scale, in_block, w32)
-        self.quantize_blocks(w32, out_block, fp8_max, q_out, scale_out)
+        self.quantize_blocks(w32, out_block, fp8_max, q_out, scale_out, row_sums)
 
     def quantize_blocks(
         self,
@@ -74,12 +76,21 @@ class TorchDeviceBackend:
         fp8_max: float,
         q_out: torch.Tensor,
         scale_out: torch.Tensor,
+        row_sums: torch.Tensor | None = None,
     ) -> None:
         for m, r0, r1, g0, g1, blocks in self._padded_block_chunks(weight, block):
             amax = blocks.abs().amax(dim=(1, 3))
             scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-            q = round_for_codes_((blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max), q_out.dtype)
-            q = q.to(q_out.dtype)
+            y = (blocks / scale[:, None, :, None]).clamp_(-fp8_max, fp8_max)
+            if row_sums is None:
+                q = round_for_codes_(y, q_out.dtype).to(q_out.dtype)
+            else:  # INT8 rows (block (1, K): one row per block, no padding) and their report
+                assert block == (1, weight.shape[2]) and q_out.dtype == torch.int8, "row sums are INT8 rows'"
+                rows, rounded = y.view(r1 - r0, -1), torch.round(y)
+                q = rounded.to(q_out.dtype)  # before the report overwrites `rounded` (and y)
+                sums = torch.empty(r1 - r0, row_sums.shape[-1], dtype=torch.float64, device=self.device)
+                int8_row_sums_(rows, rounded.view(rows.shape), scale.view(-1), torch.empty_like(rows), sums)
+                row_sums[m, r0:r1] = sums.cpu()
             q_out[m, r0:r1] = q.reshape(-1, q.shape[2] * q.shape[3])[: r1 - r0, : weight.shape[2]].cpu()
             scale_out[m, g0:g1] = scale.cpu()
 

@@ -294,8 +294,8 @@ def _progress_bar(
     "--json",
     "as_json",
     is_flag=True,
-    help="With --dry-run: print the plan as one JSON object; with --to mxfp8 or --scale-fmt ue8m0: the result "
-    "and every tensor's requantization error.",
+    help="With --dry-run: print the plan as one JSON object; with --to mxfp8, --to int8 or --scale-fmt ue8m0: the "
+    "result and every tensor's requantization error.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option(
@@ -321,9 +321,10 @@ def convert_command(
     values["fp8_max"] = _fp8_range(values["fp8_max"], hardware)
     if jobs > 1 and values["part"] is not None:
         raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
-    if as_json and not dry_run and (jobs > 1 or quiet or not (values["to"] == "mxfp8" or values["scale_fmt"])):
+    reported = values["to"] in ("mxfp8", "int8") or values["scale_fmt"]  # the runs with an error report
+    if as_json and not dry_run and (jobs > 1 or quiet or not reported):
         raise click.UsageError(
-            "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8 or "
+            "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8, --to int8 or "
             "--scale-fmt ue8m0 run (not with -j or -q): add --dry-run, or drop --json"
         )
     with _usage_errors():  # the parameters become the two values, which check themselves
@@ -457,7 +458,7 @@ def _report_convert(result: ConvertResult, quiet: bool) -> None:
     _echo_warnings(result.warnings, result.files_skipped, "was not")
     if not quiet:
         click.echo(convert_summary(result))
-        requantized = summary_line(result.requantization)
+        requantized = summary_line(result.requantization, result.target)
         if requantized:
             click.echo(requantized)
     if result.streamed is not None and not quiet:

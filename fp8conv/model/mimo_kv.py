@@ -224,7 +224,7 @@ def fused_qkv_problems(
     """A fused qkv_proj stored in chunks as FP8 other than blocks: vLLM's MiMo loader takes every FP8
     qkv_proj into its block path (_try_load_fp8_qkv_proj waits for a weight_scale_inv), and sglang's reads
     chunks only with block scales: no engine is known to load it as channel FP8 or MXFP8."""
-    if to not in ("channel", "mxfp8"):
+    if to not in ("channel", "mxfp8", "int8"):
         return []
     return [
         CheckpointError(

@@ -1,8 +1,8 @@
-"""The error report of a requantization to power-of-two scales: per tensor, how far the written values
-are from the input's own (float32, dequantized) values, and how many saturated or flushed to zero.
+"""The error report of a requantization to power-of-two scales or to INT8 rows: per tensor, how far the written
+values are from the input's own (float32, dequantized) values, and how many saturated or flushed to zero.
 
-Torch-free (the CLI prints it); fp8conv.rewrite.pow2 measures it, with float64 sums in a fixed order: the
-same digits on every host, thread count and split of the run into parts.
+Torch-free (the CLI prints it); fp8conv.rewrite.pow2 and rewrite.int8_report measure it, with float64 sums in a
+fixed order: the same digits on every host, thread count and split of the run into parts.
 """
 
 from __future__ import annotations
@@ -79,11 +79,22 @@ def errors_of_record(record: object) -> dict[str, TensorError] | None:
     return out
 
 
-def summary_line(record: dict[str, Any] | None) -> str | None:
+COARSEST_NAMED = 3  # --to int8: the tensors with the largest relative error, named on the summary line
+
+
+def summary_line(record: dict[str, Any] | None, target: str = "block") -> str | None:
     """The terminal's one line for requant_record's record."""
     if not record:
         return None
     s = record["summary"]
+    if target == "int8":  # a row's step is its largest value / 127: rows with outliers are the coarse ones
+        tensors = record["tensors"]
+        coarsest = sorted(tensors, key=lambda n: (-tensors[n]["relative_frobenius"], n))[:COARSEST_NAMED]
+        named = ", ".join(f"{n} {tensors[n]['relative_frobenius']:.3%}" for n in coarsest)
+        return (
+            f"quantized {s['tensors']} tensor(s) to INT8 rows (amax / 127 per row): relative error mean "
+            f"{s['mean_relative_frobenius']:.3%}; coarsest (outlier rows): {named}; {s['flushed']} flushed to zero"
+        )
     return (
         f"requantized {s['tensors']} tensor(s) to power-of-two scales ({s['exact']} exact, bytes kept): relative "
         f"error mean {s['mean_relative_frobenius']:.3%}, worst {s['worst_relative_frobenius']:.3%} "

@@ -17,6 +17,7 @@ from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
 from .exact_pow2 import exact_pow2_for, prefer_exact_pow2
+from .int8_report import int8_tensor_error, new_row_sums
 from .pow2 import ReportPart, kept_exponents, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
@@ -71,6 +72,8 @@ class BandedJob:
             self.new_scale = torch.full(job.outputs[1].shape, E8M0_BIAS, dtype=torch.uint8)
         else:
             self.new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if self.quantize else None
+        # INT8 rows: each row's report sums, filled in by the bands (rows of their own) as the new scale is
+        self.row_sums = new_row_sums((n, k)) if self.quantize and self.out_dtype == torch.int8 else None
         self.counts: list[tuple[int, int]] = []  # packed to FP8: exact and all output blocks, per band
         self.parts: dict[int, list[ReportPart]] = {}  # pow2: the error report's parts, by first row
         self.kept: dict[int, bool] = {}  # pow2: whether a band kept all its input's bytes, by first row
@@ -92,11 +95,12 @@ class BandedJob:
         ob = self.out_block
         o0, o1 = r0 // ob[0], -(-(r0 + w.shape[1]) // ob[0])
         band_scale = torch.empty((1, o1 - o0, self.new_scale.shape[-1]), dtype=torch.float32)
+        sums = None if self.row_sums is None else self.row_sums[:, r0 : r0 + w.shape[1]]
         if self._requant is not None:
-            self.counts.append(self._requant(w, r0, band, band_scale))
+            self.counts.append(self._requant(w, r0, band, band_scale, sums))
         else:
             self.backend.requantize_blocks(
-                fp8, self.grid[g0:g1][None], self.in_block, ob, self.fp8_max, band, band_scale
+                fp8, self.grid[g0:g1][None], self.in_block, ob, self.fp8_max, band, band_scale, sums
             )
             if self._exact_pow2:  # the band's values again, to find the blocks a power of two holds exactly
                 w32 = scratch("exact w32", tuple(band.shape), torch.float32)  # reused band after band
@@ -134,8 +138,10 @@ class BandedJob:
 
     def report(self) -> TensorError:
         """Once every band is computed: the tensor's error report, its parts in row order; exact when every
-        band kept the input's bytes (the whole tensor's verdict too)."""
+        band kept the input's bytes (the whole tensor's verdict too). INT8: from its rows' sums."""
         elements = self.shape[0] * self.shape[1]
+        if self.row_sums is not None:
+            return int8_tensor_error(self.row_sums, elements)
         if all(self.kept.values()):
             return exact(elements)
         return tensor_error_of([p for r0 in sorted(self.parts) for p in self.parts[r0]], elements)

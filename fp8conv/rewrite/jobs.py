@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from ..plan.conversion import Action, Job
 from .chunks import in_chunks, plain_rows
 from .dequant import dequantize, scale_grid, stored_scale
 from .exact_pow2 import exact_pow2_applies, prefer_exact_pow2
+from .int8_report import int8_tensor_error, new_row_sums
 from .pad import pad_to
 from .pow2 import run_pow2_job
 from .quant import quantize, requantize
@@ -35,7 +37,7 @@ def run_job(
     errors: dict[str, TensorError] | None = None,
 ) -> list[torch.Tensor]:
     """exactness: [exact, total] output blocks, added to for packed 4-bit weights quantized to FP8;
-    errors: each requantization to power-of-two scales' report, by output weight name."""
+    errors: each requantization to power-of-two scales' or to INT8's report, by output weight name."""
     if job.action is Action.QUANTIZE_POW2:
         tensors, error = run_pow2_job(job, read, backend)
         if errors is not None:
@@ -46,7 +48,7 @@ def run_job(
     if job.fmt is not None and job.fmt.kind in PACKED:
         if job.action is Action.DEQUANTIZE:
             return [dequantized_output(read, job.fmt, backend, torch_dtype(job.spec.dtype))]
-        return _packed_to_fp8(job, read, backend, fp8_max, exactness)
+        return _packed_to_fp8(job, read, backend, fp8_max, exactness, errors)
     if job.action is Action.DEQUANTIZE:
         assert job.fmt is not None and job.fmt.scale is not None
         out_dtype = torch_dtype(job.spec.dtype)
@@ -62,18 +64,23 @@ def run_job(
             pad_to(grid, job.outputs[1].shape, 1.0, parts),
         ]
     # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
+    dtype = torch_dtype(job.spec.dtype)
+    sums = new_row_sums(job.spec.shape) if dtype == torch.int8 else None  # INT8's report
     if job.fmt is not None:
         assert job.fmt.scale is not None
         weight = read(job.source)
         exact_pow2 = exact_pow2_applies(job, read)
         if tuple(weight.shape) == job.spec.shape and job.out_chunks == 1 and not exact_pow2:  # in one go
-            scale, dtype = stored_scale(read, job.fmt), torch_dtype(job.spec.dtype)
-            return list(requantize(weight, scale, job.fmt, job.out_block, fp8_max, backend, dtype))
+            scale = stored_scale(read, job.fmt)
+            tensors = list(requantize(weight, scale, job.fmt, job.out_block, fp8_max, backend, dtype, sums))
+            _record_int8(job, sums, errors)
+            return tensors
         w32 = dequantize(weight, stored_scale(read, job.fmt), job.fmt, torch.float32, backend)
     else:
         w32, exact_pow2 = read(job.source).to(torch.float32), False
     w32 = in_chunks(pad_to(w32, job.spec.shape, parts=job.pad_parts), job.out_chunks)
-    q, scale = quantize(w32, job.out_block, fp8_max, backend, torch_dtype(job.spec.dtype))
+    q, scale = quantize(w32, job.out_block, fp8_max, backend, dtype, sums)
+    _record_int8(job, sums, errors)
     if exact_pow2 and job.out_block is not None:  # power-of-two-scaled FP8 in another block geometry
         exact, total = prefer_exact_pow2(w32, q, scale, job.out_block, backend)
         if exactness is not None:
@@ -82,15 +89,28 @@ def run_job(
     return [q.reshape(job.spec.shape), scale.reshape(job.outputs[1].shape)]
 
 
+def _record_int8(job: Job, row_sums: torch.Tensor | None, errors: dict[str, TensorError] | None) -> None:
+    if row_sums is not None and errors is not None:
+        errors[job.spec.name] = int8_tensor_error(row_sums, math.prod(job.spec.shape))
+
+
 def _packed_to_fp8(
-    job: Job, read: Reader, backend: Backend, fp8_max: float, exactness: list[int] | None
+    job: Job,
+    read: Reader,
+    backend: Backend,
+    fp8_max: float,
+    exactness: list[int] | None,
+    errors: dict[str, TensorError] | None,
 ) -> list[torch.Tensor]:
-    """A packed 4-bit weight quantized to FP8 whole, its exact output blocks (rows) counted into exactness."""
+    """A packed 4-bit weight quantized to FP8 whole, its exact output blocks (rows) counted into exactness
+    (or to INT8, its report into errors)."""
     assert job.fmt is not None
     w32 = unpack_to_float32(read, job.fmt, backend)
     dtype = torch_dtype(job.spec.dtype)
-    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend, dtype)
-    if dtype == torch.int8:  # exactness is an FP8 question (4-bit values on an e4m3 grid): the report says more
+    sums = new_row_sums(job.spec.shape) if dtype == torch.int8 else None
+    q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend, dtype, sums)
+    if sums is not None:  # exactness is an FP8 question (4-bit values on an e4m3 grid): the report says more
+        _record_int8(job, sums, errors)
         return [q, scale]
     block = job.out_block or (1, job.spec.shape[-1])
     n, k = w32.shape[-2:]  # --pad-for-tp added zeros (exact) after the blocks that hold values

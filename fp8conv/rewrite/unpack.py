@@ -87,12 +87,13 @@ def band_quantizer(
     fp8_max: float,
     chunk_elements: int,
     exact_pow2: bool = False,
-) -> Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], tuple[int, int]]:
+) -> Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[int, int]]:
     """For a 2-D packed weight quantized to FP8 band by band (bands of whole output blocks), decoded
     ~chunk_elements float32 values (whole output blocks) at a time (Tuning.packed_chunk_elements):
-    quantize(codes, r0, q, scale) writes those rows' FP8 values into q ([1, rows, K]) and their output
+    quantize(codes, r0, q, scale, row_sums) writes those rows' FP8 values into q ([1, rows, K]) and their output
     blocks' scales into scale ([1, block rows, K blocks]), as quantize(unpack_to_float32(...)) does, and
-    returns (exact, total) output blocks as block_exactness counts them. The float32 values exist a
+    returns (exact, total) output blocks as block_exactness counts them (INT8: none counted; row_sums, its
+    rows' report sums, filled in). The float32 values exist a
     few blocks at a time, never a band. exact_pow2: blocks a power of two holds exactly take it
     (exact_pow2.prefer_exact_pow2; a block target from power-of-two scales)."""
     assert fmt.shape is not None
@@ -101,15 +102,18 @@ def band_quantizer(
     bn = out_block[0]
     step = max(bn, chunk_elements // max(k, 1) // bn * bn)
 
-    def quantize(codes: torch.Tensor, r0: int, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    def quantize(
+        codes: torch.Tensor, r0: int, q: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor | None
+    ) -> tuple[int, int]:
         rows, exact, total = codes.shape[1], 0, 0
         for c0 in range(0, rows, step):
             c1 = min(rows, c0 + step)
             w32 = scratch("packed w32", (1, c1 - c0, k), torch.float32)
             decode(codes[:, c0:c1], r0 + c0, w32)
             q_part, s_part = q[:, c0:c1], scale[:, c0 // bn : -(-c1 // bn)]
-            backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part)
-            if q.dtype == torch.int8:  # exactness is an FP8 question (_packed_to_fp8)
+            sums = None if row_sums is None else row_sums[:, c0:c1]
+            backend.quantize_blocks(w32, out_block, fp8_max, q_part, s_part, sums)
+            if q.dtype == torch.int8:  # exactness is an FP8 question (jobs._packed_to_fp8): the report says more
                 continue
             if exact_pow2:  # blocks a power of two holds exactly take it (rewrite.exact_pow2)
                 e, t = prefer_exact_pow2(w32, q_part, s_part, out_block, backend)

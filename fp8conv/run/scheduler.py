@@ -325,6 +325,8 @@ class Scheduler:
         if isinstance(banded, BandedJob) and banded.pow2:  # E8M0 bytes as the job stores them, and the report
             new_scale = stored_exponents(new_scale, job)
             self.totals.requant_errors[job.spec.name] = banded.report()
+        elif isinstance(banded, BandedJob) and banded.row_sums is not None:  # INT8's report
+            self.totals.requant_errors[job.spec.name] = banded.report()
         if new_scale is not None:  # after the bands, in the write thread's order
             scale_name = job.outputs[1].name
             self._scale_writes.append(self._write_pool.submit(writer.write_tensor, scale_name, new_scale))

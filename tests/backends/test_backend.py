@@ -204,3 +204,48 @@ def test_unknown_or_absent_device_is_refused_plainly():
         if device not in available_devices():
             with pytest.raises(OptionsError, match=f"--device {device}: no"):
                 get_backend(device)
+
+
+def int8_rows_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, plainly: scale = amax / 127 (1 for an all-zero row), the integers nearest w / scale (ties to
+    even: Python's round), clamped to +-127."""
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    y = (w / scale).clamp(-127.0, 127.0)
+    q = torch.tensor([[round(v) for v in row] for row in y.tolist()], dtype=torch.int8).reshape(w.shape)
+    return q, scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
+@pytest.mark.parametrize("from_fp8", [True, False])
+def test_int8_rows_and_their_report_sums_match_the_reference_bit_for_bit(device, shape, block, from_fp8):
+    """--to int8 from FP8 (the fused CPU path) and from float32: the plain definition's codes and scales, and
+    the report's row sums the reference backend takes, to the bit; those sums are the plain float64 ones."""
+    from fp8conv.rewrite.int8_report import new_row_sums
+
+    gen = torch.Generator().manual_seed(hash((shape, block)) % 2**31)
+    q8 = random_fp8(shape, gen)
+    q8.view(torch.uint8)[-1] = 0  # an all-zero row: scale 1, stays zero
+    grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    scale = torch.exp2(torch.randint(-20, 4, grid, generator=gen).float()) * (1 + torch.rand(grid, generator=gen))
+    fmt = WeightFormat("w", Kind.BLOCK, "s", block=block)
+    w32 = dequant_block_reference(q8, scale, block, torch.float32)
+    results = {}
+    for name in dict.fromkeys(["reference", device]):
+        sums = new_row_sums(shape)
+        backend = get_backend(name)
+        if from_fp8:
+            q, s = requantize(q8, scale, fmt, None, 127.0, backend, torch.int8, sums)
+        else:
+            q, s = quantize(w32, None, 127.0, backend, torch.int8, sums)
+        results[name] = (q, s, sums)
+    q, s, sums = results[device]
+    expected_q, expected_scale = int8_rows_reference(w32)
+    assert same_bits(q, expected_q) and same_bits(s, expected_scale)
+    assert same_bits(sums, results["reference"][2])
+    y = (w32 / expected_scale).to(torch.float64)
+    s2 = expected_scale.to(torch.float64) ** 2
+    assert torch.allclose(sums[0, :, 0], (((q.to(torch.float64) - y) ** 2) * s2).sum(1), rtol=1e-5, atol=0)
+    assert torch.allclose(sums[0, :, 1], ((y**2) * s2).sum(1), rtol=1e-5, atol=0)
+    assert torch.equal(sums[0, :, 2], ((w32 != 0) & (q == 0)).sum(1).to(torch.float64))

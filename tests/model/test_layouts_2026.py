@@ -156,7 +156,7 @@ def test_mimo_fused_qkv_to_bf16_in_the_plain_order_engines_read(tmp_path):
         assert same_bits(out[name], value.to(torch.bfloat16)), name
 
 
-@pytest.mark.parametrize("to", ["channel", "mxfp8"])
+@pytest.mark.parametrize("to", ["channel", "mxfp8", "int8"])
 def test_mimo_fused_qkv_refused_where_no_engine_reads_it(tmp_path, to):
     build_mimo_fused_qkv(tmp_path / "in")
     message = _refusals(tmp_path / "in", tmp_path / "out", to)
@@ -325,7 +325,8 @@ def test_a_mistral_native_fp8_output_reads_back(tmp_path, to):
 def test_mistral_native_dense_names_and_refusals(tmp_path):
     """A dense Mistral-native params.json (vLLM's MistralForCausalLM, llama.py mistral_mapping): ignore in
     its module names; block FP8 refused when wq/wk's rotary permutation would cross scale blocks (head_dim
-    96 with 128-row blocks), and MXFP8 refused (no Mistral-format spelling), each naming the file."""
+    96 with 128-row blocks), and MXFP8 and INT8 refused (no confirmed Mistral-format reading), each naming
+    the file."""
     from fp8conv.source.mistral_native import engine_module
 
     assert engine_module("layers.3.attention.wk", "dense", False) == "model.layers.3.self_attn.k_proj"
@@ -341,6 +342,9 @@ def test_mistral_native_dense_names_and_refusals(tmp_path):
     assert re.search(r"consolidated-0000[12].*Mistral-native.*head of 96.*128-row scale blocks.*--to block", message)
     message = _refusals(tmp_path / "in", tmp_path / "out2", "mxfp8")
     assert re.search(r"consolidated-0000[12].*Mistral-native.*MXFP8.*--to mxfp8", message), message
+    message = _refusals(tmp_path / "in", tmp_path / "out4", "int8")
+    assert re.search(r"consolidated-0000[12].*Mistral-native.*INT8.*--to int8", message), message
+    assert not (tmp_path / "out4" / "params.json").exists()
     fp8conv.convert(tmp_path / "in", tmp_path / "out3", fp8conv.ConvertOptions(to="channel"))
     quant = _vllm_mistral_quant(json.loads((tmp_path / "out3" / "params.json").read_text()))
     assert quant["ignore"] == ["layers.1.gate", "lm_head"]  # a dense layout has no router: kept as named

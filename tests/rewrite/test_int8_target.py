@@ -155,3 +155,48 @@ def test_int8_output_is_as_large_as_channel_fp8(make_tiny, tmp_path):
     for to in ("channel", "int8"):
         sizes[to] = fp8conv.convert(tiny.path, tmp_path / to, ConvertOptions(to=to)).bytes_written
     assert sizes["int8"] == sizes["channel"] and math.isfinite(sizes["int8"])
+
+
+def plain_int8_report(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[float, int]:
+    """In float64 from the written bytes: each row's values over its scale (float32's quotient, as written),
+    their distance from the codes, times the scale; and the nonzero values written as 0."""
+    y = (x.to(torch.float32) / scale).to(torch.float64)
+    s2 = scale.to(torch.float64) ** 2
+    err2 = float((((q.to(torch.float64) - y) ** 2) * s2).sum())
+    norm2 = float(((y**2) * s2).sum())
+    return math.sqrt(err2 / norm2), int(((x != 0) & (q == 0)).sum())
+
+
+@pytest.mark.parametrize("bands", [False, True])
+def test_the_error_report_is_the_plain_one_and_the_same_whole_in_bands_and_on_the_reference(make_tiny, tmp_path, bands):
+    tiny = make_tiny()
+    run = RunOptions(tuning=Tuning(convert_band_elements=3000)) if bands else RunOptions()
+    result = fp8conv.convert(tiny.path, tmp_path / "o", ConvertOptions(to="int8"), run=run)
+    reference = fp8conv.convert(
+        tiny.path, tmp_path / "r", ConvertOptions(to="int8"), run=RunOptions(device="reference")
+    )
+    assert result.requantization == reference.requantization  # every digit
+    tensors = result.requantization["tensors"]
+    src, got = load_dir(tiny.path), load_dir(tmp_path / "o")
+    assert sorted(tensors) == sorted(tiny.linear_weights)
+    for name, report in tensors.items():
+        relative, flushed = plain_int8_report(dequant_reference(src, name), got[name], got[name + "_scale"])
+        assert report["relative_frobenius"] == pytest.approx(relative, rel=1e-6), name  # float32 row sums
+        assert (report["flushed"], report["saturated"], report["exact"]) == (flushed, 0, False), name
+        assert report["elements"] == got[name].numel()
+    assert 0.003 < result.requantization["summary"]["mean_relative_frobenius"] < 0.02
+
+
+def test_the_summary_names_the_tensor_an_outlier_row_makes_coarse(tmp_path):
+    torch.manual_seed(0)
+    weights = {f"model.layers.0.mlp.{p}_proj.weight": torch.randn(64, 96) for p in ("gate", "up", "down")}
+    weights["model.layers.0.mlp.up_proj.weight"][5, 7] = 200.0  # one outlier: row 5's step is 200 / 127
+    write_checkpoint(tmp_path / "c", {n: w.to(torch.bfloat16) for n, w in weights.items()}, {"model_type": "llama"})
+    r = CliRunner().invoke(main, ["convert", str(tmp_path / "c"), "--to", "int8", "-o", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("quantized 3 tensor(s) to INT8 rows"))
+    assert line.split("coarsest (outlier rows): ")[1].startswith("model.layers.0.mlp.up_proj.weight ")
+    r = CliRunner().invoke(main, ["convert", str(tmp_path / "c"), "--to", "int8", "-o", str(tmp_path / "j"), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)["requantization"]
+    assert report["summary"]["worst_tensor"] == "model.layers.0.mlp.up_proj.weight"
