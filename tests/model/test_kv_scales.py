@@ -38,7 +38,7 @@ def test_modelopt_kv_scales_are_dropped_from_a_bf16_output_that_transformers_loa
     assert fp8conv.verify(tmp_path / "c", tmp_path / "out").ok
 
 
-@pytest.mark.parametrize("to", ["channel", "block"])
+@pytest.mark.parametrize("to", ["channel", "block", "int8"])
 def test_kv_scales_are_kept_in_fp8_outputs(tmp_path, to):
     """vLLM's Fp8Config and CompressedTensorsConfig give every attention layer a KV-cache method, with or
     without kv_cache_scheme, and load these names into it: the FP8 outputs keep them, byte for byte."""
@@ -64,7 +64,7 @@ def test_kv_scales_are_kept_in_fp8_outputs(tmp_path, to):
     got = load_dir(tmp_path / "out")
     assert all(torch.equal(got[n], t) for n, t in scales.items())
     # the block output's fp8 config cannot declare the input's kv_cache_scheme, and says so
-    assert len([w for w in result.warnings if "KV-cache" in w]) == (to == "block")
+    assert len([w for w in result.warnings if "KV-cache" in w]) == (to in ("block", "int8"))
 
     fp8conv.convert(tmp_path / "c", tmp_path / "bf16", ConvertOptions(to="bf16"))
     assert not set(scales) & set(load_dir(tmp_path / "bf16"))
@@ -188,6 +188,19 @@ def test_the_block_output_declares_no_kv_cache_and_says_vllm_needs_kv_cache_dtyp
     assert warning.endswith(
         "unless served with --kv-cache-dtype fp8, which applies the 4 KV-cache scale tensor(s) kept"
     )
+    assert all(torch.equal(load_dir(tmp_path / "out")[n], t) for n, t in kv.items())
+
+
+def test_the_int8_output_keeps_the_kv_scales_but_declares_no_fp8_kv_cache(tmp_path):
+    """--to int8 is for hardware without FP8: its compressed-tensors config carries no kv_cache_scheme (vLLM
+    would switch the KV cache to FP8), the scales stay for a server that asks for --kv-cache-dtype fp8."""
+    kv = kv_values(KV_ATTN)
+    build_llama(tmp_path / "c", "ct-channel", {"kv_cache_scheme": CT_KV_SCHEME}, kv)
+    result = fp8conv.convert(tmp_path / "c", tmp_path / "out", ConvertOptions(to="int8"))
+    qc = written_qc(tmp_path / "out")
+    assert qc["format"] == "int-quantized" and "kv_cache_scheme" not in qc
+    (warning,) = [w for w in result.warnings if "KV-cache" in w]
+    assert "an INT8 output is for hardware without FP8, so it declares no FP8 KV cache" in warning
     assert all(torch.equal(load_dir(tmp_path / "out")[n], t) for n, t in kv.items())
 
 
