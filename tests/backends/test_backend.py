@@ -12,7 +12,7 @@ from fp8conv.errors import OptionsError
 from fp8conv.model.classify import Kind, WeightFormat
 from fp8conv.rewrite.dequant import dequantize
 from fp8conv.rewrite.quant import quantize, requantize
-from tests.support.reference import dequant_block_reference, quantize_reference, same_bits
+from tests.support.reference import dequant_block_reference, quantize_int8_reference, quantize_reference, same_bits
 
 BLOCK_128 = WeightFormat("w", Kind.BLOCK, "s", block=(128, 128))
 SHAPES_AND_BLOCKS = [
@@ -206,16 +206,6 @@ def test_unknown_or_absent_device_is_refused_plainly():
                 get_backend(device)
 
 
-def int8_rows_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, plainly: scale = amax / 127 (1 for an all-zero row), the integers nearest w / scale (ties to
-    even: Python's round), clamped to +-127."""
-    amax = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    y = (w / scale).clamp(-127.0, 127.0)
-    q = torch.tensor([[round(v) for v in row] for row in y.tolist()], dtype=torch.int8).reshape(w.shape)
-    return q, scale
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
 @pytest.mark.parametrize("from_fp8", [True, False])
@@ -241,7 +231,7 @@ def test_int8_rows_and_their_report_sums_match_the_reference_bit_for_bit(device,
             q, s = quantize(w32, None, 127.0, backend, torch.int8, sums)
         results[name] = (q, s, sums)
     q, s, sums = results[device]
-    expected_q, expected_scale = int8_rows_reference(w32)
+    expected_q, expected_scale = quantize_int8_reference(w32)
     assert same_bits(q, expected_q) and same_bits(s, expected_scale)
     assert same_bits(sums, results["reference"][2])
     y = (w32 / expected_scale).to(torch.float64)

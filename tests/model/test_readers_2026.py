@@ -40,7 +40,7 @@ from tests.support.readers_2026 import (
 )
 from tests.support.reference import quantize_reference, same_bits
 
-TARGETS = ("bf16", "channel", "block")
+TARGETS = ("bf16", "channel", "block", "int8")
 COMPANIONS = (".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale", ".weight_packed")
 
 
@@ -50,7 +50,7 @@ def expected_names(rel: Release, to: str) -> set[str]:
     plain = {n for n in rel.tensors if not n.endswith(COMPANIONS) and n not in rel.truth and n not in rel.kv_scales}
     names = plain | set(rel.truth)
     if to != "bf16":
-        names |= {n + ("_scale" if to == "channel" else "_scale_inv") for n in rel.truth} | set(rel.kv_scales)
+        names |= {n + ("_scale" if to in ("channel", "int8") else "_scale_inv") for n in rel.truth} | set(rel.kv_scales)
     return names
 
 
@@ -76,7 +76,7 @@ def test_release_layout_converts_to_every_target_as_its_definition_says(tmp_path
         else:
             expected_weight(value, to, out, name, scaled_by_powers_of_two(rel.tensors, name))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    method = {"bf16": None, "channel": "compressed-tensors", "block": "fp8"}[to]
+    method = {"bf16": None, "channel": "compressed-tensors", "block": "fp8", "int8": "compressed-tensors"}[to]
     assert (config.get("quantization_config") or {}).get("quant_method") == method
     assert not (tmp_path / "out" / "hf_quant_config.json").exists()  # config.json describes the output
 

@@ -25,7 +25,8 @@ from tests.support.helpers import dir_snapshot
 
 
 @pytest.mark.parametrize(
-    ("to", "count", "scale_fmt"), [("bf16", 2, None), ("channel", 3, None), ("block", 4, None), ("block", 3, "ue8m0")]
+    ("to", "count", "scale_fmt"),
+    [("bf16", 2, None), ("channel", 3, None), ("block", 4, None), ("block", 3, "ue8m0"), ("int8", 3, None)],
 )
 def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count, scale_fmt):
     """scale_fmt ue8m0 from float32 block scales: the manifest's requantization record holds every part's
@@ -63,7 +64,7 @@ def test_parts_as_processes_equal_a_single_run(make_tiny, tmp_path, to, count, s
     single, fanned = dir_snapshot(tmp_path / "single"), dir_snapshot(out)
     fanned = {k: v for k, v in fanned.items() if not k.startswith(".fp8conv/part-")}
     assert fanned == single  # shards, index, config (scale_fmt too), copied files and manifest
-    if scale_fmt:
+    if scale_fmt or to == "int8":
         record = json.loads((out / ".fp8conv" / "manifest.json").read_text())["requantization"]
         assert len(record["tensors"]) == len(ckpt.fp8_weights) == record["summary"]["tensors"]
 

@@ -17,7 +17,7 @@ from fp8conv.errors import Fp8ConvError, OptionsError
 from fp8conv.options import RunOptions, Tuning
 from tests.support.helpers import load_dir, write_checkpoint
 from tests.support.packed_builders import build_int4
-from tests.support.reference import dequant_reference, same_bits
+from tests.support.reference import dequant_reference, quantize_int8_reference, same_bits
 from tests.support.synthetic import DIALECTS, TinyModelShape
 
 W8A8_GROUP = {
@@ -27,22 +27,6 @@ W8A8_GROUP = {
     "output_activations": None,
     "format": "int-quantized",
 }
-
-
-def int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain definition, row by row in float64 where that changes nothing: scale = float32(amax / 127)
-    (1 for an all-zero row), q = the integer nearest float32(w / scale), ties to even, clamped to +-127."""
-    q = torch.empty(w.shape, dtype=torch.int8)
-    scales = torch.empty(w.shape[0], 1, dtype=torch.float32)
-    for r in range(w.shape[0]):
-        row = w[r].to(torch.float32)
-        amax = row.abs().max()
-        scale = amax / 127.0 if amax > 0 else torch.tensor(1.0)
-        y = (row / scale).tolist()  # float32 quotients, as Python floats (exact)
-        codes = [max(-127, min(127, round(v))) for v in y]  # Python's round: half to even
-        q[r] = torch.tensor(codes, dtype=torch.int8)
-        scales[r, 0] = scale
-    return q, scales
 
 
 @pytest.mark.parametrize("dialect", ["block", "per-tensor", "channel", "bf16"])
@@ -58,7 +42,7 @@ def test_every_linear_is_the_plain_int8_definition_of_the_input(make_tiny, tmp_p
     assert sorted(quantized) == sorted(tiny.linear_weights)
     for name in quantized:
         w = dequant_reference(src, name) if src[name].dtype == torch.float8_e4m3fn else src[name].float()
-        q, scale = int8_reference(w)
+        q, scale = quantize_int8_reference(w)
         assert same_bits(got[name], q), name
         assert same_bits(got[name + "_scale"], scale), name
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -92,7 +76,7 @@ def test_packed_int4_experts_become_int8_rows(tmp_path):
     fp8conv.convert(tmp_path / "c", tmp_path / "o", ConvertOptions(to="int8"))
     got = load_dir(tmp_path / "o")
     name = "model.layers.0.mlp.experts.0.down_proj.weight"
-    q, scale = int8_reference(truth[name].to(torch.float32))
+    q, scale = quantize_int8_reference(truth[name].to(torch.float32))
     assert same_bits(got[name], q) and same_bits(got[name + "_scale"], scale)
 
 

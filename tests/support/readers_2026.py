@@ -27,7 +27,7 @@ from tests.support.packing import (
     random_e4m3_scales,
     random_e8m0,
 )
-from tests.support.reference import quantize_exact_reference, quantize_reference, same_bits
+from tests.support.reference import quantize_exact_reference, quantize_int8_reference, quantize_reference, same_bits
 
 MX_GROUP = 32
 HIDDEN, INTER = 64, 96  # K and N of every projection: whole 32-groups, not whole 128-blocks
@@ -319,15 +319,17 @@ def expected_weight(
     value: torch.Tensor, to: str, out: dict[str, torch.Tensor], name: str, pow2_scaled: bool = False
 ) -> None:
     """Assert `out` holds weight `name` as `to` must write it, from its float64 value: bf16 one rounding of
-    the float32 product; channel / block a fresh quantization of that product (tests/support/reference.py),
+    the float32 product; channel / block / int8 a fresh quantization of that product (tests/support/reference.py),
     block from power-of-two scales (pow2_scaled) with a power of two wherever one gives every value back."""
     w32 = value.to(torch.float32)
     if to == "bf16":
         assert same_bits(out[name], w32.to(torch.bfloat16)), name
         return
-    block, suffix = (None, "_scale") if to == "channel" else ((128, 128), "_scale_inv")
+    block, suffix = (None, "_scale") if to in ("channel", "int8") else ((128, 128), "_scale_inv")
     flat = w32.reshape(-1, *w32.shape[-2:])
-    if block and pow2_scaled:
+    if to == "int8":
+        pairs = [quantize_int8_reference(m) for m in flat]
+    elif block and pow2_scaled:
         pairs = [quantize_exact_reference(m, block)[:2] for m in flat]
     else:
         pairs = [quantize_reference(m, block) for m in flat]

@@ -182,3 +182,15 @@ def plain_pow2(w: torch.Tensor, block: tuple[int, int], search: bool) -> tuple[t
     scale = torch.pow(2.0, exps.double())[:, None, :, None]
     q = (blocks / scale).clamp(-448, 448).float().to(torch.float8_e4m3fn)
     return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), (exps + 127).to(torch.uint8)
+
+
+def quantize_int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """--to int8, plainly, per row of [N, K]: scale = float32(amax / 127) (1 for an all-zero row), then the
+    integer nearest each float32 quotient w / scale (Python's round: ties to even), clamped to +-127.
+    Returns (q int8 [N, K], scale float32 [N, 1])."""
+    w = w.to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    quotients = (w / scale).tolist()  # float32 quotients, exact as Python floats
+    codes = [[max(-127, min(127, round(v))) for v in row] for row in quotients]
+    return torch.tensor(codes, dtype=torch.int8).reshape(w.shape), scale
