@@ -62,7 +62,7 @@ test-avx2: setup $(ENGINE_STAMP)
 	$(AVX2_ENV) $(PY) -c "import sys, torch; c = torch.backends.cpu.get_cpu_capability(); sys.exit(0 if c == 'AVX2' else f'torch runs {c} kernels here, not AVX2')"
 	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/backends/test_backend.py -k cpu
 	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS) -k '$(AVX2_K)'
-	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests_engine -k 'load_only or computed_by_vllm_where'
+	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests_engine -k 'load_only or computed_by_vllm_where or int8_dense'
 
 # Not part of `make test`: builds multi-GiB synthetic checkpoints and takes several minutes.
 # Writes bench/results.json and bench/results.md; BENCH_ARGS="--sizes 1,8 --reps 5" to change.
