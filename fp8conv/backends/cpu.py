@@ -37,6 +37,7 @@ NAN_EXPONENT_BIT = 0x4000
 SCALE_LIMIT = 2.0**120
 TABLE_MIN_BLOCK = 4096  # values per block: below it, building a table per grid row costs more than it saves
 GATHER_ELEMENTS = 1 << 17  # values per gather: measured best on DeepSeek widths (its indexes stay in cache)
+INT8_PLANES = "int8 planes"  # an INT8 chunk's values and their rounding, side by side (row_report)
 TABLES_KEPT = 8  # (scale byte, code byte) tables: 512 KiB each at most; NVFP4 tensors each have their own
 
 
@@ -189,6 +190,8 @@ class CpuBackend(TorchDeviceBackend):
             return
 
         def into(m: int, r0: int, rows: int) -> torch.Tensor:
+            if row_sums is not None:  # the first of _write_codes' two planes: no copy there
+                return scratch(INT8_PLANES, 2 * rows * k, torch.float32)[: rows * k].view(rows, k)
             return scratch("prod", rows * k, torch.float32).view(rows, k)
 
         for m, r0, prod in self._dequantized_chunks(weight, scale, in_block, into):
@@ -223,7 +226,8 @@ class CpuBackend(TorchDeviceBackend):
                 g0, gn = r0 // bn, -(-rows // bn)
                 bn_eff = bn if rows >= bn else rows
                 w = weight[m, r0 : r0 + rows].view(gn, bn_eff, gk, bk)
-                tmp = scratch("q32", rows * k, torch.float32).view(gn, bn_eff, gk, bk)
+                key, size = ("q32", rows * k) if row_sums is None else (INT8_PLANES, 2 * rows * k)
+                tmp = scratch(key, size, torch.float32)[: rows * k].view(gn, bn_eff, gk, bk)
                 # max(amax, -amin): two fast reductions, no abs pass; torch's abs-max reductions
                 # (vector_norm inf, aminmax) are ~15x slower. NaN propagates as through abs.
                 amax = torch.maximum(w.amax(dim=3).amax(dim=1), w.amin(dim=3).amin(dim=1).neg_())
@@ -241,10 +245,12 @@ class CpuBackend(TorchDeviceBackend):
             q_out.copy_(round_for_codes_(y, q_out.dtype))
             return
         assert q_out.dtype == torch.int8 and y.shape[0] == scale.shape[0], "row sums are INT8 rows'"
-        rounded = scratch("int8 rounded", y.numel(), torch.float32).view(y.shape)
-        q_out.copy_(torch.round(y, out=rounded))
+        planes = scratch(INT8_PLANES, 2 * y.numel(), torch.float32).view(2, *y.shape)
+        if planes[0].data_ptr() != y.data_ptr():  # (the callers quantize into the first plane)
+            planes[0].copy_(y)
+        q_out.copy_(torch.round(planes[0], out=planes[1]))
         work = scratch("int8 work", y.numel(), torch.float32).view(y.shape)
-        int8_row_sums_(y, rounded, scale, work, row_sums)
+        int8_row_sums_(planes, scale, work, row_sums)
 
     def _pow2_buffers(self) -> Buffers:
         return lambda key, shape, dtype: scratch(key, shape, dtype)

@@ -16,17 +16,17 @@ from .pow2 import pairwise_sum_
 ROW_SUMS = 3  # per row: squared error, squared values (float64, times s^2), values flushed to zero
 
 
-def int8_row_sums_(
-    y: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, work: torch.Tensor, out: torch.Tensor
-) -> None:
-    """y [rows, K] float32 and q, the same values rounded (float32 integers, already written out): both are
-    overwritten (their squares, their squared errors). scale [rows] float32; work a float32 [rows, K]
+def int8_row_sums_(planes: torch.Tensor, scale: torch.Tensor, work: torch.Tensor, out: torch.Tensor) -> None:
+    """planes [2, rows, K] float32: y, then q (y rounded to integers, already written out); both overwritten
+    (their squared errors, their squares), summed together. scale [rows] float32; work a float32 [rows, K]
     temporary; out [rows, ROW_SUMS] float64 receives the sums."""
+    y, q = planes[0], planes[1]
     assert y.shape[1] < 2**24, "row counts are float32 sums of ones"
     # counted as float32 sums of ones and zeros: exact in any order below 2^24 (count_nonzero per row: ~7x slower)
     flushed = torch.ne(y, 0, out=work).sum(dim=1) - torch.ne(q, 0, out=work).sum(dim=1)
-    err2 = pairwise_sum_(q.sub_(y).square_(), 1)  # an exact difference: q is y's nearest integer (or +-127)
-    norm2 = pairwise_sum_(y.square_(), 1)
+    q.sub_(y).square_()  # an exact difference: q is y's nearest integer (or +-127), squared
+    y.square_()
+    norm2, err2 = pairwise_sum_(planes, 2)  # both planes' rows at once: the same adds as one by one
     squares = torch.square(scale.to(torch.float64))
     out[:, 0] = err2.to(torch.float64) * squares
     out[:, 1] = norm2.to(torch.float64) * squares

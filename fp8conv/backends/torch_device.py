@@ -86,10 +86,11 @@ class TorchDeviceBackend:
                 q = round_for_codes_(y, q_out.dtype).to(q_out.dtype)
             else:  # INT8 rows (block (1, K): one row per block, no padding) and their report
                 assert block == (1, weight.shape[2]) and q_out.dtype == torch.int8, "row sums are INT8 rows'"
-                rows, rounded = y.view(r1 - r0, -1), torch.round(y)
-                q = rounded.to(q_out.dtype)  # before the report overwrites `rounded` (and y)
+                rows = y.view(r1 - r0, -1)
+                planes = torch.stack([rows, torch.round(rows)])
+                q = planes[1].to(q_out.dtype).view(y.shape)  # before the report overwrites the planes
                 sums = torch.empty(r1 - r0, row_sums.shape[-1], dtype=torch.float64, device=self.device)
-                int8_row_sums_(rows, rounded.view(rows.shape), scale.view(-1), torch.empty_like(rows), sums)
+                int8_row_sums_(planes, scale.view(-1), torch.empty_like(rows), sums)
                 row_sums[m, r0:r1] = sums.cpu()
             q_out[m, r0:r1] = q.reshape(-1, q.shape[2] * q.shape[3])[: r1 - r0, : weight.shape[2]].cpu()
             scale_out[m, g0:g1] = scale.cpu()
