@@ -169,16 +169,6 @@ class Tuning:
     def __post_init__(self) -> None:
         self.validate()
 
-    @property
-    def row_scaled(self) -> bool:
-        """One scale per output row (--to channel, --to int8): the same plan, another element type."""
-        return self.to in ROW_SCALED_TARGETS
-
-    @property
-    def quant_max(self) -> float:
-        """The largest magnitude a written weight code holds: the FP8 range, or 127 for INT8."""
-        return INT8_MAX if self.to == "int8" else self.fp8_max
-
     def validate(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
@@ -229,16 +219,6 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         self.validate()
-
-    @property
-    def row_scaled(self) -> bool:
-        """One scale per output row (--to channel, --to int8): the same plan, another element type."""
-        return self.to in ROW_SCALED_TARGETS
-
-    @property
-    def quant_max(self) -> float:
-        """The largest magnitude a written weight code holds: the FP8 range, or 127 for INT8."""
-        return INT8_MAX if self.to == "int8" else self.fp8_max
 
     def validate(self) -> None:
         if self.part is not None and (len(self.part) != 2 or not 1 <= self.part[0] <= self.part[1]):

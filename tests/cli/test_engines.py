@@ -40,14 +40,7 @@ def test_transformers_with_compressed_tensors_loads_channel_output(tiny, tmp_pat
     pytest.importorskip("compressed_tensors")
     out = tmp_path / "channel"
     fp8conv.convert(tiny.path, out, ConvertOptions(to="channel"))
-    got = load_dir(out)
-    reference = {}
-    for name, t in got.items():
-        if name.endswith("_scale"):
-            continue
-        scale = got.get(name + "_scale")
-        reference[name] = (t.to(torch.float32) * scale).to(torch.bfloat16) if scale is not None else t
-    ref_dir = reference_model_dir(tmp_path, tiny.path, reference)
+    ref_dir = reference_model_dir(tmp_path, tiny.path, _row_scaled_decoded(load_dir(out)))
     # decompressed to bf16: the weights the reference computes, so the logits must be identical
     decompressed = transformers_logits(
         out, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
@@ -70,13 +63,7 @@ def test_transformers_with_compressed_tensors_loads_int8_output(make_tiny, tmp_p
     fp8conv.convert(tiny.path, out, ConvertOptions(to="int8"))
     got = load_dir(out)
     assert sum(t.dtype == torch.int8 for t in got.values()) == len(tiny.linear_weights)
-    reference = {}
-    for name, t in got.items():
-        if name.endswith("_scale"):
-            continue
-        scale = got.get(name + "_scale")
-        reference[name] = (t.to(torch.float32) * scale).to(torch.bfloat16) if scale is not None else t
-    ref_dir = reference_model_dir(tmp_path, tiny.path, reference)
+    ref_dir = reference_model_dir(tmp_path, tiny.path, _row_scaled_decoded(got))
     # decompressed to bf16 by compressed-tensors' int-quantized decompressor: the weights the reference computes
     decompressed = transformers_logits(
         out, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
@@ -106,13 +93,17 @@ def test_transformers_loads_the_int8_moe_output_right_or_refuses_it_loudly(tiny,
     except RuntimeError as exc:
         assert "conversion of the weights" in str(exc)
         return
-    tensors = load_dir(out)
-    reference = {
+    reference = _row_scaled_decoded(load_dir(out))
+    assert same_bits(got, transformers_logits(reference_model_dir(tmp_path, tiny.path, reference)))
+
+
+def _row_scaled_decoded(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A channel FP8 or INT8 output as bf16 weights: each code times its row's scale in float32, rounded once."""
+    return {
         n: (t.to(torch.float32) * tensors[n + "_scale"]).to(torch.bfloat16) if n + "_scale" in tensors else t
         for n, t in tensors.items()
         if not n.endswith("_scale")
     }
-    assert same_bits(got, transformers_logits(reference_model_dir(tmp_path, tiny.path, reference)))
 
 
 def test_padded_block_output_computes_the_same_function(tiny, tmp_path):
