@@ -163,6 +163,7 @@ def test_compressed_tensors_dequantizer_of_an_fp8conv_channel_output(qwen3_192, 
         ({"to": "block", "scale_fmt": "ue8m0", "scale_dtype": "e8m0"}, "block"),
         ({"to": "mxfp8"}, "mxfp8"),
         ({"to": "mxfp8", "mxfp8_format": "modelopt"}, "mxfp8"),
+        ({"to": "int8"}, "int8"),
     ],
 )
 def test_fp8convs_own_outputs_pass_the_audit(qwen3_192, tmp_path, options, claim):
@@ -382,6 +383,49 @@ def test_faults_in_an_fp8_output(qwen3_192, tmp_path):
     rewrite_tensors(out, {GATE.removesuffix(".weight") + ".weight_scale_inv": None})
     result = audit(qwen3_192.path, out)
     assert _by_name(result)[GATE].verdict == "unreadable" and not result.ok
+
+
+def test_faults_in_an_int8_output(qwen3_192, tmp_path):
+    """An INT8 W8A8 output (compressed-tensors int-quantized, as --to int8 and llm-compressor write it), read
+    as q * scale: truncation toward zero is within one step, a code two steps off and a dropped scale are
+    wrong, a zero point (asymmetric INT8) is unreadable."""
+    out = tmp_path / "int8"
+    fp8conv.convert(qwen3_192.path, out, ConvertOptions(to="int8"))
+    shutil.rmtree(out / ".fp8conv")
+    result = audit(qwen3_192.path, out)
+    assert result.ok and result.claimed == "int8"
+    assert {t.verdict for t in result.tensors if t.name in LINEARS} == {"rounded"}
+    got = load_dir(out)
+    scale_name = GATE.removesuffix(".weight") + ".weight_scale"
+    scale = got[scale_name]
+    exact = dequant_block_reference(*_codes_and_scale(qwen3_192, GATE), (128, 128), torch.float32)
+    rewrite_tensors(out, {GATE: torch.trunc(exact / scale).to(torch.int8)})
+    assert _by_name(audit(qwen3_192.path, out))[GATE].verdict == "within-step"
+    codes = got[GATE].clone()
+    codes[5, 6] = codes[5, 6] + (2 if codes[5, 6] < 100 else -2)
+    rewrite_tensors(out, {GATE: codes})
+    verdict = _by_name(audit(qwen3_192.path, out))[GATE]
+    assert verdict.verdict == "wrong" and verdict.judgement.wrong == 1 and verdict.judgement.worst.index == (0, 5, 6)
+    rewrite_tensors(out, {GATE: got[GATE], scale_name: torch.ones_like(scale)})
+    assert _by_name(audit(qwen3_192.path, out))[GATE].verdict == "wrong"
+    rewrite_tensors(out, {scale_name: scale})
+    _add_beside(
+        out, GATE, GATE.removesuffix(".weight") + ".weight_zero_point", torch.zeros(scale.shape, dtype=torch.int8)
+    )
+    result = audit(qwen3_192.path, out)
+    assert _by_name(result)[GATE].verdict == "unreadable" and not result.ok
+
+
+def _add_beside(folder: Path, neighbour: str, name: str, tensor: torch.Tensor) -> None:
+    """A new tensor in the shard holding `neighbour`, and in the index."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"][neighbour]
+    save_file({**load_file(shard), name: tensor}, str(shard), metadata={"format": "pt"})
+    index["weight_map"][name] = shard.name
+    index_path.write_text(json.dumps(index))
 
 
 # -- renames engines and transformers apply -----------------------------------------------------------

@@ -24,6 +24,7 @@ from ...records import collector_paused
 from ...source.checkpoint import Checkpoint, open_checkpoint
 from ..sampling import sampled
 from .causes import likely_cause
+from .int8_rows import classified_as_float, declares_int8_rows, int8_claim, with_int8_weights
 from .judge import Judgement, TruthReader, judge
 from .names import Match, match_names
 from .structure import COMPANION_SUFFIXES, claimed_format, config_findings, left_behind, target_mismatches
@@ -130,7 +131,9 @@ def audit(
     with collector_paused():
         src, out = open_checkpoint(source), open_checkpoint(other)
         src_cls = classify(src.index, src.classification_config())
-        out_cls = classify(out.index, out.classification_config())
+        out_config = out.classification_config()
+        int8 = declares_int8_rows(out_config)  # read here, as the classifier (for conversions) does not
+        out_cls = classify(out.index, classified_as_float(out_config) if int8 and out_config else out_config)
     problems = [p.one_line() for p in src_cls.problems]
     if problems:  # the source itself must be read for sure: the audit's truth is its exact decode
         raise_source_unreadable(problems)
@@ -138,6 +141,8 @@ def audit(
     try:
         truth = logical_values(src.index, src_cls, src_files)
         found = logical_values(out.index, out_cls, out_files)
+        if int8:
+            found = with_int8_weights(found, out.index, out_cls.weights, out_files)
         companions = left_behind(out.index, out_cls)
         for name in [n for n in found if n.endswith(COMPANION_SUFFIXES)]:
             del found[name]  # reported as left behind, never as an extra tensor
@@ -145,11 +150,11 @@ def audit(
         missing, notes = _tied_head(missing, out)
         result = AuditResult(
             ok=False,
-            claimed=claimed_format(out.index, out_cls),
+            claimed=int8_claim(found) if int8 else claimed_format(out.index, out_cls),
             tensors=[],
             missing=missing,
             extra=extra,
-            findings=companions + config_findings(out.config, out.index, out_cls),
+            findings=companions + config_findings(out.config, out.index, out_cls, quantized_elsewise=int8),
             tensors_total=len(found),
             notes=notes,
         )

@@ -1,10 +1,11 @@
 """One output tensor against the exact values it should hold, band by band, element by element.
 
 Each element is exact, the nearest-even rounding of the exact value to the output's storage (a float
-dtype, or e4m3 at the element's stored scale), within one step of it (another rounding: toward zero,
-stochastic), or wrong. FP8 outputs are judged at the scale they store: whatever scale another tool chose,
-each value must be e4m3's rounding of the exact value at that scale (|q*s - w| <= 2^-4 |w| + s * 2^-9,
-plus what a saturating tool clamped). A tensor is judged by its worst element.
+dtype, or e4m3 or INT8 at the element's stored scale), within one step of it (another rounding: toward
+zero, stochastic), or wrong. FP8 outputs are judged at the scale they store: whatever scale another tool
+chose, each value must be e4m3's rounding of the exact value at that scale (|q*s - w| <= 2^-4 |w| + s * 2^-9,
+plus what a saturating tool clamped); INT8 ones the nearest integer step of their row's scale (within one
+step: |q*s - w| < s, plus what was clamped at 127 steps). A tensor is judged by its worst element.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...backends.scratch import scratch
+from .int8_rows import INT8_MAX, expected_codes
 from .values import Band, Values
 
 FP8_MAX = 448.0
@@ -105,6 +107,9 @@ def expected_storage(t: torch.Tensor, got: Band, other: Values) -> tuple[torch.T
     if dtype is not None:
         stored = t.to(dtype)
         return stored.to(torch.float32), stored.view(_BITS_VIEW[dtype])
+    if got.scale is not None and other.int8:
+        codes = expected_codes(t, got.scale)
+        return codes.to(torch.float32) * got.scale, codes
     if got.scale is not None:
         s = got.scale
         # a zero scale makes 0/0 NaN here: such an element is judged exact or wrong, never nearest
@@ -121,6 +126,8 @@ def _expected_bits(t: torch.Tensor, got: Band, other: Values) -> torch.Tensor | 
     dtype = other.float_dtype
     if dtype is not None:
         return scratch("audit expected", tuple(t.shape), dtype).copy_(t).view(_BITS_VIEW[dtype])
+    if got.scale is not None and other.int8:
+        return expected_codes(t, got.scale)
     if got.scale is not None:
         ratio = torch.div(t, got.scale, out=scratch("audit ratio", tuple(t.shape), torch.float32))
         codes = scratch("audit expected", tuple(t.shape), torch.float8_e4m3fn)
@@ -135,6 +142,9 @@ def _within_step(t: torch.Tensor, g: torch.Tensor, got: Band, other: Values) -> 
         _, exponent = torch.frexp(t)
         step = torch.ldexp(torch.ones_like(t), (exponent - bits).clamp_(min=smallest))
         return (g - t).abs() < step
+    if got.scale is not None and other.int8:
+        s = got.scale
+        return (g - t).abs() < s + (t.abs() - INT8_MAX * s).clamp_(min=0)
     if got.scale is not None:
         s = got.scale
         bound = t.abs() * 2**-4 + s * 2**-9 + (t.abs() - FP8_MAX * s).clamp_(min=0)

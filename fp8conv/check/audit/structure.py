@@ -38,6 +38,7 @@ CLAIMS = {
     "channel": str(Kind.CHANNEL),
     "block": str(Kind.BLOCK),
     "mxfp8": str(Kind.MXFP8),
+    "int8": "int8",
 }
 
 
@@ -60,7 +61,15 @@ def target_mismatches(to: str, quantized_in_source: list[Values]) -> list[str]:
     wrong = [
         f"{v.name} ({v.stored})"
         for v in quantized_in_source
-        if (FLOAT_DTYPES.get(_SAFETENSORS.get(v.stored, "")) if v.float_dtype else str(v.fmt.kind) if v.fmt else None)
+        if (
+            "int8"
+            if v.int8
+            else FLOAT_DTYPES.get(_SAFETENSORS.get(v.stored, ""))
+            if v.float_dtype
+            else str(v.fmt.kind)
+            if v.fmt
+            else None
+        )
         != claim
     ]
     if not wrong:
@@ -88,10 +97,17 @@ def left_behind(index: CheckpointIndex, classification: Classification) -> list[
     return found
 
 
-def config_findings(config: dict[str, Any] | None, index: CheckpointIndex, classification: Classification) -> list[str]:
+def config_findings(
+    config: dict[str, Any] | None,
+    index: CheckpointIndex,
+    classification: Classification,
+    quantized_elsewise: bool = False,
+) -> list[str]:
+    """quantized_elsewise: the weights are quantized in a layout the audit reads beside the classifier
+    (INT8 rows, int8_rows.py): its quantization_config is not stale."""
     findings = [p.one_line() for p in classification.problems if p.tensor is None]
     quant = (config or {}).get("quantization_config")
-    holds = classification.holds_quantized()
+    holds = classification.holds_quantized() or quantized_elsewise
     if isinstance(quant, dict) and not holds:
         block = quant.get("weight_block_size")
         what = f", weight_block_size {block}" if block is not None else ""

@@ -107,10 +107,11 @@ class Values:
     stored: str  # e.g. "bfloat16", "float8_e4m3fn block (128, 128), float32 scales"
     row_unit: int  # bands start at multiples of this many rows
     read: Callable[[int, int, int], Band]  # (matrix m, r0, r1) -> rows [r0, r1) of matrix m
-    fp8: bool = False  # values are FP8 codes times a scale
+    fp8: bool = False  # values are FP8 (or INT8) codes times a scale
     unreadable: str | None = None  # why an engine cannot read it as stored (then `read` gives raw codes)
     fmt: WeightFormat | None = field(default=None, repr=False)
     release: Callable[[], None] = field(default=lambda: None, repr=False)  # drops what a reader keeps decoded
+    int8: bool = False  # the codes are INT8 (int8_rows.py), judged at INT8's rounding
 
     def values_of(self, m: int, r0: int, r1: int) -> torch.Tensor:
         """Float32 rows [r0, r1) of matrix m, whatever the row unit its reads start on."""
