@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ...model.classify import classify
+from ...model.classify import Classification, classify
 from ...model.weight_format import ChunkedRows
 from ...records import collector_paused
 from ...source.checkpoint import Checkpoint, open_checkpoint
@@ -115,6 +115,20 @@ class AuditResult:
         }
 
 
+def _opened(
+    source: str | os.PathLike[str], other: str | os.PathLike[str]
+) -> tuple[Checkpoint, Checkpoint, Classification, Classification, bool]:
+    """Both checkpoints and their classifications; and whether `other` is INT8 W8A8, whose int8 weights the
+    audit reads itself (int8_rows.py: the classifier, for conversions, refuses them)."""
+    with collector_paused():
+        src, out = open_checkpoint(source), open_checkpoint(other)
+        src_cls = classify(src.index, src.classification_config())
+        out_config = out.classification_config()
+        int8 = declares_int8_rows(out_config)
+        out_cls = classify(out.index, classified_as_float(out_config) if int8 and out_config else out_config)
+    return src, out, src_cls, out_cls, int8
+
+
 def audit(
     source: str | os.PathLike[str],
     other: str | os.PathLike[str],
@@ -128,12 +142,7 @@ def audit(
     exact values of `source`; structure and config are checked whole either way. progress(done, total):
     elements judged so far, after each tensor."""
     started = time.monotonic()
-    with collector_paused():
-        src, out = open_checkpoint(source), open_checkpoint(other)
-        src_cls = classify(src.index, src.classification_config())
-        out_config = out.classification_config()
-        int8 = declares_int8_rows(out_config)  # read here, as the classifier (for conversions) does not
-        out_cls = classify(out.index, classified_as_float(out_config) if int8 and out_config else out_config)
+    src, out, src_cls, out_cls, int8 = _opened(source, other)
     problems = [p.one_line() for p in src_cls.problems]
     if problems:  # the source itself must be read for sure: the audit's truth is its exact decode
         raise_source_unreadable(problems)
