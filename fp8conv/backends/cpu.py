@@ -246,8 +246,7 @@ class CpuBackend(TorchDeviceBackend):
             return
         assert q_out.dtype == torch.int8 and y.shape[0] == scale.shape[0], "row sums are INT8 rows'"
         planes = scratch(INT8_PLANES, 2 * y.numel(), torch.float32).view(2, *y.shape)
-        if planes[0].data_ptr() != y.data_ptr():  # (the callers quantize into the first plane)
-            planes[0].copy_(y)
+        assert planes[0].data_ptr() == y.data_ptr(), "y is the first plane: the callers quantize into it"
         q_out.copy_(torch.round(planes[0], out=planes[1]))
         work = scratch("int8 work", y.numel(), torch.float32).view(y.shape)
         int8_row_sums_(planes, scale, work, row_sums)

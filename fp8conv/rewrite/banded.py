@@ -17,7 +17,7 @@ from ..plan.bands import REPORT_ROWS
 from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
 from .exact_pow2 import exact_pow2_for, prefer_exact_pow2
-from .int8_report import int8_tensor_error, new_row_sums
+from .int8_report import int8_tensor_error, row_sums_for
 from .pow2 import ReportPart, kept_exponents, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
@@ -73,7 +73,7 @@ class BandedJob:
         else:
             self.new_scale = torch.ones(job.outputs[1].shape, dtype=torch.float32) if self.quantize else None
         # INT8 rows: each row's report sums, filled in by the bands (rows of their own) as the new scale is
-        self.row_sums = new_row_sums((n, k)) if self.quantize and self.out_dtype == torch.int8 else None
+        self.row_sums = row_sums_for((n, k), self.out_dtype) if self.quantize else None
         self.counts: list[tuple[int, int]] = []  # packed to FP8: exact and all output blocks, per band
         self.parts: dict[int, list[ReportPart]] = {}  # pow2: the error report's parts, by first row
         self.kept: dict[int, bool] = {}  # pow2: whether a band kept all its input's bytes, by first row
@@ -135,6 +135,11 @@ class BandedJob:
             kept, parts = kept and chunk_kept, parts + chunk_parts
         self.kept[r0] = kept  # (bands are computed side by side: one key each, never a shared flag)
         self.parts[r0] = parts
+
+    @property
+    def reports(self) -> bool:
+        """Whether the job has an error report: power-of-two scales, or INT8 rows."""
+        return self.pow2 or self.row_sums is not None
 
     def report(self) -> TensorError:
         """Once every band is computed: the tensor's error report, its parts in row order; exact when every

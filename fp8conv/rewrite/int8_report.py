@@ -12,8 +12,11 @@ from ..backends.row_report import ROW_SUMS
 from ..output.requant_report import TensorError
 
 
-def new_row_sums(shape: tuple[int, ...]) -> torch.Tensor:
-    """[M, N, ROW_SUMS] float64 for a weight [..., N, K] (M: the product of the leading axes, 1 for 2-D)."""
+def row_sums_for(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """The report's row sums of a weight [..., N, K] quantized to `dtype`: [M, N, ROW_SUMS] float64 (M: the
+    product of the leading axes, 1 for 2-D) for INT8 rows, None for FP8 (no per-row report)."""
+    if dtype != torch.int8:
+        return None
     return torch.zeros(math.prod(shape[:-2]), shape[-2], ROW_SUMS, dtype=torch.float64)
 
 

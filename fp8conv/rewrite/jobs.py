@@ -16,7 +16,7 @@ from ..plan.conversion import Action, Job
 from .chunks import in_chunks, plain_rows
 from .dequant import dequantize, scale_grid, stored_scale
 from .exact_pow2 import exact_pow2_applies, prefer_exact_pow2
-from .int8_report import int8_tensor_error, new_row_sums
+from .int8_report import int8_tensor_error, row_sums_for
 from .pad import pad_to
 from .pow2 import run_pow2_job
 from .quant import quantize, requantize
@@ -65,7 +65,7 @@ def run_job(
         ]
     # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
     dtype = torch_dtype(job.spec.dtype)
-    sums = new_row_sums(job.spec.shape) if dtype == torch.int8 else None  # INT8's report
+    sums = row_sums_for(job.spec.shape, dtype)  # INT8's report
     if job.fmt is not None:
         assert job.fmt.scale is not None
         weight = read(job.source)
@@ -107,7 +107,7 @@ def _packed_to_fp8(
     assert job.fmt is not None
     w32 = unpack_to_float32(read, job.fmt, backend)
     dtype = torch_dtype(job.spec.dtype)
-    sums = new_row_sums(job.spec.shape) if dtype == torch.int8 else None
+    sums = row_sums_for(job.spec.shape, dtype)
     q, scale = quantize(pad_to(w32, job.spec.shape), job.out_block, fp8_max, backend, dtype, sums)
     if sums is not None:  # exactness is an FP8 question (4-bit values on an e4m3 grid): the report says more
         _record_int8(job, sums, errors)

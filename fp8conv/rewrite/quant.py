@@ -21,7 +21,7 @@ def quantize(
     row_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): q like w32, float8_e4m3fn (or int8, fp8_max 127); scale [..., N, 1] for channel (block
-    None) or the block grid. row_sums: INT8 rows' report sums (int8_report.new_row_sums), filled in."""
+    None) or the block grid. row_sums: INT8 rows' report sums (int8_report.row_sums_for), filled in."""
     out_block, q, scale, q3, scale3 = _outputs(tuple(w32.shape), block, dtype)
     if q.numel():
         backend.quantize_blocks(w32.reshape(q3.shape), out_block, fp8_max, q3, scale3, row_sums)

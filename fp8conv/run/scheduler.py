@@ -322,10 +322,9 @@ class Scheduler:
             computing.popleft().result()
         banded.add_exactness(self.totals.exactness)
         new_scale = banded.new_scale
-        if isinstance(banded, BandedJob) and banded.pow2:  # E8M0 bytes as the job stores them, and the report
+        if isinstance(banded, BandedJob) and banded.pow2:  # E8M0 bytes as the job stores them
             new_scale = stored_exponents(new_scale, job)
-            self.totals.requant_errors[job.spec.name] = banded.report()
-        elif isinstance(banded, BandedJob) and banded.row_sums is not None:  # INT8's report
+        if isinstance(banded, BandedJob) and banded.reports:
             self.totals.requant_errors[job.spec.name] = banded.report()
         if new_scale is not None:  # after the bands, in the write thread's order
             scale_name = job.outputs[1].name

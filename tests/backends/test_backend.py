@@ -212,7 +212,7 @@ def test_unknown_or_absent_device_is_refused_plainly():
 def test_int8_rows_and_their_report_sums_match_the_reference_bit_for_bit(device, shape, block, from_fp8):
     """--to int8 from FP8 (the fused CPU path) and from float32: the plain definition's codes and scales, and
     the report's row sums the reference backend takes, to the bit; those sums are the plain float64 ones."""
-    from fp8conv.rewrite.int8_report import new_row_sums
+    from fp8conv.rewrite.int8_report import row_sums_for
 
     gen = torch.Generator().manual_seed(hash((shape, block)) % 2**31)
     q8 = random_fp8(shape, gen)
@@ -223,7 +223,7 @@ def test_int8_rows_and_their_report_sums_match_the_reference_bit_for_bit(device,
     w32 = dequant_block_reference(q8, scale, block, torch.float32)
     results = {}
     for name in dict.fromkeys(["reference", device]):
-        sums = new_row_sums(shape)
+        sums = row_sums_for(shape, torch.int8)
         backend = get_backend(name)
         if from_fp8:
             q, s = requantize(q8, scale, fmt, None, 127.0, backend, torch.int8, sums)
