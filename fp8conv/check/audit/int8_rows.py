@@ -15,15 +15,13 @@ from typing import Any
 
 import torch
 
-from ...dtypes import torch_dtype
+from ...dtypes import FLOAT_SCALE_DTYPES, INT8_MAX, torch_dtype
 from ...model.classify import Kind, WeightFormat
 from ...source.index import CheckpointIndex
 from ...storage.safetensors_file import TensorEntry
 from .values import Band, Files, Values
 
-INT8_MAX = 127.0
-STORED = "int8 rows"  # Values.stored of an INT8 weight (and the claim of an INT8 output)
-_FLOAT_SCALES = ("F32", "BF16", "F16")
+STORED = "int8 rows"  # Values.stored of an INT8 weight
 
 
 def declares_int8_rows(config: dict[str, Any] | None) -> bool:
@@ -81,7 +79,7 @@ def int8_weight_values(fmt: WeightFormat, index: CheckpointIndex, files: Files) 
     if base + ".weight_zero_point" in index.locations:
         return None
     scale_entry = index.entry(fmt.scale)
-    if scale_entry.dtype not in _FLOAT_SCALES or scale_entry.numel not in (1, entry.shape[0]):
+    if scale_entry.dtype not in FLOAT_SCALE_DTYPES or scale_entry.numel not in (1, entry.shape[0]):
         return None
     return _int8_values(fmt, entry, scale_entry, files)
 

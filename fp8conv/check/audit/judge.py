@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...backends.scratch import scratch
-from .int8_rows import INT8_MAX, expected_codes
+from ...dtypes import INT8_MAX
+from .int8_rows import expected_codes
 from .values import Band, Values
 
 FP8_MAX = 448.0

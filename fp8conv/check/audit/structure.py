@@ -58,24 +58,20 @@ def claimed_format(index: CheckpointIndex, classification: Classification) -> st
 def target_mismatches(to: str, quantized_in_source: list[Values]) -> list[str]:
     """The output tensors made from quantized source weights that are not what `--to` makes."""
     claim = CLAIMS[to]
-    wrong = [
-        f"{v.name} ({v.stored})"
-        for v in quantized_in_source
-        if (
-            "int8"
-            if v.int8
-            else FLOAT_DTYPES.get(_SAFETENSORS.get(v.stored, ""))
-            if v.float_dtype
-            else str(v.fmt.kind)
-            if v.fmt
-            else None
-        )
-        != claim
-    ]
+    wrong = [f"{v.name} ({v.stored})" for v in quantized_in_source if _made_as(v) != claim]
     if not wrong:
         return []
     shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
     return [f"--to {to}: {len(wrong)} weight(s) quantized in the source are not {claim} in the output: {shown}"]
+
+
+def _made_as(values: Values) -> str | None:
+    """What an output tensor is, in CLAIMS' terms: INT8 rows, a float dtype, or its quantized format."""
+    if values.int8:
+        return CLAIMS["int8"]
+    if values.float_dtype:
+        return FLOAT_DTYPES.get(_SAFETENSORS.get(values.stored, ""))
+    return str(values.fmt.kind) if values.fmt else None
 
 
 def left_behind(index: CheckpointIndex, classification: Classification) -> list[str]:
