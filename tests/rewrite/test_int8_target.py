@@ -18,7 +18,7 @@ from fp8conv.options import RunOptions, Tuning
 from tests.support.helpers import load_dir, write_checkpoint
 from tests.support.packed_builders import build_int4
 from tests.support.reference import dequant_reference, quantize_int8_reference, same_bits
-from tests.support.synthetic import DIALECTS, TinyModelShape
+from tests.support.synthetic import DIALECTS
 
 W8A8_GROUP = {
     "targets": ["Linear"],
@@ -133,12 +133,14 @@ def test_deepseek_v4_is_refused_by_name(tmp_path):
     assert not (tmp_path / "o" / "config.json").exists()
 
 
-def test_int8_output_is_as_large_as_channel_fp8(make_tiny, tmp_path):
-    tiny = make_tiny(shape=TinyModelShape())
-    sizes = {}
+def test_int8_output_is_as_large_as_channel_fp8_and_inspect_says_so(make_tiny, tmp_path):
+    tiny = make_tiny()
+    written = {}
     for to in ("channel", "int8"):
-        sizes[to] = fp8conv.convert(tiny.path, tmp_path / to, ConvertOptions(to=to)).bytes_written
-    assert sizes["int8"] == sizes["channel"] and math.isfinite(sizes["int8"])
+        fp8conv.convert(tiny.path, tmp_path / to, ConvertOptions(to=to))
+        index = json.loads((tmp_path / to / "model.safetensors.index.json").read_text())
+        written[to] = index["metadata"]["total_size"]
+    assert written["int8"] == written["channel"] == fp8conv.inspect(tiny.path).estimated_output_bytes["int8"]
 
 
 def plain_int8_report(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[float, int]:
