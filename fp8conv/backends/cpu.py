@@ -248,8 +248,7 @@ class CpuBackend(TorchDeviceBackend):
         planes = scratch(INT8_PLANES, 2 * y.numel(), torch.float32).view(2, *y.shape)
         assert planes[0].data_ptr() == y.data_ptr(), "y is the first plane: the callers quantize into it"
         q_out.copy_(torch.round(planes[0], out=planes[1]))
-        work = scratch("int8 work", y.numel(), torch.float32).view(y.shape)
-        int8_row_sums_(planes, scale, work, row_sums)
+        int8_row_sums_(planes, scale, row_sums)
 
     def _pow2_buffers(self) -> Buffers:
         return lambda key, shape, dtype: scratch(key, shape, dtype)

@@ -90,7 +90,7 @@ class TorchDeviceBackend:
                 planes = torch.stack([rows, torch.round(rows)])
                 q = planes[1].to(q_out.dtype).view(y.shape)  # before the report overwrites the planes
                 sums = torch.empty(r1 - r0, row_sums.shape[-1], dtype=torch.float64, device=self.device)
-                int8_row_sums_(planes, scale.view(-1), torch.empty_like(rows), sums)
+                int8_row_sums_(planes, scale.view(-1), sums)
                 row_sums[m, r0:r1] = sums.cpu()
             q_out[m, r0:r1] = q.reshape(-1, q.shape[2] * q.shape[3])[: r1 - r0, : weight.shape[2]].cpu()
             scale_out[m, g0:g1] = scale.cpu()

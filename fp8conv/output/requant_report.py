@@ -1,5 +1,6 @@
 """The error report of a requantization to power-of-two scales or to INT8 rows: per tensor, how far the written
-values are from the input's own (float32, dequantized) values, and how many saturated or flushed to zero.
+values are from the input's own (float32, dequantized) values, and how many saturated or flushed to zero (INT8
+rows: not counted, see backends.row_report).
 
 Torch-free (the CLI prints it); fp8conv.rewrite.pow2 and rewrite.int8_report measure it, with float64 sums in a
 fixed order: the same digits on every host, thread count and split of the run into parts.
@@ -18,7 +19,7 @@ class TensorError:
 
     relative_frobenius: float
     saturated: int  # |x| above 448 x its block's scale: clamped to +-448
-    flushed: int  # x nonzero, written as zero (below e4m3's smallest step at its block's scale)
+    flushed: int | None  # x nonzero, written as zero (below e4m3's smallest step); None: not counted (INT8)
     elements: int
     exact: bool = False  # the input's bytes and exponents kept as they are
 
@@ -48,7 +49,7 @@ def summary(errors: dict[str, TensorError]) -> dict[str, Any]:
         "worst_relative_frobenius": errors[worst].relative_frobenius,
         "mean_relative_frobenius": sum(e.relative_frobenius * e.elements for e in ordered) / max(elements, 1),
         "saturated": sum(e.saturated for e in ordered),
-        "flushed": sum(e.flushed for e in ordered),
+        "flushed": None if any(e.flushed is None for e in ordered) else sum(e.flushed or 0 for e in ordered),
     }
 
 
@@ -69,14 +70,19 @@ def errors_of_record(record: object) -> dict[str, TensorError] | None:
     for name, doc in tensors.items():
         if not isinstance(doc, dict) or set(doc) != _FIELDS:
             return None
-        counts = [doc[key] for key in ("saturated", "flushed", "elements")]
+        saturated, flushed, elements = (doc[key] for key in ("saturated", "flushed", "elements"))
         rel = doc["relative_frobenius"]
-        if not all(type(c) is int and c >= 0 for c in counts) or not isinstance(doc["exact"], bool):
+        counts_ok = _is_count(saturated) and _is_count(elements) and (flushed is None or _is_count(flushed))
+        if not counts_ok or not isinstance(doc["exact"], bool):
             return None
         if type(rel) not in (int, float) or not math.isfinite(rel) or rel < 0:
             return None
-        out[name] = TensorError(float(rel), *counts, exact=doc["exact"])
+        out[name] = TensorError(float(rel), saturated, flushed, elements, exact=doc["exact"])
     return out
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
 
 
 COARSEST_NAMED = 3  # --to int8: the tensors with the largest relative error, named on the summary line
@@ -93,7 +99,7 @@ def summary_line(record: dict[str, Any] | None, target: str = "block") -> str | 
         named = ", ".join(f"{n} {tensors[n]['relative_frobenius']:.3%}" for n in coarsest)
         return (
             f"quantized {s['tensors']} tensor(s) to INT8 rows (amax / 127 per row): relative error mean "
-            f"{s['mean_relative_frobenius']:.3%}; coarsest (outlier rows): {named}; {s['flushed']} flushed to zero"
+            f"{s['mean_relative_frobenius']:.3%}; coarsest (outlier rows): {named}"
         )
     return (
         f"requantized {s['tensors']} tensor(s) to power-of-two scales ({s['exact']} exact, bytes kept): relative "

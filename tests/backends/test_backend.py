@@ -238,4 +238,3 @@ def test_int8_rows_and_their_report_sums_match_the_reference_bit_for_bit(device,
     s2 = expected_scale.to(torch.float64) ** 2
     assert torch.allclose(sums[0, :, 0], (((q.to(torch.float64) - y) ** 2) * s2).sum(1), rtol=1e-5, atol=0)
     assert torch.allclose(sums[0, :, 1], ((y**2) * s2).sum(1), rtol=1e-5, atol=0)
-    assert torch.equal(sums[0, :, 2], ((w32 != 0) & (q == 0)).sum(1).to(torch.float64))

@@ -143,14 +143,14 @@ def test_int8_output_is_as_large_as_channel_fp8_and_inspect_says_so(make_tiny, t
     assert written["int8"] == written["channel"] == fp8conv.inspect(tiny.path).estimated_output_bytes["int8"]
 
 
-def plain_int8_report(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[float, int]:
+def plain_int8_report(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> float:
     """In float64 from the written bytes: each row's values over its scale (float32's quotient, as written),
-    their distance from the codes, times the scale; and the nonzero values written as 0."""
+    their distance from the codes, times the scale."""
     y = (x.to(torch.float32) / scale).to(torch.float64)
     s2 = scale.to(torch.float64) ** 2
     err2 = float((((q.to(torch.float64) - y) ** 2) * s2).sum())
     norm2 = float(((y**2) * s2).sum())
-    return math.sqrt(err2 / norm2), int(((x != 0) & (q == 0)).sum())
+    return math.sqrt(err2 / norm2)
 
 
 @pytest.mark.parametrize("bands", [False, True])
@@ -166,9 +166,10 @@ def test_the_error_report_is_the_plain_one_and_the_same_whole_in_bands_and_on_th
     src, got = load_dir(tiny.path), load_dir(tmp_path / "o")
     assert sorted(tensors) == sorted(tiny.linear_weights)
     for name, report in tensors.items():
-        relative, flushed = plain_int8_report(dequant_reference(src, name), got[name], got[name + "_scale"])
+        relative = plain_int8_report(dequant_reference(src, name), got[name], got[name + "_scale"])
         assert report["relative_frobenius"] == pytest.approx(relative, rel=1e-6), name  # float32 row sums
-        assert (report["flushed"], report["saturated"], report["exact"]) == (flushed, 0, False), name
+        # values written as 0 are not counted for INT8 (backends.row_report says why): None, never a made-up 0
+        assert (report["flushed"], report["saturated"], report["exact"]) == (None, 0, False), name
         assert report["elements"] == got[name].numel()
     assert 0.003 < result.requantization["summary"]["mean_relative_frobenius"] < 0.02
 
