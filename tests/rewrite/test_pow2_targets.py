@@ -16,7 +16,7 @@ from fp8conv import ConvertOptions
 from fp8conv.backends import available_devices, get_backend
 from fp8conv.cli.commands import main
 from fp8conv.errors import OptionsError, PlanRefused
-from fp8conv.rewrite.pow2 import quantize_pow2
+from fp8conv.rewrite.pow2 import quantize_pow2, quantize_pow2_reported
 from tests.support.helpers import load_dir, write_checkpoint
 from tests.support.reference import (
     dequant_reference,
@@ -83,6 +83,25 @@ def test_backends_match_the_plain_definition(device, shape, block, search):
     q, exps = quantize_pow2(w, block, search, get_backend(device))
     want_q, want_e = plain_pow2(w, block, search)
     assert same_bits(exps, want_e) and same_bits(q, want_q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [(128, 128), (1, 32)])
+def test_the_report_sums_are_the_plain_ones(device, block):
+    """The report's parts (backends.pow2.chunk_report) against the plain float64 definition from the written
+    bytes: squared errors and values, values over 448 at their block's exponent, nonzero inputs written as
+    +-0 (values put far under the smallest subnormal of their block: they flush; NaN-free)."""
+    w = fp8_values((300, 257), (128, 128), seed=5)
+    w[3, 1:80:2] = float(w.abs().max()) * 2.0**-30  # flushed at any exponent their blocks (or groups) can take
+    q, exps, parts = quantize_pow2_reported(w, block, True, get_backend(device))
+    scale = scale_values(exps).repeat_interleave(block[0], 0)[:300].repeat_interleave(block[1], 1)[:, :257]
+    written = q.double() * scale.double()
+    y = w.double() / scale.double()
+    assert sum(p.flushed for p in parts) == int(((w != 0) & (q.float() == 0)).sum()) >= 40
+    assert sum(p.saturated for p in parts) == int((y.abs() > 448).sum())
+    err2, norm2 = sum(p.err2 for p in parts), sum(p.norm2 for p in parts)
+    assert err2 == pytest.approx(float(((written - w.double()) ** 2).sum()), rel=1e-6)
+    assert norm2 == pytest.approx(float((w.double() ** 2).sum()), rel=1e-6)
 
 
 def test_the_search_beats_the_ceiling_where_an_outlier_dominates():
