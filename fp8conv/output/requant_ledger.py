@@ -8,13 +8,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..plan.conversion import Action, ConversionPlan, ShardPlan
+from ..plan.conversion import Action, ConversionPlan, Job, ShardPlan
 from .requant_report import TensorError, requant_record
 
 
 def reported_weights(shard: ShardPlan) -> list[str]:
-    """The shard's weights that a run reports on (requantized to power-of-two scales), by output name."""
-    return [job.spec.name for job in shard.jobs if job.action is Action.QUANTIZE_POW2]
+    """The shard's weights that a run reports on (requantized to power-of-two scales, or quantized to INT8
+    rows), by output name."""
+    return [job.spec.name for job in shard.jobs if _reported(job)]
+
+
+def _reported(job: Job) -> bool:
+    return job.action is Action.QUANTIZE_POW2 or (job.action is Action.QUANTIZE and job.spec.dtype == "I8")
 
 
 def kept_reports(

@@ -163,6 +163,8 @@ def _requantization(out, record=".fp8conv/manifest.json") -> dict:
         (ConvertOptions(to="block", scale_fmt="ue8m0"), None),
         (ConvertOptions(to="mxfp8"), None),
         (ConvertOptions(to="block", scale_fmt="ue8m0"), (1, 2)),  # a part retried with --resume
+        (ConvertOptions(to="int8"), None),
+        (ConvertOptions(to="int8"), (1, 2)),
     ],
 )
 def test_a_resumed_run_reports_the_kept_shards_requantization(make_tiny, tmp_path, monkeypatch, options, part):
