@@ -61,6 +61,10 @@ class ConvertOptions:
     scale_fmt: str | None = None  # --to block: "ue8m0" writes power-of-two scales
     scale_dtype: str | None = None  # with ue8m0: how they are stored (SCALE_DTYPES; None: by the input)
     mxfp8_format: str | None = None  # --to mxfp8: the config's spelling (MXFP8_FORMATS; None: compressed-tensors)
+    merge_lora: str | None = None  # --merge-lora: a PEFT LoRA adapter (folder or Hub ID) merged into the weights
+    # the adapter's sha256 (source.lora_adapter): filled in when the run opens it, so a manifest names the
+    # very adapter, and a resume, a part or verify with another one is refused
+    merge_lora_sha256: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,6 +110,8 @@ class ConvertOptions:
                 f"--mxfp8-format {self.mxfp8_format} applies to --to mxfp8 only, and is one of "
                 f"{', '.join(MXFP8_FORMATS)}"
             )
+        if self.merge_lora_sha256 is not None and not self.merge_lora:
+            raise OptionsError("merge_lora_sha256 is an adapter's hash, and no --merge-lora adapter is given")
         if self.pad_roles is not None:
             if self.pad_for_tp is None:
                 raise OptionsError("--pad-roles applies with --pad-for-tp only")
@@ -124,7 +130,7 @@ class ConvertOptions:
             d["pad_roles"] = list(self.pad_roles)
         if not self.keep_model_card:
             d.pop("keep_model_card")
-        for optional in ("scale_fmt", "scale_dtype", "mxfp8_format"):
+        for optional in ("scale_fmt", "scale_dtype", "mxfp8_format", "merge_lora", "merge_lora_sha256"):
             if d[optional] is None:
                 d.pop(optional)
         return d

@@ -29,10 +29,12 @@ from ..model.family_widths import width_disagreements
 from ..options import DEFAULT_TUNING, ConvertOptions, Tuning
 from ..output.manifest import MANIFEST, Manifest, load_manifest
 from ..plan.conversion import Action, ConversionPlan, Job, ShardPlan, plan_conversion
+from ..plan.lora_merge import merge_options, with_lora_merge
 from ..records import collector_paused
 from ..rewrite.chunks import in_chunks
 from ..rewrite.dequant import dequantize, stored_scale
 from ..rewrite.jobs import run_job
+from ..rewrite.lora_merge import AdapterTensors
 from ..rewrite.pad import pad_to
 from ..rewrite.unpack import unpack_to_float32
 from ..source.checkpoint import open_checkpoint
@@ -72,15 +74,22 @@ def verify(
         with OutDir.open(out, create=False) as within:
             within.refuse_links()
     manifest = load_manifest(out) if options is None or (out / MANIFEST).is_file() else None
-    options = options or manifest.convert_options()
+    options, adapter = merge_options(options or manifest.convert_options())  # --merge-lora: the same adapter
     with collector_paused():
         ckpt = open_checkpoint(source)
         plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.classification_config(), options.block_size), options)
-    check = OutputCheck(ckpt.index, plan, out, sample, max_failures, tuning.verify_band_elements)
-    check.documents()
-    for shard in plan.shards:
-        check.shard(shard, manifest)
-    check.engine_layouts()
+        if adapter is not None:
+            plan = with_lora_merge(plan, adapter, ckpt, str(source))
+    tensors = None if adapter is None else AdapterTensors(adapter)
+    check = OutputCheck(ckpt.index, plan, out, sample, max_failures, tuning.verify_band_elements, tensors)
+    try:
+        check.documents()
+        for shard in plan.shards:
+            check.shard(shard, manifest)
+        check.engine_layouts()
+    finally:
+        if tensors is not None:
+            tensors.close()
     return check.result(time.monotonic() - started)
 
 
@@ -96,8 +105,10 @@ class OutputCheck:
         sample: float,
         max_failures: int,
         band_elements: int,  # verify's bands: ~this many elements (Tuning.verify_band_elements)
+        adapter: AdapterTensors | None = None,  # --merge-lora's tensors, for the merged weights
     ):
         self.index, self.plan, self.out, self.sample = index, plan, out, sample
+        self.adapter = adapter
         self.max_failures, self.band_elements = max_failures, band_elements
         self.failures: list[str] = []
         self.checked = self.sampled = 0
@@ -202,9 +213,11 @@ class OutputCheck:
         as_planned = all(
             (header.tensors[o.name].dtype, header.tensors[o.name].shape) == (o.dtype, o.shape) for o in job.outputs
         )
-        piece_list = pieces(job, bands.shape, self.band_elements) if as_planned else None
-        if piece_list is None:  # a norm, a bias; or an output not as planned (a structure failure): whole
+        piece_list = pieces(job, bands.shape, self.band_elements) if as_planned and job.merge is None else None
+        if piece_list is None:  # a norm, a bias, a merged weight; or an output not as planned: whole
             got = [read_tensor(fd_out, header.tensors[o.name], header.path.name) for o in job.outputs]
+            if job.merge is not None:
+                return _check_merged(job, got, read_in, self.reference, fp8_max, self.adapter)
             return _check_job(job, got, read_in, self.reference, fp8_max)
         for band_job, got, read_band in bands.bands(piece_list):
             problems = _check_job(band_job, got, read_band, self.reference, fp8_max)
@@ -280,6 +293,17 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.dtype == b.dtype
         and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
+
+
+def _check_merged(
+    job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: float, adapter: AdapterTensors | None
+) -> list[str]:
+    """A merged weight: the input's float32 values plus the adapter's delta, rounded once as the job says,
+    recomputed on the reference backend (rewrite.lora_merge: the same bytes on every backend)."""
+    expected = run_job(job, read_in, reference, fp8_max, adapter=adapter)
+    if all(_same_bits(g, e) for g, e in zip(got, expected, strict=True)):
+        return []
+    return [f"{job.spec.name}: not the merged weight (input + the adapter's delta) rounded once as planned"]
 
 
 def _check_job(job: Job, got: list[torch.Tensor], read_in, reference, fp8_max: float) -> list[str]:

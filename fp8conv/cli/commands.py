@@ -36,7 +36,7 @@ from ..options import (
 )
 from ..output.finish import finalize, parse_part
 from ..output.manifest import MANIFEST
-from ..output.requant_report import summary_line
+from ..output.requant_report import merge_line, summary_line
 from ..run import warm_start
 from ..source.config import present
 from .render import convert_summary, render_audit, render_plan, render_report
@@ -189,6 +189,20 @@ def _progress_bar(
     help="--to mxfp8: the config's spelling, compressed-tensors mxfp8-quantized (the default) or ModelOpt MXFP8.",
 )
 @click.option(
+    "--merge-lora",
+    default=None,
+    metavar="ADAPTER",
+    help="Merge a PEFT LoRA adapter (a folder, or a Hub ID) into the weights it targets, in float32, before the "
+    "one rounding to the target: a fine-tuned FP8 release stays FP8, with fresh scales where it changed.",
+)
+@click.option(
+    "--merge-lora-sha256",
+    default=None,
+    metavar="HASH",
+    help="With --merge-lora: refuse unless the adapter's files have this sha256 (the manifest records it; a "
+    "pipeline pins the adapter it tested).",
+)
+@click.option(
     "--pad-for-tp",
     type=click.IntRange(min=1),
     default=None,
@@ -321,11 +335,12 @@ def convert_command(
     values["fp8_max"] = _fp8_range(values["fp8_max"], hardware)
     if jobs > 1 and values["part"] is not None:
         raise click.UsageError("-j N splits the work into parts itself: do not combine it with --part")
-    reported = values["to"] in ("mxfp8", "int8") or values["scale_fmt"]  # the runs with an error report
+    # the runs with an error report
+    reported = values["to"] in ("mxfp8", "int8") or values["scale_fmt"] or values["merge_lora"]
     if as_json and not dry_run and (jobs > 1 or quiet or not reported):
         raise click.UsageError(
-            "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8, --to int8 or "
-            "--scale-fmt ue8m0 run (not with -j or -q): add --dry-run, or drop --json"
+            "--json prints the plan of --dry-run, or the result and error report of one --to mxfp8, --to int8, "
+            "--scale-fmt ue8m0 or --merge-lora run (not with -j or -q): add --dry-run, or drop --json"
         )
     with _usage_errors():  # the parameters become the two values, which check themselves
         options, run = options_from(values, _OPTION_TEXT)
@@ -458,9 +473,9 @@ def _report_convert(result: ConvertResult, quiet: bool) -> None:
     _echo_warnings(result.warnings, result.files_skipped, "was not")
     if not quiet:
         click.echo(convert_summary(result))
-        requantized = summary_line(result.requantization, result.target)
-        if requantized:
-            click.echo(requantized)
+        for line in (merge_line(result.requantization), summary_line(result.requantization, result.target)):
+            if line:
+                click.echo(line)
     if result.streamed is not None and not quiet:
         click.echo(
             f"streamed: {len(result.streamed['fetched'])} shard(s) fetched, {len(result.streamed['evicted'])} "

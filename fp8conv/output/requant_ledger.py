@@ -13,13 +13,14 @@ from .requant_report import TensorError, requant_record
 
 
 def reported_weights(shard: ShardPlan) -> list[str]:
-    """The shard's weights that a run reports on (requantized to power-of-two scales, or quantized to INT8
-    rows), by output name."""
+    """The shard's weights that a run reports on (requantized to power-of-two scales, quantized to INT8
+    rows, or merged with a LoRA adapter), by output name."""
     return [job.spec.name for job in shard.jobs if _reported(job)]
 
 
 def _reported(job: Job) -> bool:
-    return job.action is Action.QUANTIZE_POW2 or (job.action is Action.QUANTIZE and job.spec.dtype == "I8")
+    int8 = job.action is Action.QUANTIZE and job.spec.dtype == "I8"
+    return job.action is Action.QUANTIZE_POW2 or int8 or job.merge is not None
 
 
 def kept_reports(

@@ -22,11 +22,21 @@ class TensorError:
     flushed: int | None  # x nonzero, written as zero (below e4m3's smallest step); None: not counted (INT8)
     elements: int
     exact: bool = False  # the input's bytes and exponents kept as they are
+    # --merge-lora, a merged weight (relative_frobenius then measures the output against the merged float32
+    # weight): ||delta|| / ||input||, and the share of the delta the written values kept, <out - input, delta>
+    # / ||delta||^2 (1: all of it; near 0: rounded away). None: not merged
+    delta_relative: float | None = None
+    survived: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for key in _MERGE_FIELDS:  # records of runs without a merge stay as they were
+            if d[key] is None:
+                d.pop(key)
+        return d
 
 
+_MERGE_FIELDS = ("delta_relative", "survived")
 _FIELDS = {f.name for f in fields(TensorError)}
 
 
@@ -50,7 +60,51 @@ def summary(errors: dict[str, TensorError]) -> dict[str, Any]:
         "mean_relative_frobenius": sum(e.relative_frobenius * e.elements for e in ordered) / max(elements, 1),
         "saturated": sum(e.saturated for e in ordered),
         "flushed": None if any(e.flushed is None for e in ordered) else sum(e.flushed or 0 for e in ordered),
+        **_merge_summary(errors),
     }
+
+
+ROUNDED_AWAY = 0.5  # --merge-lora: a merged weight whose output kept less of its delta is named in a warning
+
+
+def _merge_summary(errors: dict[str, TensorError]) -> dict[str, Any]:
+    """--merge-lora's part of the summary: how many weights took a delta, the share of it the outputs kept
+    (element-weighted), and the weights where the rounding took most of it away."""
+    merged = {name: errors[name] for name in sorted(errors) if errors[name].survived is not None}
+    if not merged:
+        return {}
+    elements = sum(e.elements for e in merged.values())
+    return {
+        "merged": len(merged),
+        "mean_survived": sum((e.survived or 0.0) * e.elements for e in merged.values()) / max(elements, 1),
+        "rounded_away": [n for n, e in merged.items() if (e.survived or 0.0) < ROUNDED_AWAY],
+    }
+
+
+def merge_line(record: dict[str, Any] | None) -> str | None:
+    """--merge-lora's line after the run, or None without a merge."""
+    s = record["summary"] if record else {}
+    if "merged" not in s:
+        return None
+    merged = [t for t in record["tensors"].values() if t.get("survived") is not None] if record else []
+    worst = max((t["relative_frobenius"] for t in merged), default=0.0)
+    return (
+        f"merged a LoRA adapter into {s['merged']} weight(s): the outputs keep {s['mean_survived']:.1%} of its delta "
+        f"(element-weighted); against the merged float32 weights the written ones are at most {worst:.3%} off"
+    )
+
+
+def merge_warning(record: dict[str, Any] | None, named: int = 3) -> str | None:
+    """The warning for merged weights whose fine-tune the output's rounding mostly took away, or None."""
+    if not record or not record["summary"].get("rounded_away"):
+        return None
+    away, tensors = record["summary"]["rounded_away"], record["tensors"]
+    listed = ", ".join(f"{n} ({tensors[n]['survived']:.0%} kept)" for n in away[:named])
+    more = f" and {len(away) - named} more" if len(away) > named else ""
+    return (
+        f"the merged LoRA delta is mostly rounded away in {len(away)} weight(s): {listed}{more}; the delta is "
+        "smaller than the output's rounding step there (a bf16 output keeps more of it)"
+    )
 
 
 def requant_record(errors: dict[str, TensorError]) -> dict[str, Any] | None:
@@ -68,7 +122,7 @@ def errors_of_record(record: object) -> dict[str, TensorError] | None:
         return None
     out = {}
     for name, doc in tensors.items():
-        if not isinstance(doc, dict) or set(doc) != _FIELDS:
+        if not isinstance(doc, dict) or not _FIELDS - set(_MERGE_FIELDS) <= set(doc) <= _FIELDS:
             return None
         saturated, flushed, elements = (doc[key] for key in ("saturated", "flushed", "elements"))
         rel = doc["relative_frobenius"]
@@ -77,7 +131,10 @@ def errors_of_record(record: object) -> dict[str, TensorError] | None:
             return None
         if type(rel) not in (int, float) or not math.isfinite(rel) or rel < 0:
             return None
-        out[name] = TensorError(float(rel), saturated, flushed, elements, exact=doc["exact"])
+        merged = [doc.get(key) for key in _MERGE_FIELDS]
+        if not all(m is None or (type(m) in (int, float) and math.isfinite(m)) for m in merged):
+            return None
+        out[name] = TensorError(float(rel), saturated, flushed, elements, doc["exact"], *merged)
     return out
 
 
@@ -93,6 +150,8 @@ def summary_line(record: dict[str, Any] | None, target: str = "block") -> str | 
     if not record:
         return None
     s = record["summary"]
+    if s.get("merged") == s["tensors"]:  # every reported weight merged: merge_line says it
+        return None
     if target == "int8":  # a row's step is its largest value / 127: rows with outliers are the coarse ones
         tensors = record["tensors"]
         coarsest = sorted(tensors, key=lambda n: (-tensors[n]["relative_frobenius"], n))[:COARSEST_NAMED]

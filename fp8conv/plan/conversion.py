@@ -105,6 +105,7 @@ class Job:
     # (out_chunks of them); a float output is written in the plain order engines read (plain_rows)
     out_chunks: int = 1
     plain_rows: bool = False
+    merge: str | None = None  # --merge-lora: the adapter's key (the base weight's name) merged into the weight
 
     @property
     def spec(self) -> TensorSpec:

@@ -41,6 +41,8 @@ class RunPlan:
 
 
 def strategy_of(job: Job, entry: TensorEntry, band_elements: int) -> Strategy:
+    if job.merge is not None:  # a LoRA delta is added to the whole float32 weight (rewrite.lora_merge)
+        return Strategy.WHOLE
     if job.spec.shape == entry.shape:  # not padded: bytes that stay as they are go file to file
         if job.action is Action.COPY:
             return Strategy.COPY_FILE

@@ -17,6 +17,7 @@ from .chunks import in_chunks, plain_rows
 from .dequant import dequantize, scale_grid, stored_scale
 from .exact_pow2 import exact_pow2_applies, prefer_exact_pow2
 from .int8_report import int8_tensor_error, row_sums_for
+from .lora_merge import AdapterTensors, run_merged_job
 from .pad import pad_to
 from .pow2 import run_pow2_job
 from .quant import quantize, requantize
@@ -35,9 +36,17 @@ def run_job(
     fp8_max: float,
     exactness: list[int] | None = None,
     errors: dict[str, TensorError] | None = None,
+    adapter: AdapterTensors | None = None,
 ) -> list[torch.Tensor]:
     """exactness: [exact, total] output blocks, added to for packed 4-bit weights quantized to FP8;
-    errors: each requantization to power-of-two scales' or to INT8's report, by output weight name."""
+    errors: each requantization to power-of-two scales' or to INT8's report, by output weight name, and
+    each merged weight's; adapter: --merge-lora's, for the jobs that merge it."""
+    if job.merge is not None:
+        assert adapter is not None, f"{job.source}: a merging job run without its adapter"
+        tensors, error = run_merged_job(job, read, backend, fp8_max, adapter)
+        if errors is not None:
+            errors[job.spec.name] = error
+        return tensors
     if job.action is Action.QUANTIZE_POW2:
         tensors, error = run_pow2_job(job, read, backend)
         if errors is not None:
@@ -63,7 +72,18 @@ def run_job(
             pad_to(weight, job.outputs[0].shape, 0.0, parts),
             pad_to(grid, job.outputs[1].shape, 1.0, parts),
         ]
-    # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
+    return _quantized(job, read, backend, fp8_max, exactness, errors)
+
+
+def _quantized(
+    job: Job,
+    read: Reader,
+    backend: Backend,
+    fp8_max: float,
+    exactness: list[int] | None,
+    errors: dict[str, TensorError] | None,
+) -> list[torch.Tensor]:
+    """QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh."""
     dtype = torch_dtype(job.spec.dtype)
     sums = row_sums_for(job.spec.shape, dtype)  # INT8's report
     if job.fmt is not None:

@@ -20,9 +20,10 @@ from ..output.finish import drop_other_splits, finalize, finish, shard_parts, wi
 from ..output.leftovers import live_temporary, remove_temporaries
 from ..output.manifest import Manifest
 from ..output.requant_ledger import Ledger
-from ..output.requant_report import requant_record
+from ..output.requant_report import merge_warning, requant_record
 from ..plan.conversion import ConversionPlan
 from ..plan.preflight import check_scales
+from ..rewrite.lora_merge import AdapterTensors
 from ..source.checkpoint import Checkpoint
 from ..source.config import CONFIG_NAME
 from ..source.index import INDEX_NAME
@@ -95,19 +96,41 @@ def _convert(
     how = run or RunOptions()  # both checked themselves when made
     backend = get_backend(how.device)
     prep = prepare(source, output, options, how)  # every refusal, before anything is written
+    if prep.adapter is not None:  # --merge-lora: its tensors, read as the merged weights need them
+        prep.adapter_tensors = AdapterTensors(prep.adapter)
+    try:
+        return _convert_prepared(prep, options, how, backend, threads, preread, started)
+    finally:
+        if prep.adapter_tensors is not None:
+            prep.adapter_tensors.close()
+
+
+def _convert_prepared(
+    prep: PreparedRun,
+    options: ConvertOptions,
+    how: RunOptions,
+    backend: Backend,
+    threads: RunThreads,
+    preread: Preread | None,
+    started: float,
+) -> ConvertResult:
     # OUT opened once and locked for the whole run: nothing written through a link, one run at a time
     with OutDir.open(prep.out) as within, OutputLock.for_run(within, how.part, "convert"):
         prep.manifest.within = within
         _start_output(prep, how, within)
         stream_check = None
         if how.verify_after and prep.schedule is not None:  # --stream: each shard checked as it is committed
-            stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20, how.tuning.verify_band_elements)
+            verify_band = how.tuning.verify_band_elements
+            stream_check = OutputCheck(prep.ckpt.index, prep.plan, prep.out, 1.0, 20, verify_band, prep.adapter_tensors)
         warnings = list(prep.warnings)  # the plan's and the scales', then what the run finds, in order
         totals, streamed = _execute(prep, backend, how, stream_check, within, warnings, threads, preread)
         warnings += _exactness_warning(prep.plan, totals.exactness)
         requantization = requant_record({**prep.kept_reports, **totals.requant_errors})  # kept shards' too
         if requantization is not None:  # in the manifest, which the files written last save
             prep.manifest.extra["requantization"] = requantization
+        rounded_away = merge_warning(requantization)  # --merge-lora: a fine-tune the rounding took away
+        if rounded_away is not None:
+            warnings.append(rounded_away)
         finalized = _finish_output(prep, totals.all_scales_pow2, how.part, within, warnings)
         verified = _verified(prep, options, how, stream_check)
     plan, others = prep.plan, prep.others
@@ -184,6 +207,7 @@ def _execute(
             how.max_memory,
             threads=threads,
             tuning=how.tuning,
+            adapter=prep.adapter_tensors,
         )
         ledger = Ledger(plan, prep.kept_reports, scheduler.totals.requant_errors)
         committed = _on_commit(out, prep.manifest, feed, ledger)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..check.inspect_report import inspect_invocation
 from ..errors import OptionsError, PlanRefused
@@ -23,16 +23,21 @@ from ..output.requant_report import TensorError, errors_of_record, requant_recor
 from ..output.sizes import output_bytes
 from ..plan.bands import band_buffer_bytes, band_elements_for, bands_held, fixed_bytes, held_bytes, lowest_max_memory
 from ..plan.conversion import ConversionPlan, Strategy, plan_conversion
+from ..plan.lora_merge import merge_options, with_lora_merge
 from ..plan.preflight import HeldInput, check_free_space, check_scales
 from ..plan.strategy import RunPlan, choose_strategies
 from ..records import collector_paused
 from ..source.checkpoint import Checkpoint, open_checkpoint
 from ..source.hub import looks_like_repo_id
+from ..source.lora_adapter import LoraAdapter
 from ..source.shard_fetch import ShardSource
 from ..storage.lock import LOCK_DIR, LOCK_NAME
 from ..storage.out_dir import OutDir, check_output_path
 from ..version import __version__
 from .streaming import Schedule, make_schedule, open_stream, stream_identity
+
+if TYPE_CHECKING:
+    from ..rewrite.lora_merge import AdapterTensors
 
 
 @dataclass
@@ -54,6 +59,8 @@ class PreparedRun:
     band_elements: int  # a BANDED job's band size, from --max-memory
     # --resume: the kept shards' requantization reports, from the interrupted run's record
     kept_reports: dict[str, TensorError] = field(default_factory=dict)
+    adapter: LoraAdapter | None = None  # --merge-lora's
+    adapter_tensors: AdapterTensors | None = None  # its tensors' reader, made by convert() (torch)
 
 
 @collector_paused()
@@ -67,8 +74,9 @@ def prepare(
 ) -> PreparedRun:
     """The checks and decisions of convert(), in its order, up to the first write. `dry_run`: nothing is
     downloaded (a Hub ID must be in the cache, or --stream) and the scale values are not read (torch would be)."""
+    options, adapter = merge_options(options)  # --merge-lora: the adapter, checked before the base is read
     ckpt, feed_source = _open(source, output, how, dry_run)
-    plan, warnings = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run)
+    plan, warnings = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run, merge=(adapter, source))
     band_elements = band_elements_for(how.max_memory, how.tuning)
     run = choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes
     _check_memory_cap(ckpt, run, how)
@@ -102,6 +110,7 @@ def prepare(
         others,
         band_elements,
         kept,
+        adapter,
     )
 
 
@@ -121,7 +130,11 @@ def _open(
 
 
 def _plan(
-    ckpt: Checkpoint, options: ConvertOptions, how: RunOptions, read_scales: bool
+    ckpt: Checkpoint,
+    options: ConvertOptions,
+    how: RunOptions,
+    read_scales: bool,
+    merge: tuple[LoraAdapter | None, str | os.PathLike[str]] = (None, ""),
 ) -> tuple[ConversionPlan, tuple[str, ...]]:
     """Classified and planned, with the plan's warnings and the scales'; refused with every problem the
     headers, options and scales show.
@@ -131,6 +144,9 @@ def _plan(
     if cls.problems:
         raise PlanRefused(cls.problems, listed_by=inspect_invocation(block_size, revision))
     plan = plan_conversion(ckpt, cls, options)
+    adapter, source = merge
+    if adapter is not None:
+        plan = with_lora_merge(plan, adapter, ckpt, str(source))
     scale_problems, scale_warnings = check_scales(ckpt, cls, how.allow_nonfinite) if read_scales else ([], [])
     if plan.problems or scale_problems:  # a plan's problems depend on the options: no inspect lists them
         raise PlanRefused(

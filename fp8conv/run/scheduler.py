@@ -46,6 +46,7 @@ from ..rewrite.banded import BandedJob
 from ..rewrite.dequant import stored_scale
 from ..rewrite.experts import ExpertBands
 from ..rewrite.jobs import kept_scale, run_job
+from ..rewrite.lora_merge import AdapterTensors
 from ..rewrite.pow2 import stored_exponents
 from ..source.index import CheckpointIndex
 from ..storage.direct_io import aligned_empty, round_up
@@ -147,6 +148,7 @@ class Scheduler:
         max_memory: int | None = None,
         threads: RunThreads | None = None,
         tuning: Tuning = DEFAULT_TUNING,
+        adapter: AdapterTensors | None = None,
     ) -> None:
         """`threads`: the run's (its owner closes them); None: run() starts its own and closes them.
         `tuning`: the size and number of the writer's segments."""
@@ -156,6 +158,7 @@ class Scheduler:
         self.packed_chunk = tuning.packed_chunk_elements  # packed bands quantized to FP8, decoded this much at once
         self.limits = write_limits(max_memory, tuning)  # the writer's segments and copy chunk, counted under a cap
         self.fp8_max = plan.options.quant_max  # (127 for INT8)
+        self.adapter = adapter  # --merge-lora's tensors, for the jobs that merge them
         self.totals = RunTotals()
         self.done = 0  # bytes of output done, for progress
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # reused band buffers, by (kind, slot)
@@ -263,8 +266,9 @@ class Scheduler:
         if job.strategy is Strategy.BANDED:
             return self._banded(job, inputs, writer)
         if job.strategy is Strategy.WHOLE:  # one call: the rewrite is rewrite.jobs' alone
+            read, totals = inputs.__getitem__, self.totals
             tensors = run_job(
-                job, inputs.__getitem__, self.backend, self.fp8_max, self.totals.exactness, self.totals.requant_errors
+                job, read, self.backend, self.fp8_max, totals.exactness, totals.requant_errors, self.adapter
             )
             self._write_behind(self._write_outputs, writer, job, tensors)
             return tensors[1] if len(tensors) > 1 else None

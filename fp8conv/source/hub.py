@@ -68,6 +68,16 @@ def snapshot(
         raise _hub_error(repo_id, exc) from exc
 
 
+def snapshot_files(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
+    """The local snapshot folder of `repo_id` holding (at most) the files `patterns` name: a LoRA adapter's."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except Exception as exc:  # huggingface_hub raises many kinds; each becomes one clear line
+        raise _hub_error(repo_id, exc) from exc
+
+
 def remote_headers(repo_id: str, revision: str | None) -> dict[str, ShardHeader]:
     """Every shard's header read remotely (a few KB per shard), without downloading weights."""
     from huggingface_hub import HfApi

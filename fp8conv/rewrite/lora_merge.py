@@ -1,0 +1,159 @@
+"""--merge-lora's arithmetic: a targeted weight's float32 values (decoded exactly, as --to bf16 does before
+its rounding), plus its LoRA delta, then the job's one rounding to its output; and the report of how much of
+the delta the written values kept.
+
+The delta, (B @ A) x scaling, is one rounding to float32 of float64 arithmetic in a fixed order: the rank's
+outer products B[:, i] A[i, :] (exact in float64: products of float32 values) summed for i = 0 .. r-1, times
+the scaling. No matmul: its reduction order depends on the BLAS and the vector unit, and the merged bytes
+must be the same on every device and host. The merged weight is input + delta, one float32 add.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from ..backends import Backend
+from ..backends.pow2 import E8M0_BIAS, pairwise_sum, powers_of_two
+from ..dtypes import torch_dtype
+from ..output.requant_report import TensorError
+from ..plan.conversion import Action, Job
+from ..source.lora_adapter import ADAPTER_WEIGHTS, LoraAdapter, LoraTerm
+from ..storage.safetensors_file import read_tensor
+from .dequant import dequantize, stored_scale
+from .pad import pad_to
+from .pow2 import quantize_pow2_reported, stored_exponents
+from .quant import quantize
+
+Reader = Callable[[str], torch.Tensor]
+DELTA_ROWS = 64  # rows of the delta summed at once: float64 [64, K] stays in cache over the rank's updates
+
+
+class AdapterTensors:
+    """The adapter's tensors, read on demand with pread (any thread), and its terms."""
+
+    def __init__(self, adapter: LoraAdapter) -> None:
+        self.adapter = adapter
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def read(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.adapter.weights, os.O_RDONLY | os.O_CLOEXEC)
+        return read_tensor(self._fd, self.adapter.entries[name], ADAPTER_WEIGHTS)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def lora_delta(term: LoraTerm, tensors: AdapterTensors) -> torch.Tensor:
+    """(B @ A) x scaling as float32 [N, K] (an embedding's transposed, [V, D]), by the module's definition."""
+    a, b = tensors.read(term.a).to(torch.float64), tensors.read(term.b).to(torch.float64)
+    left, right = (a.t(), b.t()) if term.embedding else (b, a)  # delta[n, k] = sum_i left[n, i] right[i, k]
+    n, k = left.shape[0], right.shape[1]
+    out = torch.empty(n, k, dtype=torch.float32)
+    acc = torch.empty(min(DELTA_ROWS, n), k, dtype=torch.float64)
+    term_rows = torch.empty_like(acc)
+    for r0 in range(0, n, DELTA_ROWS):
+        rows = min(DELTA_ROWS, n - r0)
+        total, one = acc[:rows], term_rows[:rows]
+        torch.mul(left[r0 : r0 + rows, 0:1], right[0:1], out=total)
+        for i in range(1, term.rank):
+            total.add_(torch.mul(left[r0 : r0 + rows, i : i + 1], right[i : i + 1], out=one))
+        out[r0 : r0 + rows] = total.mul_(term.scaling)  # one rounding to float32
+    return out
+
+
+def run_merged_job(
+    job: Job, read: Reader, backend: Backend, fp8_max: float, tensors: AdapterTensors
+) -> tuple[list[torch.Tensor], TensorError]:
+    """The job's output tensors from its weight with the adapter's change, and the merge's report."""
+    assert job.merge is not None
+    base = _input_values(job, read, backend)
+    merged = _merged_values(job.merge, base, tensors)
+    outputs, written, counts = _outputs(job, merged, backend, fp8_max)
+    return outputs, replace(merge_report(base, merged, written), saturated=counts[0], flushed=counts[1])
+
+
+def _input_values(job: Job, read: Reader, backend: Backend) -> torch.Tensor:
+    """The base weight's float32 values [N, K]: a float tensor widened, FP8 dequantized exactly."""
+    if job.fmt is None:
+        return read(job.source).to(torch.float32)
+    return dequantize(read(job.source), stored_scale(read, job.fmt), job.fmt, torch.float32, backend)
+
+
+def _merged_values(target: str, base: torch.Tensor, tensors: AdapterTensors) -> torch.Tensor:
+    """The weight a merge makes: the adapter's whole tensor if it saves one, plus the delta if it has one."""
+    adapter = tensors.adapter
+    replacement = adapter.replacements.get(target)
+    values = base if replacement is None else tensors.read(replacement).to(torch.float32)
+    term = adapter.terms.get(target)
+    return values if term is None else values + lora_delta(term, tensors)
+
+
+def _outputs(
+    job: Job, merged: torch.Tensor, backend: Backend, fp8_max: float
+) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int | None]]:
+    """The job's outputs from the merged float32 weight (one rounding each), the values they hold (float32,
+    unpadded: what an engine computes with), and (saturated, flushed) as the target's own report counts
+    them (power-of-two scales count both; none saturates elsewhere, and only they count the flushed)."""
+    n, k = merged.shape
+    spec = job.spec
+    if job.action in (Action.DEQUANTIZE, Action.COPY):
+        out = merged.to(torch_dtype(spec.dtype))
+        return [pad_to(out, spec.shape, parts=job.pad_parts)], out.to(torch.float32), (0, None)
+    padded = pad_to(merged, spec.shape, parts=job.pad_parts)
+    if job.action is Action.QUANTIZE_POW2:  # a float weight now: the ceiling exponent, as from bf16
+        assert job.out_block is not None
+        q, exponents, parts = quantize_pow2_reported(padded, job.out_block, False, backend)
+        written = _decoded(q, powers_of_two(exponents.to(torch.int32) - E8M0_BIAS), job.out_block)
+        counts = (sum(p.saturated for p in parts), sum(p.flushed for p in parts))
+        return [q, stored_exponents(exponents.reshape(job.outputs[1].shape), job)], _unpadded(written, n, k), counts
+    dtype = torch_dtype(spec.dtype)
+    q, scale = quantize(padded, job.out_block, fp8_max, backend, dtype)  # (INT8: this module's report)
+    written = _decoded(q, scale, job.out_block or (1, spec.shape[-1]))
+    return [q.reshape(spec.shape), scale.reshape(job.outputs[1].shape)], _unpadded(written, n, k), (0, None)
+
+
+def _decoded(q: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """q [N, K] (e4m3 or int8) times its scale grid [ceil(N/bn), ceil(K/bk)], in float32."""
+    n, k = q.shape
+    scale = grid.to(torch.float32).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return q.to(torch.float32) * scale
+
+
+def _unpadded(values: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return values[:n, :k] if tuple(values.shape) != (n, k) else values
+
+
+def merge_report(base: torch.Tensor, merged: torch.Tensor, written: torch.Tensor) -> TensorError:
+    """relative_frobenius: ||written - merged|| / ||merged||; delta_relative: ||merged - base|| / ||base||;
+    survived: <written - base, merged - base> / ||merged - base||^2. float64, pairwise sums in a fixed order
+    (the same digits on every host)."""
+    base64, delta = base.to(torch.float64), merged.to(torch.float64) - base.to(torch.float64)
+    moved = written.to(torch.float64) - base64
+    error = written.to(torch.float64) - merged.to(torch.float64)
+    delta2 = _sum(delta * delta)
+    merged2 = _sum(merged.to(torch.float64) ** 2)
+    base2 = _sum(base64 * base64)
+    return TensorError(
+        relative_frobenius=math.sqrt(_sum(error * error) / merged2) if merged2 > 0 else 0.0,
+        saturated=0,
+        flushed=None,
+        elements=merged.numel(),
+        delta_relative=math.sqrt(delta2 / base2) if base2 > 0 else float(delta2 > 0),  # a zero base: 1 if any
+        survived=_sum(moved * delta) / delta2 if delta2 > 0 else 1.0,
+    )
+
+
+def _sum(values: torch.Tensor) -> float:
+    return float(pairwise_sum(values.reshape(-1), 0)) if values.numel() else 0.0

@@ -1,0 +1,445 @@
+"""--merge-lora: a PEFT LoRA adapter merged into an FP8 checkpoint, against PEFT's own merge_and_unload on the
+dequantized base (the reference), in every target; the delta against its plain definition; the same bytes
+on every backend; verify, resume and the refusals; the report of what the rounding kept."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from peft import LoraConfig, get_peft_model
+
+import fp8conv
+from fp8conv import ConvertOptions, RunOptions
+from fp8conv.cli.commands import main
+from fp8conv.errors import CheckpointError, OptionsError, PlanRefused
+from fp8conv.output.requant_report import summary_line
+from fp8conv.rewrite.lora_merge import AdapterTensors, lora_delta
+from fp8conv.source.lora_adapter import open_adapter
+from tests.support.families import build_family
+from tests.support.helpers import dir_snapshot, load_dir
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def merged_case(tmp_path_factory):
+    """A tiny Qwen3 block-FP8 checkpoint, an adapter PEFT made on its dequantized (float32) copy, and PEFT's
+    merged float32 weights: the reference every output is held to."""
+    work = tmp_path_factory.mktemp("lora")
+    fixture = build_family("qwen3-8b", work / "base")
+    model = _float_model(fixture)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=TARGETS,
+        rank_pattern={"layers.1.self_attn.q_proj": 2},  # PEFT's patterns: one module's rank and alpha differ
+        alpha_pattern={"down_proj": 16},
+        init_lora_weights=False,  # a trained adapter's B is not zero
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # a fine-tune's size: the delta a few percent of the weights
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    peft_model.save_pretrained(work / "adapter")
+    reference = {k: v.clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+    return fixture, work / "adapter", reference
+
+
+def _decoded_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A block FP8 (or float) output's weights as float32 values: each e4m3 weight times its 128x128 grid."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            n, k = t.shape
+            grid = tensors[name + "_scale_inv"].float()
+            t = t.float() * grid.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        out[name] = t.float()
+    return out
+
+
+def _float32_slack(adapter_dir) -> dict[str, torch.Tensor]:
+    """Per merged weight, how far PEFT's float32 merge (a float32 matmul, then a float32 add) and fp8conv's
+    (float64 outer products, one rounding, then the add) may differ: a few float32 roundings of the terms'
+    magnitudes, (|B| @ |A|) x scaling, and of the merged value."""
+    adapter = open_adapter(str(adapter_dir))
+    tensors = AdapterTensors(adapter)
+    try:
+        out = {}
+        for name, term in adapter.terms.items():
+            a, b = tensors.read(term.a).double().abs(), tensors.read(term.b).double().abs()
+            magnitude = (b @ a).t() if term.embedding else b @ a
+            out[name] = (magnitude * term.scaling * (term.rank + 2) * 2**-23).float()
+        return out
+    finally:
+        tensors.close()
+
+
+def _float_model(fixture):
+    config = transformers.AutoConfig.from_pretrained(fixture.path)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in fixture.reference.items()}, strict=True)
+    return model
+
+
+def _merged_names(reference_names, targets=TARGETS):
+    return sorted(n for n in reference_names if any(f".{t}.weight" in n for t in targets))
+
+
+def test_the_adapter_is_read_as_peft_reads_it(merged_case):
+    _, adapter_dir, _ = merged_case
+    adapter = open_adapter(str(adapter_dir))
+    q1 = adapter.terms["model.layers.1.self_attn.q_proj.weight"]
+    down = adapter.terms["model.layers.0.mlp.down_proj.weight"]
+    v0 = adapter.terms["model.layers.0.self_attn.v_proj.weight"]
+    assert (q1.rank, q1.scaling) == (2, 4.0)  # rank_pattern: 8 / 2
+    assert (down.rank, down.scaling) == (4, 4.0)  # alpha_pattern: 16 / 4
+    assert (v0.rank, v0.scaling) == (4, 2.0)
+    assert len(adapter.terms) == 6 and not adapter.replacements
+
+
+def test_the_delta_is_its_plain_definition_bit_for_bit(merged_case):
+    """Sum over the rank of float64 outer products, in order, times the scaling, one rounding to float32;
+    and within float32's rounding of PEFT's own matmul."""
+    _, adapter_dir, _ = merged_case
+    adapter = open_adapter(str(adapter_dir))
+    tensors = AdapterTensors(adapter)
+    try:
+        for name, term in adapter.terms.items():
+            a, b = tensors.read(term.a).double(), tensors.read(term.b).double()
+            plain = torch.zeros(b.shape[0], a.shape[1], dtype=torch.float64)
+            for i in range(term.rank):
+                plain += torch.outer(b[:, i], a[i])
+            got = lora_delta(term, tensors)
+            assert torch.equal(got, (plain * term.scaling).float()), name
+            peft_delta = (b.float() @ a.float()) * term.scaling
+            assert torch.allclose(got, peft_delta, rtol=1e-5, atol=1e-7), name
+    finally:
+        tensors.close()
+
+
+def test_bf16_output_is_one_rounding_of_the_peft_merge(merged_case, tmp_path):
+    fixture, adapter_dir, reference = merged_case
+    result = fp8conv.convert(fixture.path, tmp_path / "m", ConvertOptions(to="bf16", merge_lora=str(adapter_dir)))
+    plain = fp8conv.convert(fixture.path, tmp_path / "p", ConvertOptions(to="bf16"))
+    got, unmerged = load_dir(result.output), load_dir(plain.output)
+    merged = _merged_names(reference)
+    assert len(merged) == 6 and sorted(result.requantization["tensors"]) == merged
+    slack = _float32_slack(adapter_dir)
+    for name in merged:
+        ref = reference[name]
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-126))) - 7)  # bf16's step at ref
+        assert bool(((got[name].float() - ref).abs() <= ulp / 2 + slack[name]).all()), name
+        assert not torch.equal(got[name], unmerged[name]), name  # the fine-tune is there
+    for name in set(got) - set(merged):  # everything else as the plain conversion writes it
+        assert torch.equal(got[name].view(torch.uint8), unmerged[name].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ConvertOptions(to="channel"),
+        ConvertOptions(to="block"),
+        ConvertOptions(to="int8"),
+        ConvertOptions(to="block", scale_fmt="ue8m0"),  # (--to mxfp8: this model's widths are not 32s)
+    ],
+    ids=["channel", "block", "int8", "ue8m0"],
+)
+def test_quantized_outputs_are_within_one_step_of_the_peft_merge(merged_case, tmp_path, options):
+    """Each merged weight, decoded as engines read it, within half a step (e4m3: 2^-4 of the value, or the
+    smallest subnormal step; INT8: half the row's scale) of PEFT's merged float32 weight, with fresh scales."""
+    fixture, adapter_dir, reference = merged_case
+    options = ConvertOptions(**{**options.__dict__, "merge_lora": str(adapter_dir)})
+    result = fp8conv.convert(fixture.path, tmp_path / "m", options)
+    got, slack = load_dir(result.output), _float32_slack(adapter_dir)
+    for name in _merged_names(reference):
+        ref, q = reference[name], got[name]
+        scale = _expanded_scale(got, name, q.shape, options)
+        value = q.float() * scale
+        # INT8: half the row's step; e4m3: 3 mantissa bits, and half the subnormal step 2^-9
+        bound = scale * 0.5 if q.dtype == torch.int8 else ref.abs() * 2**-4 + scale * 2**-10
+        assert bool(((value - ref).abs() <= bound + slack[name]).all()), name
+    summary = result.requantization["summary"]
+    assert summary["merged"] == 6 and summary["mean_survived"] > 0.9 and not summary["rounded_away"]
+    line = summary_line(result.requantization, options.to)  # the target's own line, where it reports
+    if options.scale_fmt:  # every weight requantized: the merged ones count their flushed values too
+        assert isinstance(summary["flushed"], int) and line is not None and "None" not in line
+    elif options.to == "int8":
+        assert summary["flushed"] is None and line is not None and "INT8 rows" in line
+    else:
+        assert line is None  # only the merged weights reported: merge_line says it
+
+
+def _expanded_scale(got, name, shape, options):
+    base = name.removesuffix(".weight")
+    n, k = shape
+    if options.to in ("channel", "int8"):
+        return got[base + ".weight_scale"].float().expand(n, k)
+    if options.to == "mxfp8":
+        exps = got[name + "_scale"].view(torch.uint8).to(torch.int32) - 127
+        return torch.exp2(exps.float()).repeat_interleave(32, 1)[:, :k]
+    grid = got[name + "_scale_inv"].float()
+    return grid.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+
+
+def test_every_backend_writes_the_same_bytes_and_verify_recomputes_them(merged_case, tmp_path):
+    fixture, adapter_dir, _ = merged_case
+    options = ConvertOptions(to="block", merge_lora=str(adapter_dir))
+    fp8conv.convert(fixture.path, tmp_path / "cpu", options)
+    fp8conv.convert(fixture.path, tmp_path / "ref", options, run=RunOptions(device="reference"))
+    shards = {k: v for k, v in dir_snapshot(tmp_path / "cpu").items() if k.endswith(".safetensors")}
+    assert shards and shards == {k: v for k, v in dir_snapshot(tmp_path / "ref").items() if k in shards}
+    assert fp8conv.verify(fixture.path, tmp_path / "cpu").ok  # the manifest names the adapter and its hash
+    # a merged weight's byte changed: verify says which
+    name = "model.layers.0.self_attn.q_proj.weight"
+    out = tmp_path / "cpu"
+    shard = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][name]
+    _flip_one_byte(out / shard, name)
+    result = fp8conv.verify(fixture.path, out)
+    assert not result.ok and any(name in f and "merged weight" in f for f in result.failures)
+
+
+def _flip_one_byte(path, name):
+    raw = bytearray(path.read_bytes())
+    header_len = int.from_bytes(raw[:8], "little")
+    start = json.loads(raw[8 : 8 + header_len])[name]["data_offsets"][0] + 8 + header_len
+    raw[start] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_a_block_release_keeps_its_untouched_weights_byte_for_byte(merged_case, tmp_path):
+    """--to block from block FP8: the weights the adapter does not touch keep their bytes and scales; the
+    merged ones are quantized afresh in the same 128x128 blocks (one scheme across q/k/v)."""
+    fixture, adapter_dir, _ = merged_case
+    src = load_dir(fixture.path)
+    got = load_dir(
+        fp8conv.convert(fixture.path, tmp_path / "m", ConvertOptions(to="block", merge_lora=str(adapter_dir))).output
+    )
+    k0 = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(got[k0].view(torch.uint8), src[k0].view(torch.uint8))
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(got[q0].view(torch.uint8), src[q0].view(torch.uint8))
+    assert got[q0 + "_scale_inv"].shape == src[q0 + "_scale_inv"].shape and got[q0].dtype == src[q0].dtype
+
+
+def test_a_delta_under_the_fp8_step_is_reported_rounded_away(merged_case, tmp_path):
+    fixture, adapter_dir, _ = merged_case
+    tiny = tmp_path / "tiny-adapter"
+    shutil.copytree(adapter_dir, tiny)
+    _scale_b(tiny, 1e-4)  # a fine-tune far under e4m3's step (2^-4 of each value)
+    block = fp8conv.convert(fixture.path, tmp_path / "b", ConvertOptions(to="block", merge_lora=str(tiny)))
+    bf16 = fp8conv.convert(fixture.path, tmp_path / "h", ConvertOptions(to="bf16", merge_lora=str(tiny)))
+    away = block.requantization["summary"]["rounded_away"]
+    assert len(away) == 6 and any("mostly rounded away in 6 weight(s)" in w for w in block.warnings)
+    survived = [block.requantization["tensors"][n]["survived"] for n in away]
+    assert all(s < 0.5 for s in survived)
+    kept = bf16.requantization["summary"]["mean_survived"]
+    assert kept > max(survived)  # bf16's finer step keeps more of it
+
+
+def _scale_b(adapter_dir, factor):
+    from safetensors.torch import load_file, save_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(path)
+    save_file({k: (v * factor if "lora_B" in k else v) for k, v in tensors.items()}, path)
+
+
+def test_a_resume_or_verify_with_another_adapter_is_refused(merged_case, tmp_path):
+    fixture, adapter_dir, _ = merged_case
+    mine = tmp_path / "mine"
+    shutil.copytree(adapter_dir, mine)
+    other = tmp_path / "other"
+    shutil.copytree(adapter_dir, other)
+    _scale_b(other, 2.0)
+    out = tmp_path / "m"
+    fp8conv.convert(fixture.path, out, ConvertOptions(to="channel", merge_lora=str(mine)))
+    (out / "config.json").unlink()  # as if interrupted before the end
+    with pytest.raises(OptionsError, match=r"cannot resume.*merge_lora"):
+        fp8conv.convert(
+            fixture.path, out, ConvertOptions(to="channel", merge_lora=str(other)), run=RunOptions(resume=True)
+        )
+    resumed = fp8conv.convert(
+        fixture.path, out, ConvertOptions(to="channel", merge_lora=str(mine)), run=RunOptions(resume=True)
+    )
+    assert resumed.requantization["summary"]["merged"] == 6 and resumed.shards_kept
+    assert fp8conv.verify(fixture.path, out).ok
+    _scale_b(mine, 3.0)  # the same folder, other contents: the manifest's hash tells them apart
+    with pytest.raises(OptionsError, match="is not the adapter this run must merge"):
+        fp8conv.verify(fixture.path, out)
+    pinned = ["convert", str(fixture.path), "--to", "bf16", "--merge-lora", str(other), "-o", str(tmp_path / "pin")]
+    run = CliRunner().invoke(main, [*pinned, "--merge-lora-sha256", "0" * 64])
+    assert run.exit_code == 1 and "is not the adapter this run must merge" in run.output
+    assert not (tmp_path / "pin").exists()
+
+
+def test_the_cli_prints_what_the_merge_kept(merged_case, tmp_path):
+    fixture, adapter_dir, _ = merged_case
+    run = CliRunner().invoke(
+        main,
+        ["convert", str(fixture.path), "--to", "block", "--merge-lora", str(adapter_dir), "-o", str(tmp_path / "o")],
+    )
+    assert run.exit_code == 0, run.output
+    line = next(x for x in run.output.splitlines() if x.startswith("merged a LoRA adapter into 6 weight(s)"))
+    assert "of its delta" in line
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "asks for DoRA"),
+        ({"peft_type": "LOHA"}, "is a LOHA adapter; fp8conv merges LoRA adapters only"),
+        ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "asks for LoRA on parameters"),
+        ({"r": 8}, "not the rank 8 the config gives"),
+    ],
+)
+def test_adapters_fp8conv_does_not_merge_are_refused_by_name(merged_case, tmp_path, change, message):
+    fixture, adapter_dir, _ = merged_case
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter_dir, bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, **change, "rank_pattern": {}}))
+    with pytest.raises(CheckpointError, match=message):
+        fp8conv.convert(fixture.path, tmp_path / "o", ConvertOptions(to="block", merge_lora=str(bad)))
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_adapter_for_another_model_is_refused_before_anything_is_written(merged_case, tmp_path):
+    fixture, adapter_dir, _ = merged_case
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter_dir, bad)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(bad / "adapter_model.safetensors")
+    renamed = {k.replace("layers.1.self_attn.v_proj", "layers.7.self_attn.v_proj"): v for k, v in tensors.items()}
+    renamed["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"] = torch.zeros(5, 4)  # wrong width
+    save_file(renamed, bad / "adapter_model.safetensors")
+    with pytest.raises(PlanRefused) as refused:
+        fp8conv.convert(fixture.path, tmp_path / "o", ConvertOptions(to="channel", merge_lora=str(bad)))
+    lines = [p.one_line() for p in refused.value.problems]
+    assert any(
+        "targets model.layers.7.self_attn.v_proj.weight, which the base checkpoint does not have" in x for x in lines
+    )
+    assert any("B @ A is [5, " in x and "model.layers.0.mlp.down_proj.weight is [" in x for x in lines)
+    assert not (tmp_path / "o").exists()
+
+
+def test_transformers_loads_the_merged_outputs_and_computes_the_peft_model(merged_case, tmp_path):
+    """The merged outputs' weights, decoded plainly, compute PEFT's merged model to their rounding (bf16's;
+    e4m3's, 2^-4 of each weight); transformers loads each output as those weights (bf16: exactly; block FP8:
+    its FP8 layer also quantizes the activations per token group, ~12% of the logits' range on this tiny
+    random model, measured the same without a merge)."""
+    fixture, adapter_dir, reference = merged_case
+    peft_model = _float_model(fixture)
+    peft_model.load_state_dict(reference)
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+    with torch.no_grad():
+        want = peft_model(ids).logits
+    for to, weights_tolerance, load_tolerance in (("bf16", 0.01, 0.0), ("block", 0.05, 0.2)):
+        out = fp8conv.convert(fixture.path, tmp_path / to, ConvertOptions(to=to, merge_lora=str(adapter_dir))).output
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        decoded = _float_model(fixture)
+        decoded.load_state_dict(_decoded_weights(load_dir(out)))
+        with torch.no_grad():
+            got, plain = model(ids).logits.float(), decoded(ids).logits
+        assert torch.isfinite(got).all()
+        assert (plain - want).abs().max() <= weights_tolerance * want.abs().max(), to
+        assert (got - plain).abs().max() <= load_tolerance * plain.abs().max(), to
+
+
+@pytest.mark.parametrize("to", ["bf16", "block"])
+def test_embedding_lora_and_modules_to_save_are_merged_as_peft_merges_them(merged_case, tmp_path, to):
+    """An Embedding's LoRA (its delta (B @ A) transposed) and a whole module saved beside the adapter
+    (modules_to_save: lm_head) into a release that keeps both bf16: written bf16, one rounding of PEFT's."""
+    fixture, _, _ = merged_case
+    model = _float_model(fixture)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["embed_tokens", "q_proj"],
+        modules_to_save=["lm_head"],
+        init_lora_weights=False,
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(0.01)  # the trained copy differs from the base's
+            elif "lora_embedding_B" in name:
+                p.mul_(0.01)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reference = peft_model.merge_and_unload().state_dict()
+    adapter = open_adapter(str(tmp_path / "adapter"))
+    assert adapter.terms["model.embed_tokens.weight"].embedding and "lm_head.weight" in adapter.replacements
+    result = fp8conv.convert(fixture.path, tmp_path / "o", ConvertOptions(to=to, merge_lora=str(tmp_path / "adapter")))
+    got, slack = load_dir(result.output), _float32_slack(tmp_path / "adapter")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        ref = reference[name]
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-126))) - 7)
+        assert got[name].dtype == torch.bfloat16, name
+        bound = ulp / 2 + slack.get(name, ref.abs() * 2**-23)  # lm_head: the saved tensor itself, rounded once
+        assert bool(((got[name].float() - ref).abs() <= bound).all()), name
+        assert result.requantization["tensors"][name]["survived"] > 0.5, name
+
+
+def test_parts_and_stream_write_the_whole_runs_bytes(merged_case, tmp_path):
+    """--part 1/2 and 2/2, and --stream from a source that delivers shards one by one, with the same adapter:
+    the bytes of one whole run (the manifests name the adapter's hash each time)."""
+    from tests.support.local_shards import LocalShardSource
+
+    fixture, adapter_dir, _ = merged_case
+    options = ConvertOptions(to="block", merge_lora=str(adapter_dir))
+    fp8conv.convert(fixture.path, tmp_path / "whole", options)
+    for part in ((1, 2), (2, 2)):
+        fp8conv.convert(fixture.path, tmp_path / "parts", options, run=RunOptions(part=part))
+    source = LocalShardSource(fixture.path, tmp_path / "staging")
+    fp8conv.convert(fixture.path, tmp_path / "stream", options, run=RunOptions(stream=source, evict_input=True))
+    whole = {k: v for k, v in dir_snapshot(tmp_path / "whole").items() if not k.startswith(".fp8conv/")}
+    for other in ("parts", "stream"):
+        got = dir_snapshot(tmp_path / other)
+        assert {k: v for k, v in got.items() if k in whole and k != "README.md"} == {
+            k: v for k, v in whole.items() if k != "README.md"
+        }, other
+        assert fp8conv.verify(fixture.path, tmp_path / other).ok, other
+
+
+def test_pad_for_tp_pads_the_merged_weight(merged_case, tmp_path):
+    """--pad-for-tp: the merged down_proj's values (the delta added before the padding) in its leading
+    columns, zeros after, verify recomputing it."""
+    fixture, adapter_dir, _ = merged_case
+    merged = fp8conv.convert(fixture.path, tmp_path / "m", ConvertOptions(to="block", merge_lora=str(adapter_dir)))
+    padded = fp8conv.convert(
+        fixture.path, tmp_path / "p", ConvertOptions(to="block", pad_for_tp=4, merge_lora=str(adapter_dir))
+    )
+    name = "model.layers.0.mlp.down_proj.weight"
+    a, b = load_dir(merged.output), load_dir(padded.output)
+    k = a[name].shape[1]
+    assert b[name].shape[1] > k and torch.equal(b[name][:, :k].view(torch.uint8), a[name].view(torch.uint8))
+    assert not bool(b[name][:, k:].float().any())
+    assert fp8conv.verify(fixture.path, padded.output).ok
+
+
+def test_an_adapter_from_the_hub_cache(merged_case, tmp_path, monkeypatch):
+    """A Hub ID, through huggingface_hub's own cache in offline mode (the tests reach no network)."""
+    from huggingface_hub import constants
+
+    from tests.support.hf_cache import lay_out_hf_cache
+
+    fixture, adapter_dir, _ = merged_case
+    cache = tmp_path / "hub-cache"
+    lay_out_hf_cache(adapter_dir, cache, "acme/tiny-lora")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    hub = fp8conv.convert(fixture.path, tmp_path / "hub", ConvertOptions(to="channel", merge_lora="acme/tiny-lora"))
+    local = fp8conv.convert(fixture.path, tmp_path / "local", ConvertOptions(to="channel", merge_lora=str(adapter_dir)))
+    assert hub.requantization == local.requantization
+    shards = [k for k in dir_snapshot(hub.output) if k.endswith(".safetensors")]
+    assert shards and all(dir_snapshot(hub.output)[k] == dir_snapshot(local.output)[k] for k in shards)
+    with pytest.raises(CheckpointError, match="acme/other-lora cannot be fetched"):
+        fp8conv.convert(fixture.path, tmp_path / "x", ConvertOptions(to="channel", merge_lora="acme/other-lora"))
