@@ -164,6 +164,60 @@ def test_channel_dense_output_computed_by_vllm_matches_transformers(converted, t
     )
 
 
+# A LoRA merged into the FP8 release (--merge-lora): vLLM computes the merged bf16 and channel outputs; the
+# reference is PEFT's own merge_and_unload on the exact weights (the bf16 output), run in transformers. bf16:
+# BF16_LOGPROB_TOL, as for the unmerged bf16 output. Channel: e4m3 weights (2^-4 of each value) and FP8
+# activations per token against the exact merged weights: the first token's top log-probabilities within
+# MERGED_CHANNEL_LOGPROB_TOL (nats; measured 0.039 on an AVX-512 host, vLLM's torch FP8 kernel).
+MERGED_CHANNEL_LOGPROB_TOL = 0.1
+
+
+def _peft_merged(base: Path, root: Path) -> tuple[Path, Path]:
+    """A LoRA adapter PEFT makes on `base` (q/v/down projections, rank 8, a fine-tune's size), and PEFT's
+    merged model saved beside it: (adapter, merged model)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(1)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.2)
+    peft_model.save_pretrained(root / "adapter")
+    peft_model.merge_and_unload().to(torch.bfloat16).save_pretrained(root / "peft-merged")
+    return root / "adapter", root / "peft-merged"
+
+
+def test_lora_merged_outputs_computed_by_vllm_match_the_peft_model(converted, tmp_path):
+    """--merge-lora into the qwen3 block FP8 release: vLLM serves the merged bf16 output with the PEFT
+    model's greedy tokens (or a near tie flips), and computes the merged channel FP8 output's first token
+    close to it; the merge moved the model (its tokens differ from the base's somewhere, or its
+    log-probabilities by more than the tolerance)."""
+    fp8, base = converted["qwen3"].fp8, converted["qwen3"].bf16
+    adapter, reference = _peft_merged(base, tmp_path)
+    hf_tokens, hf_logprobs = _transformers_greedy(reference)
+    base_tokens, base_logprobs = _transformers_greedy(base)
+    moved = max(float((a - b).abs().max()) for a, b in zip(hf_logprobs, base_logprobs, strict=True))
+    assert hf_tokens != base_tokens or moved > 2 * BF16_LOGPROB_TOL, moved
+    lines = []
+    for to in ("bf16", "channel"):
+        out = tmp_path / f"merged-{to}"
+        fp8conv_cli("convert", str(fp8), "--to", to, "--merge-lora", str(adapter), "-o", str(out))
+        proc = run_worker(f"qwen3 merged {to}: generate", "generate", str(out), str(tmp_path / f"{to}.json"))
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        got = json.loads((tmp_path / f"{to}.json").read_text())
+        if to == "bf16":
+            lines.append(f"bf16 {_compare_greedy(got, hf_tokens, hf_logprobs, BF16_LOGPROB_TOL)}")
+            continue
+        assert any(k in proc.stdout + proc.stderr for k in CHANNEL_FP8_KERNELS)  # vLLM ran FP8, not bf16
+        diffs = {int(t): abs(lp - float(hf_logprobs[0][int(t)])) for t, lp in got["logprobs"][0].items()}
+        assert max(diffs.values()) <= MERGED_CHANNEL_LOGPROB_TOL, diffs
+        lines.append(f"channel first-token top-{len(diffs)} within {max(diffs.values()):.4f}")
+    VERDICTS.append(f"COMPUTED qwen3 + LoRA merged (PEFT's merge as the reference): {'; '.join(lines)}")
+
+
 # ---- LOAD-ONLY: vLLM's model construction and weight loaders at TP 1 and 2, no compute ----
 
 # Checkpoint modules vLLM fuses into one parameter, in its order (stacked_params_mapping of the models).
