@@ -377,14 +377,28 @@ def pow2(converted, tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in POW2}
 
 
+MERGED_BLOCK = "qwen3-block-tp2-lora"  # --to block --pad-for-tp 2 --merge-lora: the merged block FP8 release
+
+
 @pytest.fixture(scope="module")
-def loaded(converted, kv_channel, pow2, tmp_path_factory):
+def merged_block(converted, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("merged")
+    adapter, _ = _peft_merged(converted["qwen3"].bf16, root)
+    out = root / MERGED_BLOCK
+    args = ("--to", "block", "--pad-for-tp", "2", "--merge-lora", str(adapter), "-o", str(out))
+    fp8conv_cli("convert", str(converted["qwen3"].fp8), *args)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(converted, kv_channel, pow2, merged_block, tmp_path_factory):
     """One worker process for every load-only check (vLLM imported once; each model's ranks forked)."""
     out = tmp_path_factory.mktemp("loaded")
     models = [f"{k}-{t}={getattr(converted[k], t)}" for k, t in LOAD_ONLY]
     models.append(f"{UNPADDED}={converted['deepseek_v3'].block}")
     models.append(f"{KV_MODEL}={kv_channel[0]}")
     models += [f"{name}={path}" for name, path in pow2.items()]
+    models.append(f"{MERGED_BLOCK}={merged_block}")
     run_worker(f"LOAD-ONLY at TP 1 and 2, {len(models)} checkpoints", "load", str(out), *models, "--tp", "1,2")
     return out
 
@@ -399,6 +413,13 @@ def test_load_only_vllm_loads_every_weight_at_tp_1_and_2(converted, loaded, kind
     VERDICTS.append(
         f"LOAD-ONLY {kind} {target}: {len(used)} parameters at TP 1 and 2, {len(quantized)} quantization scales"
     )
+
+
+def test_load_only_vllm_loads_the_lora_merged_block_output_at_tp_1_and_2(merged_block, loaded):
+    """LOAD-ONLY, as above: the block FP8 release with a LoRA merged in (--pad-for-tp 2) loads in vLLM with
+    every parameter the checkpoint's bytes, the merged projections' fresh scales among them."""
+    used, quantized = _check_loaded(merged_block, loaded / MERGED_BLOCK)
+    VERDICTS.append(f"LOAD-ONLY {MERGED_BLOCK}: {len(used)} parameters at TP 1 and 2, {len(quantized)} scales")
 
 
 @pytest.mark.parametrize("name", POW2)
