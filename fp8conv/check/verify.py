@@ -79,7 +79,7 @@ def verify(
         ckpt = open_checkpoint(source)
         plan = plan_conversion(ckpt, classify(ckpt.index, ckpt.classification_config(), options.block_size), options)
         if adapter is not None:
-            plan = with_lora_merge(plan, adapter, ckpt, str(source))
+            plan, adapter = with_lora_merge(plan, adapter, ckpt, str(source))
     tensors = None if adapter is None else AdapterTensors(adapter)
     check = OutputCheck(ckpt.index, plan, out, sample, max_failures, tuning.verify_band_elements, tensors)
     try:

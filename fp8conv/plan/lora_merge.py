@@ -13,16 +13,21 @@ from pathlib import PurePosixPath
 
 from ..errors import CheckpointError, OptionsError
 from ..model.classify import PACKED
+from ..model.families import model_type_of
 from ..options import ConvertOptions
 from ..source.checkpoint import Checkpoint
-from ..source.lora_adapter import LoraAdapter, open_adapter
+from ..source.lora_adapter import LoraAdapter, LoraTerm, open_adapter
+from ..storage.safetensors_file import TensorEntry
 from .conversion import Action, ConversionPlan, Job, ShardPlan
 
 
-def with_lora_merge(plan: ConversionPlan, adapter: LoraAdapter, ckpt: Checkpoint, source: str) -> ConversionPlan:
+def with_lora_merge(
+    plan: ConversionPlan, adapter: LoraAdapter, ckpt: Checkpoint, source: str
+) -> tuple[ConversionPlan, LoraAdapter]:
     """The plan with every targeted weight's job merging it, and the adapter's problems and warnings
-    (`source`: the checkpoint as the user named it, for the adapter's base_model_name_or_path)."""
-    problems: list[CheckpointError] = []
+    (`source`: the checkpoint as the user named it, for the adapter's base_model_name_or_path); and the
+    adapter as the base stores its targets (for_base), which the run merges."""
+    adapter, problems = for_base(adapter, ckpt)
     found: set[str] = set()
     shards = []
     for shard in plan.shards:
@@ -48,12 +53,62 @@ def with_lora_merge(plan: ConversionPlan, adapter: LoraAdapter, ckpt: Checkpoint
                 fix="merge the adapter into the model it was trained on",
             )
         )
-    return dataclasses.replace(
+    merged = dataclasses.replace(
         plan,
         shards=tuple(shards),
         problems=(*plan.problems, *problems),
         warnings=(*plan.warnings, *_base_model_warning(adapter, source)),
     )
+    return merged, adapter
+
+
+# Model types whose transformers 5 experts class holds gate_up_proj [E, 2I, H] (gate rows, then up rows) and
+# down_proj [E, H, I], not transposed: the layout PEFT computes a parameter LoRA's delta in (ParamWrapper),
+# read off each class's own flags by tests/rewrite/test_lora_merge.py. Another model type's is refused.
+FUSED_LORA_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "deepseek_v3")
+
+
+def for_base(adapter: LoraAdapter, ckpt: Checkpoint) -> tuple[LoraAdapter, list[CheckpointError]]:
+    """The adapter's fused experts terms (target_parameters) as the base stores those experts: the 3-D
+    parameter itself, or one Linear per expert (`experts.E.gate_proj` the gate rows, `up_proj` the up rows,
+    `down_proj`); and the problems of the model type. Other terms as they are."""
+    terms: dict[str, LoraTerm] = {}
+    problems = []
+    model_type = model_type_of(ckpt.config)
+    for name, term in adapter.terms.items():
+        if not term.experts:
+            terms[name] = term
+            continue
+        if model_type not in FUSED_LORA_MODEL_TYPES:
+            problems.append(
+                CheckpointError(
+                    f"is a LoRA on {name}, a fused experts parameter; fp8conv knows how transformers lays those out "
+                    f"for {', '.join(FUSED_LORA_MODEL_TYPES)} only, not for model_type {model_type}",
+                    tensor=term.a,
+                    file=str(adapter.weights),
+                    fix="merge with PEFT into a bf16 copy",
+                )
+            )
+            continue
+        split = _per_expert(name, term, adapter.entries)
+        kept_fused = name in ckpt.index.locations or not all(n in ckpt.index.locations for n in split)
+        terms.update({name: term} if kept_fused else split)  # (a fused name the base lacks: refused below)
+    return dataclasses.replace(adapter, terms=terms), problems
+
+
+def _per_expert(name: str, term: LoraTerm, entries: dict[str, TensorEntry]) -> dict[str, LoraTerm]:
+    """A fused experts parameter's term as one term per expert Linear, by the base weight's name."""
+    experts, parameter = name.rpartition(".")[::2]
+    out = entries[term.b].shape[0]
+    if parameter == "down_proj":
+        parts = {"down_proj": None}
+    else:
+        parts = {"gate_proj": (0, out // 2), "up_proj": (out // 2, out)}
+    return {
+        f"{experts}.{e}.{linear}.weight": dataclasses.replace(term, expert=e, rows=rows)
+        for e in range(term.experts)
+        for linear, rows in parts.items()
+    }
 
 
 def _target_of(job: Job, adapter: LoraAdapter) -> str | None:

@@ -56,20 +56,34 @@ class AdapterTensors:
 
 
 def lora_delta(term: LoraTerm, tensors: AdapterTensors) -> torch.Tensor:
-    """(B @ A) x scaling as float32 [N, K] (an embedding's transposed, [V, D]), by the module's definition."""
+    """(B @ A) x scaling as float32 [N, K] (an embedding's transposed, [V, D]; a fused experts parameter's
+    [E, N, K], or one expert's rows), by the module's definition."""
     a, b = tensors.read(term.a).to(torch.float64), tensors.read(term.b).to(torch.float64)
-    left, right = (a.t(), b.t()) if term.embedding else (b, a)  # delta[n, k] = sum_i left[n, i] right[i, k]
+    if term.embedding:
+        return _low_rank(a.t(), b.t(), term.rank, term.scaling)
+    if not term.experts:
+        return _low_rank(b, a, term.rank, term.scaling)
+    a3, b3 = a.reshape(term.experts, term.rank, -1), b.reshape(b.shape[0], term.rank, term.experts)
+    if term.rows is not None:
+        b3 = b3[term.rows[0] : term.rows[1]]
+    if term.expert is not None:
+        return _low_rank(b3[:, :, term.expert], a3[term.expert], term.rank, term.scaling)
+    return torch.stack([_low_rank(b3[:, :, e], a3[e], term.rank, term.scaling) for e in range(term.experts)])
+
+
+def _low_rank(left: torch.Tensor, right: torch.Tensor, rank: int, scaling: float) -> torch.Tensor:
+    """float32 of (sum over i < rank of left[:, i] right[i, :]) x scaling, float64 in that order."""
     n, k = left.shape[0], right.shape[1]
     out = torch.empty(n, k, dtype=torch.float32)
-    acc = torch.empty(min(DELTA_ROWS, n), k, dtype=torch.float64)
+    acc = torch.empty(min(DELTA_ROWS, max(n, 1)), k, dtype=torch.float64)
     term_rows = torch.empty_like(acc)
     for r0 in range(0, n, DELTA_ROWS):
         rows = min(DELTA_ROWS, n - r0)
         total, one = acc[:rows], term_rows[:rows]
         torch.mul(left[r0 : r0 + rows, 0:1], right[0:1], out=total)
-        for i in range(1, term.rank):
+        for i in range(1, rank):
             total.add_(torch.mul(left[r0 : r0 + rows, i : i + 1], right[i : i + 1], out=one))
-        out[r0 : r0 + rows] = total.mul_(term.scaling)  # one rounding to float32
+        out[r0 : r0 + rows] = total.mul_(scaling)  # one rounding to float32
     return out
 
 
@@ -106,7 +120,7 @@ def _outputs(
     """The job's outputs from the merged float32 weight (one rounding each), the values they hold (float32,
     unpadded: what an engine computes with), and (saturated, flushed) as the target's own report counts
     them (power-of-two scales count both; none saturates elsewhere, and only they count the flushed)."""
-    n, k = merged.shape
+    n, k = merged.shape[-2:]
     spec = job.spec
     if job.action in (Action.DEQUANTIZE, Action.COPY):
         out = merged.to(torch_dtype(spec.dtype))
@@ -125,14 +139,14 @@ def _outputs(
 
 
 def _decoded(q: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """q [N, K] (e4m3 or int8) times its scale grid [ceil(N/bn), ceil(K/bk)], in float32."""
-    n, k = q.shape
-    scale = grid.to(torch.float32).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-    return q.to(torch.float32) * scale
+    """q [..., N, K] (e4m3 or int8) times its scale grid [..., ceil(N/bn), ceil(K/bk)], in float32."""
+    n, k = q.shape[-2:]
+    rows = grid.to(torch.float32).repeat_interleave(block[0], dim=-2)[..., :n, :]
+    return q.to(torch.float32) * rows.repeat_interleave(block[1], dim=-1)[..., :k]
 
 
 def _unpadded(values: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return values[:n, :k] if tuple(values.shape) != (n, k) else values
+    return values[..., :n, :k]
 
 
 def merge_report(base: torch.Tensor, merged: torch.Tensor, written: torch.Tensor) -> TensorError:

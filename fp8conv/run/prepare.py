@@ -76,7 +76,8 @@ def prepare(
     downloaded (a Hub ID must be in the cache, or --stream) and the scale values are not read (torch would be)."""
     options, adapter = merge_options(options)  # --merge-lora: the adapter, checked before the base is read
     ckpt, feed_source = _open(source, output, how, dry_run)
-    plan, warnings = _plan(ckpt, options, how, read_scales=feed_source is None and not dry_run, merge=(adapter, source))
+    read_scales = feed_source is None and not dry_run
+    plan, warnings, adapter = _plan(ckpt, options, how, read_scales, merge=(adapter, source))
     band_elements = band_elements_for(how.max_memory, how.tuning)
     run = choose_strategies(plan, ckpt.index, band_elements, how.max_memory is not None)  # how each job executes
     _check_memory_cap(ckpt, run, how)
@@ -135,8 +136,9 @@ def _plan(
     how: RunOptions,
     read_scales: bool,
     merge: tuple[LoraAdapter | None, str | os.PathLike[str]] = (None, ""),
-) -> tuple[ConversionPlan, tuple[str, ...]]:
-    """Classified and planned, with the plan's warnings and the scales'; refused with every problem the
+) -> tuple[ConversionPlan, tuple[str, ...], LoraAdapter | None]:
+    """Classified and planned (with --merge-lora, its adapter as the base stores its targets), with the
+    plan's warnings and the scales'; refused with every problem the
     headers, options and scales show.
     Unread here, --stream checks an output shard's scales once its inputs are there."""
     block_size, revision = options.block_size, how.revision
@@ -146,14 +148,14 @@ def _plan(
     plan = plan_conversion(ckpt, cls, options)
     adapter, source = merge
     if adapter is not None:
-        plan = with_lora_merge(plan, adapter, ckpt, str(source))
+        plan, adapter = with_lora_merge(plan, adapter, ckpt, str(source))  # its targets as the base stores them
     scale_problems, scale_warnings = check_scales(ckpt, cls, how.allow_nonfinite) if read_scales else ([], [])
     if plan.problems or scale_problems:  # a plan's problems depend on the options: no inspect lists them
         raise PlanRefused(
             [*plan.problems, *scale_problems],
             listed_by=None if plan.problems else inspect_invocation(block_size, revision, scales=True),
         )
-    return plan, (*plan.warnings, *scale_warnings)
+    return plan, (*plan.warnings, *scale_warnings), adapter
 
 
 def _source_record(

@@ -37,26 +37,41 @@ _BASE_LAYER = ".base_layer.weight"  # an embedding saved whole beside its LoRA (
 _REFUSED_KEYS = {
     "use_dora": "DoRA (its magnitude vector rescales each merged row)",
     "lora_bias": "LoRA biases",
-    "target_parameters": "LoRA on parameters (target_parameters, e.g. fused 3-D experts)",
     "layer_replication": "layer replication",
     "trainable_token_indices": "trainable tokens",
     "use_qalora": "QALoRA",
 }
 
 
+# transformers 5's fused experts parameters, in the order every experts class (5.25) registers them: the
+# order PEFT nests their ParamWrappers in (the first innermost), which is all that tells their factors apart
+FUSED_PARAMETERS = ("gate_up_proj", "down_proj")
+_WRAPPED = ".base_layer"
+
+
 @dataclass(frozen=True)
 class LoraTerm:
     """One module's low-rank update: adapter tensors a [r, K] and b [N, r] (an embedding: a [r, V], b [D, r],
-    the delta transposed) and the factor PEFT multiplies b @ a by."""
+    the delta transposed) and the factor PEFT multiplies b @ a by. A fused experts parameter's
+    (target_parameters, `experts` E > 0): a [E*r, K] and b [N, r*E] (PEFT's ParamWrapper: expert e's factors
+    a.reshape(E, r, K)[e] and b.reshape(N, r, E)[:, :, e]), the delta [E, N, K]; or one expert's rows of it
+    (`expert`, `rows`), where the base stores one Linear per expert."""
 
     a: str
     b: str
     rank: int
     scaling: float
     embedding: bool = False
+    experts: int = 0
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
 
-    def delta_shape(self, entries: dict[str, TensorEntry]) -> tuple[int, int]:
+    def delta_shape(self, entries: dict[str, TensorEntry]) -> tuple[int, ...]:
         rows, cols = entries[self.b].shape[0], entries[self.a].shape[1]
+        if self.rows is not None:
+            rows = self.rows[1] - self.rows[0]
+        if self.experts and self.expert is None:
+            return (self.experts, rows, cols)
         return (cols, rows) if self.embedding else (rows, cols)
 
 
@@ -165,8 +180,67 @@ def _terms(
             raise _unknown(name, file, "is a LoRA tensor of a kind fp8conv does not merge")
         else:  # modules_to_save: the whole tensor, under the base's own name
             replacements[inner] = name
-    terms = {module + ".weight": _term(module, p, config, entries, file) for module, p in pairs.items()}
+    terms = {}
+    for module, pair in pairs.items():
+        parameter = _parameter_of(module, config.get("target_parameters") or [], pair, file)
+        if parameter is None:
+            terms[module + ".weight"] = _term(module, pair, config, entries, file)
+        else:
+            terms[parameter] = _parameter_term(parameter, pair, config, entries, file)
     return terms, replacements
+
+
+def _parameter_of(module: str, targets: list[str], pair: dict[str, str], file: str) -> str | None:
+    """target_parameters: the fused experts parameter whose ParamWrapper saved these factors, by PEFT's
+    nesting (tuners_utils._inject_parameters: parameters wrapped in the order the module registers them,
+    each wrapper around the last, so the first is the innermost, `.base_layer` once per wrapper outside
+    it). None for a module's own LoRA."""
+    unwrapped, depth = module, 0
+    while unwrapped.endswith(_WRAPPED):
+        unwrapped, depth = unwrapped[: -len(_WRAPPED)], depth + 1
+
+    def targeted(parameter: str) -> bool:
+        key = f"{unwrapped}.{parameter}"
+        return any(key == t or key.endswith("." + t) for t in targets)
+
+    other = [t for t in targets if t.rpartition(".")[2] not in FUSED_PARAMETERS]
+    if other:
+        raise _unknown(
+            pair.get("a") or pair["b"],
+            file,
+            f"targets parameter {other[0]}; fp8conv merges LoRA on fused experts' "
+            f"{' and '.join(FUSED_PARAMETERS)} only",
+        )
+    params = [p for p in FUSED_PARAMETERS if targeted(p)]
+    if not params and depth:
+        raise _unknown(pair.get("a") or pair["b"], file, "wraps no parameter target_parameters names")
+    if not params:
+        return None
+    if depth >= len(params):
+        raise _unknown(pair.get("a") or pair["b"], file, f"is nested {depth} deep, and {unwrapped} has {len(params)}")
+    return f"{unwrapped}.{params[len(params) - 1 - depth]}"
+
+
+def _parameter_term(
+    parameter: str, pair: dict[str, str], config: dict[str, Any], entries: dict[str, TensorEntry], file: str
+) -> LoraTerm:
+    """A fused experts parameter's factors: a [E*r, K], b [N, r*E] (PEFT's ParamWrapper, its rank and alpha
+    looked up by the parameter's name)."""
+    if "a" not in pair or "b" not in pair or "embedding" in pair:
+        raise _unknown(pair.get("a") or pair["b"], file, "is not a ParamWrapper's lora_A / lora_B pair")
+    a, b = entries[pair["a"]], entries[pair["b"]]
+    rank = int(_pattern_value(config, "rank_pattern", parameter, config["r"]))
+    alpha = float(_pattern_value(config, "alpha_pattern", parameter, config["lora_alpha"]))
+    experts = a.shape[0] // rank if len(a.shape) == 2 else 0
+    if len(b.shape) != 2 or experts < 1 or a.shape[0] != experts * rank or b.shape[1] != experts * rank:
+        raise CheckpointError(
+            f"has shape {list(a.shape)} with {list(b.shape)} for its partner: not E x rank {rank} for {parameter}",
+            tensor=a.name,
+            shard=file,
+            fix="the adapter's files disagree; save it again",
+        )
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoraTerm(a.name, b.name, rank, scaling, experts=experts)
 
 
 def _term(

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
 import fp8conv
 from fp8conv import ConvertOptions, RunOptions
@@ -296,7 +296,7 @@ def test_the_cli_prints_what_the_merge_kept(merged_case, tmp_path):
     [
         ({"use_dora": True}, "asks for DoRA"),
         ({"peft_type": "LOHA"}, "is a LOHA adapter; fp8conv merges LoRA adapters only"),
-        ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "asks for LoRA on parameters"),
+        ({"target_parameters": ["mlp.gate.weight"]}, "targets parameter mlp.gate.weight; fp8conv merges LoRA on fused"),
         ({"r": 8}, "not the rank 8 the config gives"),
     ],
 )
@@ -443,3 +443,178 @@ def test_an_adapter_from_the_hub_cache(merged_case, tmp_path, monkeypatch):
     assert shards and all(dir_snapshot(hub.output)[k] == dir_snapshot(local.output)[k] for k in shards)
     with pytest.raises(CheckpointError, match="acme/other-lora cannot be fetched"):
         fp8conv.convert(fixture.path, tmp_path / "x", ConvertOptions(to="channel", merge_lora="acme/other-lora"))
+
+
+# ---- LoRA on fused experts parameters (target_parameters) ----
+
+
+def test_the_fused_experts_layout_is_transformers_own_for_every_model_type_merged():
+    """FUSED_LORA_MODEL_TYPES: transformers' experts class for each registers gate_up_proj then down_proj
+    (PEFT nests their ParamWrappers in that order), holds gate_up_proj as [E, 2I, H] concatenated gate then
+    up and down_proj as [E, H, I], not transposed: the layout for_base splits per expert."""
+    from fp8conv.plan.lora_merge import FUSED_LORA_MODEL_TYPES
+    from tests.support.families import SPECS
+
+    specs = {spec.model_type: spec for spec in SPECS.values()}
+    for model_type in FUSED_LORA_MODEL_TYPES:
+        config = transformers.AutoConfig.for_model(model_type, **specs[model_type].hf)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+        assert list(experts._parameters)[:2] == ["gate_up_proj", "down_proj"], model_type
+        assert experts.has_gate and experts.is_concatenated and not experts.is_transposed, model_type
+        e, two_i, h = experts.gate_up_proj.shape
+        assert tuple(experts.down_proj.shape) == (e, h, two_i // 2), model_type
+
+
+@pytest.fixture(scope="module")
+def moe_case(tmp_path_factory):
+    """A tiny Qwen3-MoE block FP8 release twice: one Linear per expert (as the FP8 releases ship them) and its
+    experts fused 3-D (as transformers 5 holds them, block FP8 per expert); an adapter PEFT made with
+    target_parameters on both experts parameters (and q_proj) on the dequantized copy; PEFT's merged
+    weights (transformers' fused names)."""
+    from safetensors.torch import save_file
+
+    from tests.support.families import quantize_3d
+
+    work = tmp_path_factory.mktemp("lora-moe")
+    split = build_family("qwen3-moe", work / "split")
+    (work / "float").mkdir()  # the dequantized copy, as transformers loads it (per-expert names folded)
+    save_file(
+        {k: v.float().contiguous() for k, v in split.reference.items()}, str(work / "float" / "model.safetensors")
+    )
+    config = {k: v for k, v in split.config.items() if k != "quantization_config"}
+    (work / "float" / "config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(work / "float", dtype=torch.float32)
+    fused, fused_values = _fused_release(split, model.state_dict(), work / "fused", quantize_3d)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    peft_model.save_pretrained(work / "adapter")
+    reference = {k: v.clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+    # the fused release's experts are another rounding of the same values: PEFT merges into those too
+    fused_model = transformers.AutoModelForCausalLM.from_pretrained(work / "float", dtype=torch.float32)
+    fused_model.load_state_dict(fused_values, strict=False)
+    fused_reference = PeftModel.from_pretrained(fused_model, work / "adapter").merge_and_unload().state_dict()
+    return fused, split, work / "adapter", {"split": reference, "fused": fused_reference}
+
+
+def _fused_release(split, fused_float: dict[str, torch.Tensor], folder, quantize_3d):
+    """The per-expert release with its experts as transformers' fused parameters, block FP8 per expert
+    (`experts.gate_up_proj` [E, 2I, H] with `gate_up_proj_scale_inv` [E, gn, gk]; down_proj likewise)."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    src = load_dir(split.path)
+    tensors = {k: v for k, v in src.items() if ".mlp.experts." not in k}
+    values = {}
+    for name, value in fused_float.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            q, scale, values[name] = quantize_3d(value, torch.float32)
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(split.path / "config.json", folder / "config.json")
+    return SimpleNamespace(path=folder), {k: v.float() for k, v in values.items()}
+
+
+def _experts_slack(adapter_dir) -> dict[str, torch.Tensor]:
+    """_float32_slack for the fused parameters' terms: [E, N, K], expert by expert."""
+    adapter = open_adapter(str(adapter_dir))
+    tensors = AdapterTensors(adapter)
+    try:
+        out = {}
+        for name, term in adapter.terms.items():
+            if term.experts:
+                a = tensors.read(term.a).double().abs().reshape(term.experts, term.rank, -1)
+                b = tensors.read(term.b).double().abs().reshape(-1, term.rank, term.experts)
+                magnitude = torch.stack([b[:, :, e] @ a[e] for e in range(term.experts)])
+                out[name] = (magnitude * term.scaling * (term.rank + 2) * 2**-23).float()
+        return out
+    finally:
+        tensors.close()
+
+
+def test_peft_reads_the_parameter_lora_as_fp8conv_does(moe_case):
+    _, _, adapter_dir, _ = moe_case
+    adapter = open_adapter(str(adapter_dir))
+    gate_up = adapter.terms["model.layers.0.mlp.experts.gate_up_proj"]
+    down = adapter.terms["model.layers.0.mlp.experts.down_proj"]
+    assert gate_up.a.endswith("experts.base_layer.lora_A.weight") and down.a.endswith("experts.lora_A.weight")
+    assert (gate_up.experts, gate_up.rank, gate_up.scaling) == (4, 4, 2.0)
+
+
+@pytest.mark.parametrize("layout", ["fused", "split"])
+@pytest.mark.parametrize("to", ["bf16", "block"])
+def test_parameter_lora_merges_into_fused_and_per_expert_experts(moe_case, tmp_path, layout, to):
+    """Into fused 3-D experts (the parameter itself) and into one Linear per expert (gate rows, up rows,
+    down): each expert's weights one rounding (bf16) or one e4m3 step (block) of PEFT's merge."""
+    fused, split, adapter_dir, references = moe_case
+    base, reference = (fused if layout == "fused" else split), references[layout]
+    result = fp8conv.convert(base.path, tmp_path / "o", ConvertOptions(to=to, merge_lora=str(adapter_dir)))
+    got, slack = load_dir(result.output), _experts_slack(adapter_dir)
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for parameter in ("gate_up_proj", "down_proj"):
+            ref, extra = reference[prefix + parameter], slack[prefix + parameter]
+            value = _experts_values(got, prefix, parameter, layout, ref.shape)
+            if to == "bf16":
+                ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-126))) - 7)
+                bound = ulp / 2
+            else:
+                bound = ref.abs() * 2**-4 + _experts_scale(got, prefix, parameter, layout, ref.shape) * 2**-10
+            assert bool(((value - ref).abs() <= bound + extra).all()), (layout, prefix + parameter)
+    assert result.requantization["summary"]["mean_survived"] > 0.9
+    assert fp8conv.verify(base.path, result.output).ok  # the adapter resolved against the base again
+
+
+def _experts_values(got, prefix, parameter, layout, shape) -> torch.Tensor:
+    """The written experts as transformers' fused [E, 2I, H] / [E, H, I], decoded to float32."""
+    return _experts_tensor(got, prefix, parameter, layout, shape, scale=False)
+
+
+def _experts_scale(got, prefix, parameter, layout, shape) -> torch.Tensor:
+    return _experts_tensor(got, prefix, parameter, layout, shape, scale=True)
+
+
+def _experts_tensor(got, prefix, parameter, layout, shape, scale) -> torch.Tensor:
+    def decoded(name: str) -> torch.Tensor:
+        t = got[name]
+        if t.dtype != torch.float8_e4m3fn:
+            return torch.ones_like(t, dtype=torch.float32) if scale else t.float()
+        grid = got[name + "_scale_inv"].float()
+        n, k = t.shape[-2:]
+        s = grid.repeat_interleave(128, dim=-2)[..., :n, :].repeat_interleave(128, dim=-1)[..., :k]
+        return s if scale else t.float() * s
+
+    if layout == "fused":
+        return decoded(prefix + parameter)
+    experts = shape[0]
+    if parameter == "down_proj":
+        return torch.stack([decoded(f"{prefix}{e}.down_proj.weight") for e in range(experts)])
+    return torch.stack(
+        [
+            torch.cat([decoded(f"{prefix}{e}.gate_proj.weight"), decoded(f"{prefix}{e}.up_proj.weight")])
+            for e in range(experts)
+        ]
+    )
+
+
+def test_a_parameter_lora_for_a_model_type_not_known_is_refused(moe_case, tmp_path):
+    fused, _, adapter_dir, _ = moe_case
+    other = tmp_path / "base"
+    shutil.copytree(fused.path, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "llama4_text"}))
+    with pytest.raises(PlanRefused) as refused:
+        fp8conv.convert(other, tmp_path / "o", ConvertOptions(to="bf16", merge_lora=str(adapter_dir)))
+    assert any("a fused experts parameter" in p.one_line() for p in refused.value.problems)
