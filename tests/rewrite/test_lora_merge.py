@@ -618,3 +618,71 @@ def test_a_parameter_lora_for_a_model_type_not_known_is_refused(moe_case, tmp_pa
     with pytest.raises(PlanRefused) as refused:
         fp8conv.convert(other, tmp_path / "o", ConvertOptions(to="bf16", merge_lora=str(adapter_dir)))
     assert any("a fused experts parameter" in p.one_line() for p in refused.value.problems)
+
+
+def test_per_expert_linear_lora_merges_into_the_release_s_expert_linears(moe_case, tmp_path):
+    """An adapter made when experts were one Linear each (PEFT on transformers 4: `experts.E.gate_proj` as a
+    target module) merges into the per-expert release as any Linear LoRA does."""
+    from safetensors.torch import save_file
+
+    _, split, _, _ = moe_case
+    src = load_dir(split.path)
+    name = "model.layers.0.mlp.experts.2.gate_proj.weight"
+    n, k = src[name].shape
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, k, generator=gen) * 0.1, torch.randn(n, 2, generator=gen) * 0.1
+    module = "base_model.model." + name.removesuffix(".weight")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({f"{module}.lora_A.weight": a, f"{module}.lora_B.weight": b}, str(adapter / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["gate_proj"]}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    got = load_dir(
+        fp8conv.convert(split.path, tmp_path / "o", ConvertOptions(to="bf16", merge_lora=str(adapter))).output
+    )
+    plain = load_dir(fp8conv.convert(split.path, tmp_path / "p", ConvertOptions(to="bf16")).output)
+    base = fp8conv.convert(split.path, tmp_path / "f", ConvertOptions(to="bf16", dtype="float32")).output
+    want = load_dir(base)[name] + (b.double() @ a.double() * 2.0).float()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0**-126))) - 7)
+    assert bool(((got[name].float() - want).abs() <= ulp / 2 + want.abs() * 2**-22).all())
+    other = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    assert torch.equal(got[other].view(torch.uint8), plain[other].view(torch.uint8))
+
+
+def test_an_adapter_tensor_that_is_not_a_float_is_refused(merged_case, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fixture, adapter_dir, _ = merged_case
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter_dir, bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_A" in k)
+    save_file({**tensors, key: tensors[key].to(torch.int8)}, bad / "adapter_model.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor '{key}' .*is I8; an adapter's tensors are floats"):
+        fp8conv.convert(fixture.path, tmp_path / "o", ConvertOptions(to="bf16", merge_lora=str(bad)))
+
+
+def test_an_adapter_trained_on_another_named_model_warns(merged_case, tmp_path):
+    fixture, adapter_dir, _ = merged_case
+    named = tmp_path / "named"
+    shutil.copytree(adapter_dir, named)
+    config = json.loads((named / "adapter_config.json").read_text())
+    (named / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "acme/Other-7B"}))
+    result = fp8conv.convert(fixture.path, tmp_path / "o", ConvertOptions(to="bf16", merge_lora=str(named)))
+    assert any("the adapter was trained on acme/Other-7B" in w for w in result.warnings)
+    (named / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": f"acme/{fixture.path.name}"})
+    )
+    result = fp8conv.convert(fixture.path, tmp_path / "p", ConvertOptions(to="bf16", merge_lora=str(named)))
+    assert not any("the adapter was trained on" in w for w in result.warnings)
+
+
+def test_jobs_2_splits_a_merge_into_two_worker_processes(merged_case, tmp_path):
+    """convert -j 2: the parts run as processes of their own, each opening the adapter and checking its hash."""
+    fixture, adapter_dir, _ = merged_case
+    args = ["convert", str(fixture.path), "--to", "channel", "--merge-lora", str(adapter_dir), "-q"]
+    run = CliRunner().invoke(main, [*args, "-j", "2", "-o", str(tmp_path / "j2")])
+    assert run.exit_code == 0, run.output
+    fp8conv.convert(fixture.path, tmp_path / "one", ConvertOptions(to="channel", merge_lora=str(adapter_dir)))
+    shards = [k for k in dir_snapshot(tmp_path / "one") if k.endswith(".safetensors")]
+    assert shards and all(dir_snapshot(tmp_path / "j2")[k] == dir_snapshot(tmp_path / "one")[k] for k in shards)
