@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..backends import Backend
-from ..backends.pow2 import E8M0_BIAS, pairwise_sum, powers_of_two
+from ..backends.pow2 import E8M0_BIAS, pairwise_sum, pairwise_sum_, powers_of_two
 from ..dtypes import torch_dtype
 from ..output.requant_report import TensorError
 from ..plan.conversion import Action, Job
@@ -90,12 +90,15 @@ def _low_rank(left: torch.Tensor, right: torch.Tensor, rank: int, scaling: float
 def run_merged_job(
     job: Job, read: Reader, backend: Backend, fp8_max: float, tensors: AdapterTensors
 ) -> tuple[list[torch.Tensor], TensorError]:
-    """The job's output tensors from its weight with the adapter's change, and the merge's report."""
+    """The job's output tensors from its weight with the adapter's change, and the merge's report. Memory:
+    the input's and the merged weight's float32 values (8 bytes a value) and the outputs; the report's
+    float64 work a few rows at a time."""
     assert job.merge is not None
     base = _input_values(job, read, backend)
     merged = _merged_values(job.merge, base, tensors)
-    outputs, written, counts = _outputs(job, merged, backend, fp8_max)
-    return outputs, replace(merge_report(base, merged, written), saturated=counts[0], flushed=counts[1])
+    outputs, grid, counts = _outputs(job, merged, backend, fp8_max)
+    report = merge_report(base, merged, outputs[0], grid, _written_block(job), job)
+    return outputs, replace(report, saturated=counts[0], flushed=counts[1])
 
 
 def _input_values(job: Job, read: Reader, backend: Backend) -> torch.Tensor:
@@ -111,62 +114,109 @@ def _merged_values(target: str, base: torch.Tensor, tensors: AdapterTensors) -> 
     replacement = adapter.replacements.get(target)
     values = base if replacement is None else tensors.read(replacement).to(torch.float32)
     term = adapter.terms.get(target)
-    return values if term is None else values + lora_delta(term, tensors)
+    return values if term is None else lora_delta(term, tensors).add_(values)  # delta + input: no third copy
 
 
 def _outputs(
     job: Job, merged: torch.Tensor, backend: Backend, fp8_max: float
-) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int | None]]:
-    """The job's outputs from the merged float32 weight (one rounding each), the values they hold (float32,
-    unpadded: what an engine computes with), and (saturated, flushed) as the target's own report counts
-    them (power-of-two scales count both; none saturates elsewhere, and only they count the flushed)."""
-    n, k = merged.shape[-2:]
+) -> tuple[list[torch.Tensor], torch.Tensor | None, tuple[int, int | None]]:
+    """The job's outputs from the merged float32 weight (one rounding each); the float32 scale grid the
+    written codes are read with (None: a float output); and (saturated, flushed) as the target's own report
+    counts them (power-of-two scales count both; none saturates elsewhere, and only they count the flushed)."""
     spec = job.spec
     if job.action in (Action.DEQUANTIZE, Action.COPY):
-        out = merged.to(torch_dtype(spec.dtype))
-        return [pad_to(out, spec.shape, parts=job.pad_parts)], out.to(torch.float32), (0, None)
+        return [pad_to(merged.to(torch_dtype(spec.dtype)), spec.shape, parts=job.pad_parts)], None, (0, None)
     padded = pad_to(merged, spec.shape, parts=job.pad_parts)
     if job.action is Action.QUANTIZE_POW2:  # a float weight now: the ceiling exponent, as from bf16
         assert job.out_block is not None
         q, exponents, parts = quantize_pow2_reported(padded, job.out_block, False, backend)
-        written = _decoded(q, powers_of_two(exponents.to(torch.int32) - E8M0_BIAS), job.out_block)
+        grid = powers_of_two(exponents.to(torch.int32) - E8M0_BIAS)
         counts = (sum(p.saturated for p in parts), sum(p.flushed for p in parts))
-        return [q, stored_exponents(exponents.reshape(job.outputs[1].shape), job)], _unpadded(written, n, k), counts
+        return [q, stored_exponents(exponents.reshape(job.outputs[1].shape), job)], grid, counts
     dtype = torch_dtype(spec.dtype)
     q, scale = quantize(padded, job.out_block, fp8_max, backend, dtype)  # (INT8: this module's report)
-    written = _decoded(q, scale, job.out_block or (1, spec.shape[-1]))
-    return [q.reshape(spec.shape), scale.reshape(job.outputs[1].shape)], _unpadded(written, n, k), (0, None)
+    return [q.reshape(spec.shape), scale.reshape(job.outputs[1].shape)], scale, (0, None)
 
 
-def _decoded(q: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """q [..., N, K] (e4m3 or int8) times its scale grid [..., ceil(N/bn), ceil(K/bk)], in float32."""
-    n, k = q.shape[-2:]
-    rows = grid.to(torch.float32).repeat_interleave(block[0], dim=-2)[..., :n, :]
-    return q.to(torch.float32) * rows.repeat_interleave(block[1], dim=-1)[..., :k]
+def _written_block(job: Job) -> tuple[int, int]:
+    """The block each written scale covers: the job's, one per row for row scales."""
+    return job.out_block or (1, job.spec.shape[-1])
 
 
-def _unpadded(values: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return values[..., :n, :k]
+REPORT_ROWS = 128  # rows of the report's float64 work at once (times the output block's rows)
+SUMS = 5  # per row: squared error, merged^2, delta^2, input^2, <written - input, delta>
 
 
-def merge_report(base: torch.Tensor, merged: torch.Tensor, written: torch.Tensor) -> TensorError:
+def merge_report(
+    base: torch.Tensor,
+    merged: torch.Tensor,
+    written: torch.Tensor,
+    grid: torch.Tensor | None,
+    block: tuple[int, int],
+    job: Job,
+) -> TensorError:
     """relative_frobenius: ||written - merged|| / ||merged||; delta_relative: ||merged - base|| / ||base||;
-    survived: <written - base, merged - base> / ||merged - base||^2. float64, pairwise sums in a fixed order
-    (the same digits on every host)."""
-    base64, delta = base.to(torch.float64), merged.to(torch.float64) - base.to(torch.float64)
-    moved = written.to(torch.float64) - base64
-    error = written.to(torch.float64) - merged.to(torch.float64)
-    delta2 = _sum(delta * delta)
-    merged2 = _sum(merged.to(torch.float64) ** 2)
-    base2 = _sum(base64 * base64)
+    survived: <written - base, merged - base> / ||merged - base||^2. `written`: the output weight as planned
+    (padded: the input and merged weights are padded alike, their zeros adding nothing), read with `grid`
+    (None: a float output). float64, each row summed pairwise over its values, the rows then pairwise in
+    row order: the same digits on every host, whatever the chunk of rows."""
+    elements = merged.numel()
+    shape = tuple(written.shape)
+    base, merged = (pad_to(t, shape, parts=job.pad_parts) for t in (base, merged))
+    n, k = shape[-2:]
+    matrices = elements and base.numel() // (n * k)
+    step = math.lcm(REPORT_ROWS, block[0])
+    sums = torch.empty(matrices * n, SUMS, dtype=torch.float64)
+    for m in range(matrices):
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            values = _decoded_rows(written, grid, block, m, r0, r1)
+            rows = [t.reshape(-1, n, k)[m, r0:r1] for t in (base, merged)]
+            _row_sums(*rows, values, sums[m * n + r0 : m * n + r1])
+    err2, merged2, delta2, base2, moved = (_sum(sums[:, i]) for i in range(SUMS))
     return TensorError(
-        relative_frobenius=math.sqrt(_sum(error * error) / merged2) if merged2 > 0 else 0.0,
+        relative_frobenius=math.sqrt(err2 / merged2) if merged2 > 0 else 0.0,
         saturated=0,
         flushed=None,
-        elements=merged.numel(),
+        elements=elements,
         delta_relative=math.sqrt(delta2 / base2) if base2 > 0 else float(delta2 > 0),  # a zero base: 1 if any
-        survived=_sum(moved * delta) / delta2 if delta2 > 0 else 1.0,
+        survived=moved / delta2 if delta2 > 0 else 1.0,
     )
+
+
+def _row_sums(base: torch.Tensor, merged: torch.Tensor, written: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows [r, K] float32: their SUMS, each row pairwise over its values in float64, into out [r, SUMS];
+    SUM_ROWS rows at a time, the five terms as planes of one buffer summed together (in place)."""
+    buffer = torch.empty(SUMS, min(SUM_ROWS, base.shape[0]), base.shape[1], dtype=torch.float64)
+    for r0 in range(0, base.shape[0], SUM_ROWS):
+        r1 = min(base.shape[0], r0 + SUM_ROWS)
+        planes = buffer[:, : r1 - r0]
+        w, m, d, b, moved = planes
+        w.copy_(written[r0:r1])
+        m.copy_(merged[r0:r1])
+        b.copy_(base[r0:r1])
+        torch.sub(m, b, out=d)  # the delta
+        torch.sub(w, b, out=moved).mul_(d)
+        w.sub_(m)  # the error
+        torch.mul(planes[:4], planes[:4], out=planes[:4])  # error^2, merged^2, delta^2, input^2
+        out[r0:r1] = pairwise_sum_(planes, 2).t()
+
+
+SUM_ROWS = 16  # rows whose five float64 planes are summed at once: a few MiB, in cache
+
+
+def _decoded_rows(
+    written: torch.Tensor, grid: torch.Tensor | None, block: tuple[int, int], m: int, r0: int, r1: int
+) -> torch.Tensor:
+    """Rows [r0, r1) of matrix m of the written weight as float32 values: a float output as it is; codes
+    times their scales (the grid's rows of those rows: r0 is a multiple of the block's rows)."""
+    n, k = written.shape[-2:]
+    rows = written.reshape(-1, n, k)[m, r0:r1]
+    if grid is None:
+        return rows.to(torch.float32)
+    bn, bk = block
+    g = grid.reshape(-1, *grid.shape[-2:])[m, r0 // bn : -(-r1 // bn)].to(torch.float32)
+    return rows.to(torch.float32) * g.repeat_interleave(bn, dim=0)[: r1 - r0].repeat_interleave(bk, dim=1)[:, :k]
 
 
 def _sum(values: torch.Tensor) -> float:

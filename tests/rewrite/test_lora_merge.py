@@ -686,3 +686,31 @@ def test_jobs_2_splits_a_merge_into_two_worker_processes(merged_case, tmp_path):
     fp8conv.convert(fixture.path, tmp_path / "one", ConvertOptions(to="channel", merge_lora=str(adapter_dir)))
     shards = [k for k in dir_snapshot(tmp_path / "one") if k.endswith(".safetensors")]
     assert shards and all(dir_snapshot(tmp_path / "j2")[k] == dir_snapshot(tmp_path / "one")[k] for k in shards)
+
+
+@pytest.mark.parametrize("to", ["bf16", "channel", "block"])
+def test_the_merge_report_is_its_plain_definition(merged_case, tmp_path, to):
+    """delta_relative, survived and relative_frobenius of one merged weight against their definitions in
+    float64 from the input's exact decode, the merged float32 weight (input + the delta) and the written
+    values as engines read them."""
+    from tests.support.reference import dequant_reference
+
+    fixture, adapter_dir, _ = merged_case
+    result = fp8conv.convert(fixture.path, tmp_path / "o", ConvertOptions(to=to, merge_lora=str(adapter_dir)))
+    name = "model.layers.1.mlp.down_proj.weight"
+    adapter = open_adapter(str(adapter_dir))
+    tensors = AdapterTensors(adapter)
+    try:
+        delta = lora_delta(adapter.terms[name], tensors)
+    finally:
+        tensors.close()
+    base = dequant_reference(load_dir(fixture.path), name).float()
+    merged = base + delta
+    got = load_dir(result.output)
+    options = ConvertOptions(to=to)
+    written = got[name].float() * (1 if to == "bf16" else _expanded_scale(got, name, got[name].shape, options))
+    b, m, w = base.double(), merged.double(), written.double()
+    report = result.requantization["tensors"][name]
+    assert report["delta_relative"] == pytest.approx(float((m - b).norm() / b.norm()), rel=1e-9)
+    assert report["survived"] == pytest.approx(float(((w - b) * (m - b)).sum() / ((m - b) ** 2).sum()), rel=1e-9)
+    assert report["relative_frobenius"] == pytest.approx(float((w - m).norm() / m.norm()), rel=1e-9)
