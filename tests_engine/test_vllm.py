@@ -175,18 +175,16 @@ MERGED_CHANNEL_LOGPROB_TOL = 0.1
 def _peft_merged(base: Path, root: Path) -> tuple[Path, Path]:
     """A LoRA adapter PEFT makes on `base` (q/v/down projections, rank 8, a fine-tune's size), and PEFT's
     merged model saved beside it: (adapter, merged model)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from tests.support.peft_adapters import saved_adapter
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(1)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.2)
-    peft_model.save_pretrained(root / "adapter")
-    peft_model.merge_and_unload().to(torch.bfloat16).save_pretrained(root / "peft-merged")
+    merged = saved_adapter(model, config, root / "adapter", 0.2)
+    model.load_state_dict(merged)  # PEFT's merge, saved as a plain model
+    model.to(torch.bfloat16).save_pretrained(root / "peft-merged")
     return root / "adapter", root / "peft-merged"
 
 

@@ -64,26 +64,8 @@ def run_job(
         out = dequantize(read(job.source), stored_scale(read, job.fmt), job.fmt, out_dtype, backend)
         return [plain_rows(out, job.fmt.chunked) if job.plain_rows and job.fmt.chunked else out]
     if job.action is Action.KEEP_BLOCKS:
-        assert job.fmt is not None and job.fmt.scale is not None
-        weight = read(job.source)
-        grid = kept_scale(read(job.fmt.scale), job, tuple(weight.shape), read)
-        parts = job.pad_parts  # the plan keeps blocks of a fused [gate; up] only when each half is whole blocks
-        return [
-            pad_to(weight, job.outputs[0].shape, 0.0, parts),
-            pad_to(grid, job.outputs[1].shape, 1.0, parts),
-        ]
-    return _quantized(job, read, backend, fp8_max, exactness, errors)
-
-
-def _quantized(
-    job: Job,
-    read: Reader,
-    backend: Backend,
-    fp8_max: float,
-    exactness: list[int] | None,
-    errors: dict[str, TensorError] | None,
-) -> list[torch.Tensor]:
-    """QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh."""
+        return _kept_blocks(job, read)
+    # QUANTIZE: dequantize exactly as --to bf16 does, minus the rounding, then quantize afresh
     dtype = torch_dtype(job.spec.dtype)
     sums = row_sums_for(job.spec.shape, dtype)  # INT8's report
     if job.fmt is not None:
@@ -107,6 +89,15 @@ def _quantized(
             exactness[0] += exact
             exactness[1] += total
     return [q.reshape(job.spec.shape), scale.reshape(job.outputs[1].shape)]
+
+
+def _kept_blocks(job: Job, read: Reader) -> list[torch.Tensor]:
+    """KEEP_BLOCKS: the weight's bytes, its scale grid widened to float32, both padded as planned."""
+    assert job.fmt is not None and job.fmt.scale is not None
+    weight = read(job.source)
+    grid = kept_scale(read(job.fmt.scale), job, tuple(weight.shape), read)
+    parts = job.pad_parts  # the plan keeps blocks of a fused [gate; up] only when each half is whole blocks
+    return [pad_to(weight, job.outputs[0].shape, 0.0, parts), pad_to(grid, job.outputs[1].shape, 1.0, parts)]
 
 
 def _record_int8(job: Job, row_sums: torch.Tensor | None, errors: dict[str, TensorError] | None) -> None:

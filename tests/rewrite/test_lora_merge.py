@@ -22,6 +22,7 @@ from fp8conv.rewrite.lora_merge import AdapterTensors, lora_delta
 from fp8conv.source.lora_adapter import open_adapter
 from tests.support.families import build_family
 from tests.support.helpers import dir_snapshot, load_dir
+from tests.support.peft_adapters import saved_adapter
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -41,13 +42,7 @@ def merged_case(tmp_path_factory):
         alpha_pattern={"down_proj": 16},
         init_lora_weights=False,  # a trained adapter's B is not zero
     )
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # a fine-tune's size: the delta a few percent of the weights
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.05)
-    peft_model.save_pretrained(work / "adapter")
-    reference = {k: v.clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+    reference = saved_adapter(model, config, work / "adapter", 0.05)  # the delta a few percent of the weights
     return fixture, work / "adapter", reference
 
 
@@ -493,13 +488,7 @@ def moe_case(tmp_path_factory):
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         init_lora_weights=False,
     )
-    peft_model = get_peft_model(model, lora)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.05)
-    peft_model.save_pretrained(work / "adapter")
-    reference = {k: v.clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+    reference = saved_adapter(model, lora, work / "adapter", 0.05)
     # the fused release's experts are another rounding of the same values: PEFT merges into those too
     fused_model = transformers.AutoModelForCausalLM.from_pretrained(work / "float", dtype=torch.float32)
     fused_model.load_state_dict(fused_values, strict=False)
