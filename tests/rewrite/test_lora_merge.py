@@ -703,3 +703,25 @@ def test_the_merge_report_is_its_plain_definition(merged_case, tmp_path, to):
     assert report["delta_relative"] == pytest.approx(float((m - b).norm() / b.norm()), rel=1e-9)
     assert report["survived"] == pytest.approx(float(((w - b) * (m - b)).sum() / ((m - b) ** 2).sum()), rel=1e-9)
     assert report["relative_frobenius"] == pytest.approx(float((w - m).norm() / m.norm()), rel=1e-9)
+
+
+def test_mxfp8_output_of_a_merge_is_within_one_step_of_the_peft_merge(tmp_path):
+    """--to mxfp8 (widths in whole 1x32 groups: a model of its own): each merged weight within half an e4m3
+    step of PEFT's merge at its group's power-of-two scale."""
+    from dataclasses import replace
+
+    from tests.support.families import SPECS
+
+    hf = {**SPECS["qwen3-8b"].hf, "hidden_size": 256, "intermediate_size": 384, "head_dim": 64}
+    fixture = build_family("qwen3-8b", tmp_path / "base", replace(SPECS["qwen3-8b"], hf=hf))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    reference = saved_adapter(_float_model(fixture), config, tmp_path / "adapter", 0.05)
+    options = ConvertOptions(to="mxfp8", merge_lora=str(tmp_path / "adapter"))
+    result = fp8conv.convert(fixture.path, tmp_path / "o", options)
+    got, slack = load_dir(result.output), _float32_slack(tmp_path / "adapter")
+    for name in _merged_names(reference):
+        ref = reference[name]
+        value = got[name].float() * _expanded_scale(got, name, got[name].shape, options)
+        bound = ref.abs() * 2**-4 + _expanded_scale(got, name, got[name].shape, options) * 2**-10
+        assert bool(((value - ref).abs() <= bound + slack[name]).all()), name
+    assert result.requantization["summary"]["merged"] == 6
