@@ -83,10 +83,10 @@ def _merge_summary(errors: dict[str, TensorError]) -> dict[str, Any]:
 
 def merge_line(record: dict[str, Any] | None) -> str | None:
     """--merge-lora's line after the run, or None without a merge."""
-    s = record["summary"] if record else {}
-    if "merged" not in s:
+    if not record or "merged" not in record["summary"]:
         return None
-    merged = [t for t in record["tensors"].values() if t.get("survived") is not None] if record else []
+    s = record["summary"]
+    merged = [t for t in record["tensors"].values() if t.get("survived") is not None]
     worst = max((t["relative_frobenius"] for t in merged), default=0.0)
     return (
         f"merged a LoRA adapter into {s['merged']} weight(s): the outputs keep {s['mean_survived']:.1%} of its delta "

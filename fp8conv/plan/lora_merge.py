@@ -28,12 +28,13 @@ def with_lora_merge(
     (`source`: the checkpoint as the user named it, for the adapter's base_model_name_or_path); and the
     adapter as the base stores its targets (for_base), which the run merges."""
     adapter, problems = for_base(adapter, ckpt)
+    targets = adapter.targets  # once: a release plans 100k jobs
     found: set[str] = set()
     shards = []
     for shard in plan.shards:
         jobs = []
         for job in shard.jobs:
-            target = _target_of(job, adapter)
+            target = _target_of(job, targets)
             if target is None:
                 jobs.append(job)
                 continue
@@ -44,7 +45,7 @@ def with_lora_merge(
             action = Action.QUANTIZE if job.action is Action.KEEP_BLOCKS else job.action
             jobs.append(dataclasses.replace(job, action=action, merge=target))
         shards.append(ShardPlan(shard.name, tuple(jobs)))
-    for missing in sorted(adapter.targets - found):
+    for missing in sorted(targets - found):
         problems.append(
             CheckpointError(
                 f"targets {missing}, which the base checkpoint does not have",
@@ -111,9 +112,9 @@ def _per_expert(name: str, term: LoraTerm, entries: dict[str, TensorEntry]) -> d
     }
 
 
-def _target_of(job: Job, adapter: LoraAdapter) -> str | None:
+def _target_of(job: Job, targets: set[str]) -> str | None:
     for name in (job.spec.name, job.source):
-        if name in adapter.targets:
+        if name in targets:
             return name
     return None
 
@@ -131,13 +132,11 @@ def _problem(job: Job, target: str, adapter: LoraAdapter, ckpt: Checkpoint) -> C
     if why is not None:
         return CheckpointError(why, tensor=job.source, shard=shard, fix="merge with PEFT into a bf16 copy")
     base = tuple(ckpt.index.entry(job.source).shape)
-    term = adapter.terms.get(target)
+    term, tensor = adapter.terms.get(target), _adapter_tensor(adapter, target)
     if term is not None:
         got = term.delta_shape(adapter.entries)
         what = f"B @ A is {list(got)}" + (" (an embedding's, transposed)" if term.embedding else "")
-        tensor = term.a
     else:
-        tensor = adapter.replacements[target]
         got = tuple(adapter.entries[tensor].shape)
         what = f"the adapter's whole tensor is {list(got)}"
     if got != base:

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..backends import Backend
-from ..backends.pow2 import E8M0_BIAS, pairwise_sum, pairwise_sum_, powers_of_two
+from ..backends.pow2 import E8M0_BIAS, pairwise_sum_, powers_of_two, sum64
 from ..dtypes import torch_dtype
 from ..output.requant_report import TensorError
 from ..plan.conversion import Action, Job
@@ -145,6 +145,7 @@ def _written_block(job: Job) -> tuple[int, int]:
 
 REPORT_ROWS = 128  # rows of the report's float64 work at once (times the output block's rows)
 SUMS = 5  # per row: squared error, merged^2, delta^2, input^2, <written - input, delta>
+SUM_ROWS = 16  # rows whose five float64 planes are summed at once: a few MiB, in cache
 
 
 def merge_report(
@@ -173,7 +174,7 @@ def merge_report(
             values = _decoded_rows(written, grid, block, m, r0, r1)
             rows = [t.reshape(-1, n, k)[m, r0:r1] for t in (base, merged)]
             _row_sums(*rows, values, sums[m * n + r0 : m * n + r1])
-    err2, merged2, delta2, base2, moved = (_sum(sums[:, i]) for i in range(SUMS))
+    err2, merged2, delta2, base2, moved = (sum64(sums[:, i]) for i in range(SUMS))
     return TensorError(
         relative_frobenius=math.sqrt(err2 / merged2) if merged2 > 0 else 0.0,
         saturated=0,
@@ -202,9 +203,6 @@ def _row_sums(base: torch.Tensor, merged: torch.Tensor, written: torch.Tensor, o
         out[r0:r1] = pairwise_sum_(planes, 2).t()
 
 
-SUM_ROWS = 16  # rows whose five float64 planes are summed at once: a few MiB, in cache
-
-
 def _decoded_rows(
     written: torch.Tensor, grid: torch.Tensor | None, block: tuple[int, int], m: int, r0: int, r1: int
 ) -> torch.Tensor:
@@ -217,7 +215,3 @@ def _decoded_rows(
     bn, bk = block
     g = grid.reshape(-1, *grid.shape[-2:])[m, r0 // bn : -(-r1 // bn)].to(torch.float32)
     return rows.to(torch.float32) * g.repeat_interleave(bn, dim=0)[: r1 - r0].repeat_interleave(bk, dim=1)[:, :k]
-
-
-def _sum(values: torch.Tensor) -> float:
-    return float(pairwise_sum(values.reshape(-1), 0)) if values.numel() else 0.0

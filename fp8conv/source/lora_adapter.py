@@ -150,6 +150,15 @@ def _adapter_config(path: Path) -> dict[str, Any]:
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise CheckpointError("is not an object", file=str(path), key=key)
+    other = [t for t in config.get("target_parameters") or [] if t.rpartition(".")[2] not in FUSED_PARAMETERS]
+    if other:
+        raise CheckpointError(
+            f"targets parameter {other[0]}; fp8conv merges LoRA on fused experts' {' and '.join(FUSED_PARAMETERS)} "
+            "only",
+            file=str(path),
+            key="target_parameters",
+            fix="fp8conv merges plain LoRA (lora_A / lora_B) adapters",
+        )
     return config
 
 
@@ -203,14 +212,6 @@ def _parameter_of(module: str, targets: list[str], pair: dict[str, str], file: s
         key = f"{unwrapped}.{parameter}"
         return any(key == t or key.endswith("." + t) for t in targets)
 
-    other = [t for t in targets if t.rpartition(".")[2] not in FUSED_PARAMETERS]
-    if other:
-        raise _unknown(
-            pair.get("a") or pair["b"],
-            file,
-            f"targets parameter {other[0]}; fp8conv merges LoRA on fused experts' "
-            f"{' and '.join(FUSED_PARAMETERS)} only",
-        )
     params = [p for p in FUSED_PARAMETERS if targeted(p)]
     if not params and depth:
         raise _unknown(pair.get("a") or pair["b"], file, "wraps no parameter target_parameters names")
@@ -229,8 +230,7 @@ def _parameter_term(
     if "a" not in pair or "b" not in pair or "embedding" in pair:
         raise _unknown(pair.get("a") or pair["b"], file, "is not a ParamWrapper's lora_A / lora_B pair")
     a, b = entries[pair["a"]], entries[pair["b"]]
-    rank = int(_pattern_value(config, "rank_pattern", parameter, config["r"]))
-    alpha = float(_pattern_value(config, "alpha_pattern", parameter, config["lora_alpha"]))
+    rank, scaling = _rank_and_scaling(config, parameter)
     experts = a.shape[0] // rank if len(a.shape) == 2 else 0
     if len(b.shape) != 2 or experts < 1 or a.shape[0] != experts * rank or b.shape[1] != experts * rank:
         raise CheckpointError(
@@ -239,7 +239,6 @@ def _parameter_term(
             shard=file,
             fix="the adapter's files disagree; save it again",
         )
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoraTerm(a.name, b.name, rank, scaling, experts=experts)
 
 
@@ -252,8 +251,7 @@ def _term(
     if "embedding" in pair and "linear" in pair:
         raise _unknown(pair["a"], file, "mixes Linear and Embedding LoRA names for one module")
     a, b = entries[pair["a"]], entries[pair["b"]]
-    rank = int(_pattern_value(config, "rank_pattern", module, config["r"]))
-    alpha = float(_pattern_value(config, "alpha_pattern", module, config["lora_alpha"]))
+    rank, scaling = _rank_and_scaling(config, module)
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != rank or b.shape[1] != rank:
         raise CheckpointError(
             f"has shape {list(a.shape)} with {list(b.shape)} for its partner, not the rank {rank} the config gives "
@@ -262,8 +260,15 @@ def _term(
             shard=file,
             fix="the adapter's files disagree; save it again",
         )
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoraTerm(a.name, b.name, rank, scaling, embedding="embedding" in pair)
+
+
+def _rank_and_scaling(config: dict[str, Any], key: str) -> tuple[int, float]:
+    """A module's (or parameter's) rank and PEFT's factor: alpha / r, or alpha / sqrt(r) with use_rslora;
+    r and alpha by rank_pattern / alpha_pattern where a pattern matches `key`."""
+    rank = int(_pattern_value(config, "rank_pattern", key, config["r"]))
+    alpha = float(_pattern_value(config, "alpha_pattern", key, config["lora_alpha"]))
+    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
 def _pattern_value(config: dict[str, Any], key: str, module: str, default: Any) -> Any:

@@ -23,6 +23,7 @@ from fp8conv.source.lora_adapter import open_adapter
 from tests.support.families import build_family
 from tests.support.helpers import dir_snapshot, load_dir
 from tests.support.peft_adapters import saved_adapter
+from tests.support.reference import dequant_reference
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -48,16 +49,11 @@ def merged_case(tmp_path_factory):
 
 def _decoded_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A block FP8 (or float) output's weights as float32 values: each e4m3 weight times its 128x128 grid."""
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith("_scale_inv"):
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            n, k = t.shape
-            grid = tensors[name + "_scale_inv"].float()
-            t = t.float() * grid.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        out[name] = t.float()
-    return out
+    return {
+        name: dequant_reference(tensors, name) if t.dtype == torch.float8_e4m3fn else t.float()
+        for name, t in tensors.items()
+        if not name.endswith("_scale_inv")
+    }
 
 
 def _float32_slack(adapter_dir) -> dict[str, torch.Tensor]:
@@ -682,8 +678,6 @@ def test_the_merge_report_is_its_plain_definition(merged_case, tmp_path, to):
     """delta_relative, survived and relative_frobenius of one merged weight against their definitions in
     float64 from the input's exact decode, the merged float32 weight (input + the delta) and the written
     values as engines read them."""
-    from tests.support.reference import dequant_reference
-
     fixture, adapter_dir, _ = merged_case
     result = fp8conv.convert(fixture.path, tmp_path / "o", ConvertOptions(to=to, merge_lora=str(adapter_dir)))
     name = "model.layers.1.mlp.down_proj.weight"
