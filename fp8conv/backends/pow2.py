@@ -96,22 +96,40 @@ def pairwise_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
 
 def choose_exponents(blocks: torch.Tensor, amax: torch.Tensor, search: bool, decode: Decode = None) -> torch.Tensor:
     """int32 [G, gk]: the ceiling exponent, or (search) the one of it and SEARCH_BELOW below it whose block
-    squared error is least (the first, i.e. the largest, on a tie). The search runs only on the blocks
-    ceiling_wins cannot settle, and over the ceiling and the one below it where every such block's largest
-    value is above 224 x 2^e (any block not held up by AMAX_FLOOR): two or more below, that value alone
-    clamps at 112 x 2^e or lower, an error over 112 x 2^e, more than every other value can gain (ceiling_wins).
-    The same answer, without the trial quantizations that cannot win."""
+    squared error is least (the first, i.e. the largest, on a tie): search_exponents over the blocks' values,
+    on the blocks ceiling_wins cannot settle."""
     ceiling = ceil_exponents(amax)
     if not search:
         return ceiling
+
+    def errors_at(g: torch.Tensor, gk: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        subset = blocks.permute(0, 2, 1, 3)[g, gk].unsqueeze(2)  # [M, bn, 1, bk]: the open blocks alone
+        return block_squared_errors(subset, quantize_at(subset, exponents), exponents, decode)
+
     open_blocks = ~ceiling_wins(amax, ceiling, blocks.shape[1] * blocks.shape[3])
+    return search_exponents(amax, ceiling, open_blocks, errors_at)
+
+
+# (block rows, block columns, exponents [M, 1]) of M blocks -> float64 [M, 1]: each block's squared error
+# written at that exponent, summed as block_squared_errors sums it
+ErrorsAt = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def search_exponents(
+    amax: torch.Tensor, ceiling: torch.Tensor, open_blocks: torch.Tensor, errors_at: ErrorsAt
+) -> torch.Tensor:
+    """int32 [G, gk]: the ceiling exponents, except in open_blocks (those ceiling_wins cannot settle) the one of
+    the ceiling and SEARCH_BELOW below it whose squared error (errors_at) is least, the first (the largest)
+    on a tie. Over the ceiling and the one below it only where every open block's largest value is above 224
+    x 2^e (any block not held up by AMAX_FLOOR): two or more below, that value alone clamps at 112 x 2^e or
+    lower, an error over 112 x 2^e, more than every other value can gain (ceiling_wins). The same answer,
+    without the trial quantizations that cannot win."""
     if not bool(open_blocks.any()):
         return ceiling
     g, gk = torch.nonzero(open_blocks, as_tuple=True)
-    subset = blocks.permute(0, 2, 1, 3)[g, gk].unsqueeze(2)  # [M, bn, 1, bk]: the open blocks alone
     below = 1 if bool((amax[g, gk] > HALF_FP8_MAX * powers_of_two(ceiling[g, gk])).all()) else SEARCH_BELOW
     candidates = torch.stack([ceiling[g, gk][:, None] - i for i in range(below + 1)])  # [C, M, 1]
-    errors = torch.stack([block_squared_errors(subset, quantize_at(subset, e), e, decode) for e in candidates])
+    errors = torch.stack([errors_at(g, gk, e) for e in candidates])
     best = torch.argmin(errors, dim=0)  # the first minimum: the largest exponent among equals
     chosen = ceiling.clone()
     chosen[g, gk] = torch.gather(candidates, 0, best[None])[0][:, 0]

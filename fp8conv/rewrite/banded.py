@@ -9,6 +9,7 @@ import torch
 
 from ..backends import Backend
 from ..backends.pow2 import E8M0_BIAS
+from ..backends.pow2_codes import requantize_codes_pow2
 from ..backends.scratch import scratch
 from ..dtypes import ELEMENT_BYTES, torch_dtype
 from ..model.classify import PACKED
@@ -18,7 +19,7 @@ from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
 from .exact_pow2 import exact_pow2_for, prefer_exact_pow2
 from .int8_report import int8_tensor_error, row_sums_for
-from .pow2 import ReportPart, kept_exponents, pow2_band, tensor_error_of
+from .pow2 import ReportPart, from_codes, kept_exponents, nested, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
 
@@ -68,6 +69,9 @@ class BandedJob:
         if self.pow2 and not packed and job.fmt.row_scales is None:
             kept = kept_exponents(self.grid[None], job.fmt, (1, n, k), self.out_block)
             self._kept = kept if kept is not None and bool(kept[1].any()) else None
+        # pow2 from FP8 codes by tables where the input's blocks hold the output's (rewrite.pow2.from_codes)
+        self._codes = self.pow2 and not packed and from_codes(job.fmt, self.out_block)
+        self._codes = self._codes and nested((n, k), self.in_block, self.out_block)
         if self.pow2:  # E8M0 bytes, stored as the job says once every band is in (pow2.stored_exponents)
             self.new_scale = torch.full(job.outputs[1].shape, E8M0_BIAS, dtype=torch.uint8)
         else:
@@ -113,6 +117,8 @@ class BandedJob:
         few MiB, in cache, never the band): the input's values (decoded, or dequantized), requantized by
         pow2_band (the input's bytes kept where its scales already are powers of two), the exponents into
         their rows of the new scale, the report's parts kept by first row."""
+        if self._codes and band.is_contiguous() and self._pow2_from_codes(fp8[0], r0, g0, g1, band[0]):
+            return
         rows, k = band.shape[1], band.shape[2]
         step = min(rows, self.pow2_chunk_rows)
         w32 = scratch("pow2 w32", (1, step, k), torch.float32)  # this thread's, reused band after band
@@ -135,6 +141,18 @@ class BandedJob:
             kept, parts = kept and chunk_kept, parts + chunk_parts
         self.kept[r0] = kept  # (bands are computed side by side: one key each, never a shared flag)
         self.parts[r0] = parts
+
+    def _pow2_from_codes(self, codes: torch.Tensor, r0: int, g0: int, g1: int, out: torch.Tensor) -> bool:
+        """The band requantized from its codes (backends.pow2_codes), as _pow2 would: False, nothing written,
+        where its values need the definition."""
+        done = requantize_codes_pow2(codes, self.grid[g0:g1], self.in_block, self.out_block, REPORT_ROWS, out)
+        if done is None:
+            return False
+        exponents, parts, kept = done
+        o0 = r0 // self.out_block[0]
+        self.new_scale.view(-1, self.new_scale.shape[-1])[o0 : o0 + exponents.shape[0]] = exponents
+        self.kept[r0], self.parts[r0] = kept, [ReportPart(*sums) for sums in parts]
+        return True
 
     @property
     def reports(self) -> bool:
