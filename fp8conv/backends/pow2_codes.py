@@ -1,24 +1,19 @@
-"""Power-of-two requantization of e4m3 block FP8 straight from its codes, by tables: the fast path of
-quantize_pow2_rows (the definition) for FP8 weights whose input blocks each hold whole output blocks
-(DeepSeek's 128x128 blocks into ue8m0 blocks or MXFP8 groups; a per-tensor scale holds them all).
+"""Power-of-two requantization of e4m3 block FP8 straight from its codes: the fast path of quantize_pow2_rows
+(the definition) for FP8 weights whose input blocks each hold whole output blocks (DeepSeek's 128x128 blocks
+into ue8m0 blocks or MXFP8 groups).
 
-Every value of an input block is x = float32(code) * s, s the block's scale: one of 256 values. Written at
-exponent e, its output code is one of 256 too, and so are its error and its square. So for each (input
-block, exponent) pair that occurs, a 256-entry table holds the output codes, and a count of each input code
-(torch.bincount) gives the error report; the weight's values are never decoded into float32. Each table is
-the definition's own operations on the 256 values (the float32 product, x / 2^e, the clamp, one cast), so
-the bytes are the definition's; the largest value of a block is its largest magnitude code's (e4m3
-magnitudes order as their bytes); the blocks ceiling_wins cannot settle are searched by choose_exponents on
-their values (the definition itself, on a few percent of blocks, once per band instead of once per chunk).
+Every value of an input block is one of 256 (backends.pow2_tables), and so is what it is written as at an
+exponent, and its error: a 256-entry table per (input block, exponent) gives the output codes (one gather a
+chunk), and a count of each input code per table (torch.bincount) the error report; the weight is never
+decoded into float32. Each table is the definition's own operations on the 256 values, so the bytes are
+the definition's. Exponents: a block's largest value is its largest magnitude code's (e4m3 magnitudes order
+as their bytes); the blocks ceiling_wins cannot settle are searched on the same exact squares the
+definition sums, each choice proven to be the definition's (BlockTables._search, GroupTables._search).
 
-Measured on one thread, 128 rows of K = 7168: ~2 ns a value against ~7.3 for dequantizing and
-quantize_pow2_rows (docs/performance.md). Runs on the host for every backend: table lookups and integer
-counts.
-
-The report (ReportSums per chunk of report rows): per table, count x squared error (exact: the error is a
-float32 difference, its square exact in float64), summed pairwise over the 256 codes, times 4^e, then
-pairwise over the chunk's tables in order; saturated and flushed values are counts. The tables a chunk
-uses, in (input block, exponent) order, are the chunk's own, so its digits do not depend on the band.
+Two plans: BlockTables where each input block is one output block (ue8m0 from 128x128 blocks: counts first,
+every choice from them), GroupTables where input blocks hold many (MXFP8's 1x32 groups: choices per (input
+block, largest code), counts as the codes are written). Runs on the host for every backend: table lookups
+and integer counts. Measured in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -27,29 +22,160 @@ import torch
 
 from .pow2 import (
     E8M0_BIAS,
-    FP8_MAX,
+    HALF_FP8_MAX,
     SEARCH_BELOW,
     ReportSums,
     block_sums,
     blocks_of,
     ceil_exponents,
     ceiling_wins,
-    pairwise_sum_,
+    choose_exponents,
     powers_of_two,
     search_exponents,
-    sum64,
+)
+from .pow2_tables import (
+    CODES,
+    MAGNITUDES,
+    NAN_MAGNITUDE,
+    SIGN,
+    chunk_sums,
+    kept_exponents,
+    magnitude_values,
+    squares_at,
+    table_sums,
+    tables_at,
 )
 from .scratch import scratch
 
-CODES = 256
-MAGNITUDES = 128  # e4m3 codes without their sign bit: a table's second half is its first with the sign set
-SIGN = 0x80
-NAN_MAGNITUDE = 0x7F  # e4m3fn's NaN, either sign
+E4M3_MIN_NORMAL = 2.0**-6
 EXPONENT_SPAN = 32  # tables per input block at most: e4m3 spans 2^-9..448 (under 18 binades), search 3 below
-E4M3_VALUES = torch.arange(MAGNITUDES, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+# a search decided from counts: two squared-error totals this far apart relatively are ordered the same by any
+# float64 summation of their exact terms (the definition's pairwise one errs by under 16 x 2^-53 of the total
+# for 2^14 terms, a sum of 128 counted terms by under 129 x 2^-53); nearer, the definition's own sums decide
+DECISION_MARGIN = 2.0**-40
 
 
-class PowerOfTwoTables:
+def requantize_codes_pow2(
+    codes: torch.Tensor,
+    grid: torch.Tensor,
+    in_block: tuple[int, int],
+    out_block: tuple[int, int],
+    report_rows: int,
+    q_out: torch.Tensor,
+) -> tuple[torch.Tensor, list[ReportSums], bool] | None:
+    """Rows of one matrix of e4m3 codes [n, K] (starting on a row that starts an input block, an output block
+    and a chunk of report rows), each output block inside one input block, requantized into q_out [n, K]
+    (e4m3, contiguous): (E8M0 bytes [ceil(n/bn), ceil(K/bk)], the report's sums per chunk of report rows,
+    whether every block kept its bytes). grid: the scales of the input blocks from the first row. None,
+    q_out untouched, where the definition must decide instead (NaN codes, non-finite values, or values from
+    outside one e4m3 block's range)."""
+    n, k = codes.shape
+    bn, bk = out_block
+    blocks = blocks_of(codes.view(torch.uint8), bn, bk)
+    one_each = tuple(in_block) == tuple(out_block)
+    plan = BlockTables(blocks, grid, report_rows) if one_each else GroupTables(blocks, grid, in_block, report_rows)
+    if not plan.usable:
+        return None
+    aligned = blocks.data_ptr() == codes.data_ptr()
+    written = q_out.view(torch.uint8).view(blocks.shape) if aligned else torch.empty(blocks.shape, dtype=torch.uint8)
+    parts = plan.apply(written)
+    if not aligned:
+        q_out.view(torch.uint8).copy_(written.view(blocks.shape[0] * bn, -1)[:n, :k])
+    return plan.exponents, parts, plan.kept_all
+
+
+class BlockTables:
+    """Output blocks that are the input's blocks (ue8m0 from 128x128 block FP8): each block's codes counted
+    first, one bincount a chunk of report rows; its largest value, exponent (_search) and report all from
+    its counts; then one gather a chunk through its block's table."""
+
+    def __init__(self, blocks: torch.Tensor, grid: torch.Tensor, report_rows: int) -> None:
+        gn, bn, gk, bk = blocks.shape
+        self.blocks, self.step = blocks, max(1, report_rows // bn)
+        columns = torch.arange(self.step)[:, None] * gk + torch.arange(gk)[None, :]  # a chunk's blocks, in order
+        self.offsets = (columns * CODES).to(torch.int32)[:, None, :, None]
+        counts = self._counts()
+        present = counts > 0
+        x = magnitude_values(grid)
+        top = (present * torch.arange(MAGNITUDES)).amax(dim=1)
+        amax = x.gather(1, top[:, None])[:, 0].abs()  # each block's largest value: its largest code's
+        self.usable = not bool(present[:, NAN_MAGNITUDE].any()) and bool(torch.isfinite(amax).all())
+        if not self.usable:
+            return
+        kept, keeps = kept_exponents(grid)
+        ceiling = ceil_exponents(amax)
+        exponents = torch.where(keeps, kept, ceiling)
+        rows = torch.nonzero(~ceiling_wins(amax, ceiling, bn * bk) & ~keeps)[:, 0]
+        if rows.numel():
+            exponents[rows] = self._search(rows, counts[rows], x[rows], amax[rows], ceiling[rows])
+        self.tables = tables_at(x, exponents)
+        self.exponents = (exponents + E8M0_BIAS).to(torch.uint8).view(gn, gk)
+        self.kept_all = bool(keeps.all())
+        sums, per_chunk = table_sums(counts, self.tables, slice(None)), self.step * gk
+        self.parts = [chunk_sums(sums[r : r + per_chunk]) for r in range(0, gn * gk, per_chunk)]
+
+    def _index(self, g0: int, g1: int) -> torch.Tensor:
+        """Block rows g0..g1's codes as indexes into their blocks' tables (code + 256 x the block's place)."""
+        _, bn, gk, bk = self.blocks.shape
+        index = scratch("pow2 codes index", (g1 - g0, bn, gk, bk), torch.int32)
+        return index.copy_(self.blocks[g0:g1]).add_(self.offsets[: g1 - g0])
+
+    def _counts(self) -> torch.Tensor:
+        """[blocks, 128] int64: how many of each block's values have each magnitude code."""
+        gn, gk = self.blocks.shape[0], self.blocks.shape[2]
+        counts = torch.empty((gn * gk, 2, MAGNITUDES), dtype=torch.int64)
+        for g0 in range(0, gn, self.step):
+            g1 = min(gn, g0 + self.step)
+            index = self._index(g0, g1).view(-1)
+            counts[g0 * gk : g1 * gk] = torch.bincount(index, minlength=(g1 - g0) * gk * CODES).view(-1, 2, MAGNITUDES)
+        return counts.sum(dim=1)
+
+    def _search(
+        self, rows: torch.Tensor, counts: torch.Tensor, x: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor
+    ) -> torch.Tensor:
+        """int32 [M]: search_exponents' answer for blocks `rows`, from their counts [M, 128]: each candidate's
+        total squared error is counts x the exact squares the definition sums. A candidate none of whose
+        present codes errs less than the best so far cannot beat it (every leaf of the definition's sums is
+        as large or larger, and ties stay); one DECISION_MARGIN under it beats it, one over it does not; the
+        rest (none on bench/synth.py's input) are searched by the definition on their values."""
+        below = 1 if bool((amax > HALF_FP8_MAX * powers_of_two(ceiling)).all()) else SEARCH_BELOW
+        n, present = counts.to(torch.float64), counts > 0
+        best, best_squares = ceiling.clone(), squares_at(x, ceiling)
+        best_error = (n * best_squares).sum(dim=1)
+        unsure = torch.zeros(rows.shape, dtype=torch.bool)
+        for i in range(1, below + 1):
+            squares = squares_at(x, ceiling - i)
+            error = (n * squares).sum(dim=1)
+            may_win = (present & (squares < best_squares)).any(dim=1)
+            margin = DECISION_MARGIN * (error + best_error)
+            wins = may_win & (error < best_error - margin)
+            unsure |= may_win & ~wins & (error <= best_error + margin)
+            best = torch.where(wins, ceiling - i, best)
+            best_squares = torch.where(wins[:, None], squares, best_squares)
+            best_error = torch.where(wins, error, best_error)
+        if bool(unsure.any()):
+            best[unsure] = self._search_values(rows[unsure], x[unsure], amax[unsure])
+        return best
+
+    def _search_values(self, rows: torch.Tensor, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """int32 [M]: choose_exponents (the definition) on blocks `rows`' values, decoded from their codes."""
+        gk = self.blocks.shape[2]
+        codes = self.blocks.permute(0, 2, 1, 3)[rows // gk, rows % gk].to(torch.int64)  # [M, bn, bk]
+        magnitudes = x.gather(1, (codes & NAN_MAGNITUDE).flatten(1)).view(codes.shape)
+        values = torch.where(codes >= SIGN, -magnitudes, magnitudes)
+        return choose_exponents(values.unsqueeze(2), amax[:, None], True)[:, 0]
+
+    def apply(self, q_out: torch.Tensor) -> list[ReportSums]:
+        """Write the output codes into q_out (uint8 laid out as the blocks); the report's sums per chunk."""
+        gn, gk = self.blocks.shape[0], self.blocks.shape[2]
+        for g0 in range(0, gn, self.step):
+            g1 = min(gn, g0 + self.step)
+            table = self.tables.codes[g0 * gk * CODES : g1 * gk * CODES]
+            torch.index_select(table, 0, self._index(g0, g1).view(-1), out=q_out[g0:g1].view(-1))
+        return self.parts
+
+
+class GroupTables:
     """One band's output exponents and tables: built from the band's codes and input scales, then applied
     chunk by chunk (apply). usable False: the definition must decide (NaN codes, non-finite values, values
     from outside one e4m3 block's range).
@@ -69,7 +195,7 @@ class PowerOfTwoTables:
         self.in_id = (rows[:, None] * grid.shape[1] + columns[None, :]).to(torch.int32)  # each block's input block
         grid = grid.reshape(-1).to(torch.float32)
         # the positive codes' values in each input block: the definition's float32 product
-        self.values = E4M3_VALUES[None, :] * grid[:, None]
+        self.values = magnitude_values(grid)
         self.top = _largest_magnitudes(blocks, report_rows) + self.in_id * MAGNITUDES  # (input block, top) keys
         present = torch.zeros(self.values.numel(), dtype=torch.bool)
         present[self.top.reshape(-1)] = True
@@ -77,7 +203,7 @@ class PowerOfTwoTables:
         amax = self.values.abs()  # a block's largest value, by its largest code
         self.usable = not bool(present[:, NAN_MAGNITUDE].any()) and bool(torch.isfinite(amax[present]).all())
         if self.usable:
-            self.usable = self._choose(amax, present, _kept_exponents(grid))
+            self.usable = self._choose(amax, present, kept_exponents(grid))
 
     def _choose(self, amax: torch.Tensor, present: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Per (input block, largest code): the exponent (the input's where its scale is a power of two, else
@@ -112,10 +238,15 @@ class PowerOfTwoTables:
 
     def _search(self, g: torch.Tensor, c: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> None:
         """Blocks (g, c), with their largest values and ceiling exponents [M, 1]: search_exponents' answer, on
-        squared errors from the tables; their exponents and tables set."""
+        squared errors from the tables; their exponents and tables set. Only blocks holding a value subnormal at
+        their ceiling can do better lower (_contested); the others keep the ceiling, as the search would."""
         codes = self.blocks.permute(0, 2, 1, 3)[g, c].to(torch.int64).bitwise_and_(NAN_MAGNITUDE)  # [M, bn, bk]
         in_id = self.in_id[g, c]
-        squares = (self.err2 * self.scale2[:, None]).reshape(-1)  # each value's square, in the value's units
+        contested = self._contested(codes, in_id, ceiling[:, 0])
+        if not bool(contested.any()):
+            return
+        g, c, amax, ceiling, codes, in_id = (t[contested] for t in (g, c, amax, ceiling, codes, in_id))
+        squares = (self.tables.err2 * self.tables.scale2[:, None]).reshape(-1)  # each value's, in its units
 
         def errors_at(rows: torch.Tensor, _: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
             tables = self._table(in_id[rows], exponents[:, 0]).to(torch.int64)
@@ -126,26 +257,24 @@ class PowerOfTwoTables:
         self.exponents[g, c] = (chosen + E8M0_BIAS).to(torch.uint8)
         self.table_of[g, c] = self._table(in_id, chosen)
 
+    def _contested(self, codes: torch.Tensor, in_id: torch.Tensor, ceiling: torch.Tensor) -> torch.Tensor:
+        """bool [M]: whether each block (magnitude codes [M, bn, bk]) holds a nonzero value subnormal in e4m3 at its
+        ceiling exponent. Without one, every value's error at each lower exponent is the same (normal there too:
+        e4m3's rounding is relative) or larger (clamped at 448, where the ceiling rounds it no further than to
+        224, a grid value below it), so every leaf of the search's pairwise sums is, and its sums are: the
+        ceiling wins, the first of equals."""
+        scaled = self.values[in_id] * powers_of_two(-ceiling)[:, None]  # each magnitude code's value at the ceiling
+        normal_from = (scaled.abs() < E4M3_MIN_NORMAL).sum(dim=1)  # magnitude codes below it are subnormal there
+        return ((codes > 0) & (codes < normal_from[:, None, None])).flatten(1).any(dim=1)
+
     def _table(self, in_id: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
         """The table of each (input block, exponent)."""
         return self.table_at[in_id * EXPONENT_SPAN + self.top_exponent[in_id] - exponents]
 
     def _build_tables(self, keys: torch.Tensor) -> None:
-        """Each (input block, exponent) key's table: output codes, and per magnitude code its squared error
-        and value (units of 2^e), whether it saturates and whether it flushes to zero."""
+        """Each (input block, exponent) key's table (pow2_tables.tables_at)."""
         blocks_in = keys // EXPONENT_SPAN
-        e = self.top_exponent[blocks_in] - keys % EXPONENT_SPAN
-        x = self.values[blocks_in]
-        y = x * powers_of_two(-e)[:, None]  # as quantize_pow2_rows: x / 2^e, then the clamp and one cast
-        codes = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        self.codes = torch.cat((codes.view(torch.uint8), codes.view(torch.uint8) | SIGN), dim=1).reshape(-1)
-        written = codes.to(torch.float32)
-        absent = ~torch.isfinite(y)  # codes no block of the band holds (NaN, or past float32): counted 0 times
-        self.err2 = (written - y).to(torch.float64).square_().masked_fill_(absent, 0.0)
-        self.norm2 = y.to(torch.float64).square_().masked_fill_(absent, 0.0)
-        self.saturated = y.abs() > FP8_MAX
-        self.flushed = (x != 0) & (written == 0)
-        self.scale2 = 4.0 ** e.to(torch.float64)
+        self.tables = tables_at(self.values[blocks_in], self.top_exponent[blocks_in] - keys % EXPONENT_SPAN)
 
     def apply(self, q_out: torch.Tensor) -> list[ReportSums]:
         """Write the output codes of every chunk of report rows into q_out (uint8 laid out as the blocks) and
@@ -161,29 +290,12 @@ class PowerOfTwoTables:
             index.copy_(self.blocks[g0:g1])
             index.add_(((tables - t0) * CODES)[:, None, :, None])
             counts = torch.bincount(index.view(-1), minlength=(t1 - t0) * CODES).view(t1 - t0, 2, MAGNITUDES)
-            torch.index_select(self.codes[t0 * CODES : t1 * CODES], 0, index.view(-1), out=q_out[g0:g1].view(-1))
-            parts.append(self._report(counts.sum(dim=1), t0, t1))
+            table = self.tables.codes[t0 * CODES : t1 * CODES]
+            torch.index_select(table, 0, index.view(-1), out=q_out[g0:g1].view(-1))
+            counts = counts.sum(dim=1)
+            used = torch.nonzero(counts.sum(dim=1) > 0)[:, 0]  # the chunk's own tables: its digits band-free
+            parts.append(chunk_sums(table_sums(counts[used], self.tables, used + t0)))
         return parts
-
-    def _report(self, counts: torch.Tensor, t0: int, t1: int) -> ReportSums:
-        """One chunk's sums from its magnitude counts per table (tables t0..t1, those it does not use dropped)."""
-        present = counts.sum(dim=1) > 0
-        c = counts[present]
-        n = c.to(torch.float64)
-        scale2 = self.scale2[t0:t1][present]
-        err2 = pairwise_sum_(n * self.err2[t0:t1][present], 1) * scale2
-        norm2 = pairwise_sum_(n * self.norm2[t0:t1][present], 1) * scale2
-        saturated = int((c * self.saturated[t0:t1][present]).sum())
-        flushed = int((c * self.flushed[t0:t1][present]).sum())
-        return (sum64(err2), sum64(norm2), saturated, flushed)
-
-
-def _kept_exponents(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per input block (grid [n_in] float32): the exponent of its scale, and whether the scale is a power of two
-    E8M0 holds, so that its blocks keep their bytes (rewrite.pow2.kept_exponents' rule)."""
-    mantissa, exponent = torch.frexp(grid)
-    e = exponent.to(torch.int32) - 1  # 0.5 x 2^E = 2^(E - 1)
-    return e, (mantissa == 0.5) & (e >= -E8M0_BIAS) & (e <= E8M0_BIAS)
 
 
 def _largest_magnitudes(blocks: torch.Tensor, report_rows: int) -> torch.Tensor:
@@ -204,31 +316,3 @@ def _largest_magnitudes(blocks: torch.Tensor, report_rows: int) -> torch.Tensor:
             torch.bitwise_and(blocks[g0:g1], NAN_MAGNITUDE, out=codes)
             top[g0:g1] = codes.amax(dim=1).amax(dim=2)
     return top
-
-
-def requantize_codes_pow2(
-    codes: torch.Tensor,
-    grid: torch.Tensor,
-    in_block: tuple[int, int],
-    out_block: tuple[int, int],
-    report_rows: int,
-    q_out: torch.Tensor,
-) -> tuple[torch.Tensor, list[ReportSums], bool] | None:
-    """Rows of one matrix of e4m3 codes [n, K] (starting on a row that starts an input block, an output block
-    and a chunk of report rows), each output block inside one input block, requantized into q_out [n, K]
-    (e4m3, contiguous): (E8M0 bytes [ceil(n/bn), ceil(K/bk)], the report's sums per chunk of report rows,
-    whether every block kept its bytes). grid: the scales of the input blocks from the first row. None,
-    q_out untouched, where the definition must decide instead (NaN codes, non-finite values, or values from
-    outside one e4m3 block's range)."""
-    n, k = codes.shape
-    bn, bk = out_block
-    blocks = blocks_of(codes.view(torch.uint8), bn, bk)
-    tables = PowerOfTwoTables(blocks, grid, in_block, report_rows)
-    if not tables.usable:
-        return None
-    aligned = blocks.data_ptr() == codes.data_ptr()
-    written = q_out.view(torch.uint8).view(blocks.shape) if aligned else torch.empty(blocks.shape, dtype=torch.uint8)
-    parts = tables.apply(written)
-    if not aligned:
-        q_out.view(torch.uint8).copy_(written.view(blocks.shape[0] * bn, -1)[:n, :k])
-    return tables.exponents, parts, tables.kept_all

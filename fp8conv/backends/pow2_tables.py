@@ -1,0 +1,96 @@
+"""Code tables for power-of-two requantization of e4m3 values (backends.pow2_codes): for each (input block,
+exponent) pair, what quantize_pow2_rows (the definition) writes for each of the 128 magnitude codes, and
+what the error report counts for it; and the report's sums from code counts.
+
+Every value of an input block is x = float32(code) * s, s the block's scale. At exponent e it is written as
+the definition writes it: y = x / 2^e (exact), clamped to +-448, one cast to e4m3. Its squared error
+(value(q) - y)^2 is exact in float64 (the difference is exact in float32), as is y^2: a chunk's report is
+then counts x those terms, summed in a fixed order: the same digits on every machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pow2 import E8M0_BIAS, FP8_MAX, ReportSums, pairwise_sum, pairwise_sum_, powers_of_two
+
+CODES = 256
+MAGNITUDES = 128  # e4m3 codes without their sign bit: a table's second half is its first with the sign set
+SIGN = 0x80
+NAN_MAGNITUDE = 0x7F  # e4m3fn's NaN, either sign
+E4M3_VALUES = torch.arange(MAGNITUDES, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def magnitude_values(grid: torch.Tensor) -> torch.Tensor:
+    """[n_in, 128] float32: each input block's positive codes' values (grid: its scales), the definition's
+    float32 products (a negative code's value is exactly the negation)."""
+    return E4M3_VALUES[None, :] * grid.reshape(-1, 1).to(torch.float32)
+
+
+def kept_exponents(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per input block (grid [n_in] float32): the exponent of its scale, and whether the scale is a power of two
+    E8M0 holds, so that its blocks keep their bytes (rewrite.pow2.kept_exponents' rule)."""
+    mantissa, exponent = torch.frexp(grid.reshape(-1))
+    e = exponent.to(torch.int32) - 1  # 0.5 x 2^E = 2^(E - 1)
+    return e, (mantissa == 0.5) & (e >= -E8M0_BIAS) & (e <= E8M0_BIAS)
+
+
+def squares_at(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """float64 [P, 128]: each magnitude value x [P, 128] written at exponent e [P], its squared error in the
+    value's own units ((value(q) x 2^e - x)^2, exact): the leaves the definition's search sums."""
+    y = x * powers_of_two(-e)[:, None]
+    written = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    squares = (written - y).to(torch.float64).square_().mul_(4.0 ** e.to(torch.float64)[:, None])
+    return squares.masked_fill_(~torch.isfinite(y), 0.0)
+
+
+@dataclass(frozen=True)
+class Tables:
+    """P tables: codes [P * 256] uint8 (what each input code is written as); per magnitude code [P, 128] the
+    squared error and value in units of 2^e (float64), whether it saturates and whether it flushes to zero;
+    scale2 [P] 4^e."""
+
+    codes: torch.Tensor
+    err2: torch.Tensor
+    norm2: torch.Tensor
+    saturated: torch.Tensor
+    flushed: torch.Tensor
+    scale2: torch.Tensor
+
+
+def tables_at(x: torch.Tensor, e: torch.Tensor) -> Tables:
+    """The tables of magnitude values x [P, 128] at exponents e [P] int32."""
+    y = x * powers_of_two(-e)[:, None]  # as quantize_pow2_rows: x / 2^e, then the clamp and one cast
+    codes = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    written = codes.to(torch.float32)
+    absent = ~torch.isfinite(y)  # codes no block holds (NaN, or past float32): counted 0 times, 0 here
+    return Tables(
+        codes=torch.cat((codes.view(torch.uint8), codes.view(torch.uint8) | SIGN), dim=1).reshape(-1),
+        err2=(written - y).to(torch.float64).square_().masked_fill_(absent, 0.0),
+        norm2=y.to(torch.float64).square_().masked_fill_(absent, 0.0),
+        saturated=y.abs() > FP8_MAX,
+        flushed=(x != 0) & (written == 0),
+        scale2=4.0 ** e.to(torch.float64),
+    )
+
+
+def table_sums(counts: torch.Tensor, tables: Tables, rows: torch.Tensor | slice) -> torch.Tensor:
+    """float64 [R, 4]: per table (tables' rows, magnitude counts [R, 128]): squared error and squared values
+    (count x term, pairwise over the codes, times 4^e), saturated and flushed values (exact integers)."""
+    n = counts.to(torch.float64)
+    sums = torch.empty((counts.shape[0], 4), dtype=torch.float64)
+    sums[:, 0] = pairwise_sum_(n * tables.err2[rows], 1) * tables.scale2[rows]
+    sums[:, 1] = pairwise_sum_(n * tables.norm2[rows], 1) * tables.scale2[rows]
+    sums[:, 2] = (counts * tables.saturated[rows]).sum(dim=1)
+    sums[:, 3] = (counts * tables.flushed[rows]).sum(dim=1)
+    return sums
+
+
+def chunk_sums(sums: torch.Tensor) -> ReportSums:
+    """One chunk's report from its tables' sums [R, 4] (table_sums), in order."""
+    if not sums.shape[0]:
+        return (0.0, 0.0, 0, 0)
+    err2, norm2 = pairwise_sum(sums[:, :2], 0).tolist()  # each column as backends.pow2.sum64 sums it
+    return (err2, norm2, int(sums[:, 2].sum()), int(sums[:, 3].sum()))
