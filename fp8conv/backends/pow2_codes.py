@@ -47,7 +47,6 @@ from .pow2_tables import (
 )
 from .scratch import scratch
 
-E4M3_MIN_NORMAL = 2.0**-6
 EXPONENT_SPAN = 32  # tables per input block at most: e4m3 spans 2^-9..448 (under 18 binades), search 3 below
 # a search decided from counts: two squared-error totals this far apart relatively are ordered the same by any
 # float64 summation of their exact terms (the definition's pairwise one errs by under 16 x 2^-53 of the total
@@ -228,25 +227,58 @@ class GroupTables:
         self.table_at = (torch.cumsum(used, 0) - 1).to(torch.int32)  # dense (input block, exponent) key -> table
         self._build_tables(torch.nonzero(used)[:, 0])
         top = self.top.reshape(-1)
+
+        def per_block(by_top: torch.Tensor) -> torch.Tensor:  # a lookup per block (int32 indexes: no copy)
+            return torch.index_select(by_top.reshape(-1), 0, top).view(gn, gk)
+
         self.kept_all = bool(keeps.all())
-        self.exponents = (base + E8M0_BIAS).to(torch.uint8).reshape(-1)[top].view(gn, gk)
-        self.table_of = self.table_at[keys.reshape(-1)][top].view(gn, gk)
-        g, c = torch.nonzero(open_tops.reshape(-1)[top].view(gn, gk), as_tuple=True)
+        self.exponents = per_block((base + E8M0_BIAS).to(torch.uint8))
+        self.table_of = per_block(self.table_at[keys])
+        g, c = torch.nonzero(per_block(open_tops), as_tuple=True)
         if g.numel():
             self._search(g, c, amax.reshape(-1)[self.top[g, c]][:, None], ceiling.reshape(-1)[self.top[g, c]][:, None])
         return True
 
     def _search(self, g: torch.Tensor, c: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> None:
-        """Blocks (g, c), with their largest values and ceiling exponents [M, 1]: search_exponents' answer, on
-        squared errors from the tables; their exponents and tables set. Only blocks holding a value subnormal at
-        their ceiling can do better lower (_contested); the others keep the ceiling, as the search would."""
-        codes = self.blocks.permute(0, 2, 1, 3)[g, c].to(torch.int64).bitwise_and_(NAN_MAGNITUDE)  # [M, bn, bk]
-        in_id = self.in_id[g, c]
-        contested = self._contested(codes, in_id, ceiling[:, 0])
-        if not bool(contested.any()):
-            return
-        g, c, amax, ceiling, codes, in_id = (t[contested] for t in (g, c, amax, ceiling, codes, in_id))
+        """Blocks (g, c), with their largest values and ceiling exponents [M, 1]: search_exponents' answer; their
+        exponents and tables set. Where the largest value clamps one exponent lower (over 224 x 2^e: every open
+        block but those AMAX_FLOOR holds up), only the ceiling e and e - 1 can win (search_exponents); where no
+        value errs more at e - 1 than at e (_gains; ceiling_wins leaves open only blocks whose largest value
+        rounds down to 224 at e, its error there the same as clamped at e - 1), e - 1 wins if it gains beyond
+        DECISION_MARGIN of the block's squared error, the ceiling if it gains nothing at all (equal leaves).
+        The rest are searched on the tables' squares in the definition's pairwise order (_search_sums)."""
+        in_id, e = self.in_id[g, c], ceiling[:, 0]
+        error, gain, least = self._gains(g, c, in_id, e)
+        clamps = (amax[:, 0] > HALF_FP8_MAX * powers_of_two(e)) & (least >= 0)
+        lower = clamps & (gain > DECISION_MARGIN * 2 * error)
+        settled = lower | (clamps & (gain == 0))
+        rows = torch.nonzero(lower)[:, 0]
+        self.exponents[g[rows], c[rows]] = (e[rows] - 1 + E8M0_BIAS).to(torch.uint8)
+        self.table_of[g[rows], c[rows]] = self._table(in_id[rows], e[rows] - 1)
+        rest = torch.nonzero(~settled)[:, 0]
+        if rest.numel():
+            self._search_sums(g[rest], c[rest], amax[rest], ceiling[rest])
+
+    def _gains(
+        self, g: torch.Tensor, c: torch.Tensor, in_id: torch.Tensor, e: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per block (g, c) at exponents e [M], float64 [M]: its squared error at e, the sum over its values of
+        (squared error at e) - (squared error at e - 1), and the least such term (the terms: exact squares the
+        definition sums)."""
+        codes = self._codes_of(g, c).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
         squares = (self.tables.err2 * self.tables.scale2[:, None]).reshape(-1)  # each value's, in its units
+        at = codes.add_((self._table(in_id, e) * MAGNITUDES)[:, None])
+        below = at + ((self._table(in_id, e - 1) - self._table(in_id, e)) * MAGNITUDES)[:, None]
+        leaves = torch.index_select(squares, 0, at.view(-1)).view(codes.shape)
+        terms = leaves - torch.index_select(squares, 0, below.view(-1)).view(codes.shape)
+        return leaves.sum(dim=1), terms.sum(dim=1), terms.amin(dim=1)
+
+    def _search_sums(self, g: torch.Tensor, c: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> None:
+        """search_exponents on blocks (g, c): each candidate's squared error from the tables' exact squares,
+        summed as block_squared_errors sums them (the definition's own order)."""
+        codes = self._codes_of(g, c).to(torch.int64).bitwise_and_(NAN_MAGNITUDE)
+        in_id = self.in_id[g, c]
+        squares = (self.tables.err2 * self.tables.scale2[:, None]).reshape(-1)
 
         def errors_at(rows: torch.Tensor, _: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
             tables = self._table(in_id[rows], exponents[:, 0]).to(torch.int64)
@@ -257,15 +289,12 @@ class GroupTables:
         self.exponents[g, c] = (chosen + E8M0_BIAS).to(torch.uint8)
         self.table_of[g, c] = self._table(in_id, chosen)
 
-    def _contested(self, codes: torch.Tensor, in_id: torch.Tensor, ceiling: torch.Tensor) -> torch.Tensor:
-        """bool [M]: whether each block (magnitude codes [M, bn, bk]) holds a nonzero value subnormal in e4m3 at its
-        ceiling exponent. Without one, every value's error at each lower exponent is the same (normal there too:
-        e4m3's rounding is relative) or larger (clamped at 448, where the ceiling rounds it no further than to
-        224, a grid value below it), so every leaf of the search's pairwise sums is, and its sums are: the
-        ceiling wins, the first of equals."""
-        scaled = self.values[in_id] * powers_of_two(-ceiling)[:, None]  # each magnitude code's value at the ceiling
-        normal_from = (scaled.abs() < E4M3_MIN_NORMAL).sum(dim=1)  # magnitude codes below it are subnormal there
-        return ((codes > 0) & (codes < normal_from[:, None, None])).flatten(1).any(dim=1)
+    def _codes_of(self, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """uint8 [M, bn, bk]: blocks (g, c)'s codes; groups within a row are rows of 32 bytes, gathered whole."""
+        gn, bn, gk, bk = self.blocks.shape
+        if bn == 1:
+            return torch.index_select(self.blocks.view(gn * gk, bk), 0, g * gk + c).view(-1, 1, bk)
+        return self.blocks.permute(0, 2, 1, 3)[g, c]
 
     def _table(self, in_id: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
         """The table of each (input block, exponent)."""
