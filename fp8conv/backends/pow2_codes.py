@@ -195,12 +195,11 @@ class GroupTables:
         grid = grid.reshape(-1).to(torch.float32)
         # the positive codes' values in each input block: the definition's float32 product
         self.values = magnitude_values(grid)
-        self.top = _largest_magnitudes(blocks, report_rows) + self.in_id * MAGNITUDES  # (input block, top) keys
-        present = torch.zeros(self.values.numel(), dtype=torch.bool)
-        present[self.top.reshape(-1)] = True
-        present = present.view(self.values.shape)
+        self.top = _largest_magnitudes(blocks, report_rows).add_(self.in_id * MAGNITUDES)  # (input block, top)
+        present = torch.bincount(self.top.view(-1), minlength=self.values.numel()).view(self.values.shape) > 0
         amax = self.values.abs()  # a block's largest value, by its largest code
-        self.usable = not bool(present[:, NAN_MAGNITUDE].any()) and bool(torch.isfinite(amax[present]).all())
+        finite = bool((torch.isfinite(amax) | ~present).all())
+        self.usable = finite and not bool(present[:, NAN_MAGNITUDE].any())
         if self.usable:
             self.usable = self._choose(amax, present, kept_exponents(grid))
 
@@ -222,8 +221,10 @@ class GroupTables:
         keys = in_blocks * EXPONENT_SPAN + below
         used = torch.zeros(amax.shape[0] * EXPONENT_SPAN, dtype=torch.bool)
         used[keys[present]] = True
-        for i in range(1, SEARCH_BELOW + 1):  # the exponents the search may try
-            used[keys[open_tops] + i] = True
+        # the exponents the search may try: one lower where the largest value clamps there, else three
+        clamps = amax > HALF_FP8_MAX * powers_of_two(ceiling)
+        for i in range(1, SEARCH_BELOW + 1):
+            used[keys[open_tops & (~clamps if i > 1 else True)] + i] = True
         self.table_at = (torch.cumsum(used, 0) - 1).to(torch.int32)  # dense (input block, exponent) key -> table
         self._build_tables(torch.nonzero(used)[:, 0])
         top = self.top.reshape(-1)
@@ -249,15 +250,16 @@ class GroupTables:
         The rest are searched on the tables' squares in the definition's pairwise order (_search_sums)."""
         in_id, e = self.in_id[g, c], ceiling[:, 0]
         error, gain, least = self._gains(g, c, in_id, e)
-        clamps = (amax[:, 0] > HALF_FP8_MAX * powers_of_two(e)) & (least >= 0)
-        lower = clamps & (gain > DECISION_MARGIN * 2 * error)
-        settled = lower | (clamps & (gain == 0))
+        clamps = amax[:, 0] > HALF_FP8_MAX * powers_of_two(e)
+        lower = clamps & (least >= 0) & (gain > DECISION_MARGIN * 2 * error)
+        settled = lower | (clamps & (least >= 0) & (gain == 0))
         rows = torch.nonzero(lower)[:, 0]
         self.exponents[g[rows], c[rows]] = (e[rows] - 1 + E8M0_BIAS).to(torch.uint8)
         self.table_of[g[rows], c[rows]] = self._table(in_id[rows], e[rows] - 1)
-        rest = torch.nonzero(~settled)[:, 0]
-        if rest.numel():
-            self._search_sums(g[rest], c[rest], amax[rest], ceiling[rest])
+        for rest in (~settled & clamps, ~settled & ~clamps):  # apart: the first set tries one exponent lower only
+            rows = torch.nonzero(rest)[:, 0]
+            if rows.numel():
+                self._search_sums(g[rows], c[rows], amax[rows], ceiling[rows])
 
     def _gains(
         self, g: torch.Tensor, c: torch.Tensor, in_id: torch.Tensor, e: torch.Tensor
@@ -310,7 +312,7 @@ class GroupTables:
         return each chunk's report sums."""
         gn, bn, gk, bk = self.blocks.shape
         step = max(1, self.report_rows // bn)
-        parts = []
+        chunk_counts, chunk_tables = [], []
         for g0 in range(0, gn, step):
             g1 = min(gn, g0 + step)
             tables = self.table_of[g0:g1]
@@ -323,8 +325,12 @@ class GroupTables:
             torch.index_select(table, 0, index.view(-1), out=q_out[g0:g1].view(-1))
             counts = counts.sum(dim=1)
             used = torch.nonzero(counts.sum(dim=1) > 0)[:, 0]  # the chunk's own tables: its digits band-free
-            parts.append(chunk_sums(table_sums(counts[used], self.tables, used + t0)))
-        return parts
+            chunk_counts.append(counts[used])
+            chunk_tables.append(used + t0)
+        sums = table_sums(torch.cat(chunk_counts), self.tables, torch.cat(chunk_tables)).split(
+            [len(t) for t in chunk_tables]
+        )
+        return [chunk_sums(chunk) for chunk in sums]
 
 
 def _largest_magnitudes(blocks: torch.Tensor, report_rows: int) -> torch.Tensor:

@@ -133,3 +133,19 @@ def test_block_fp8_conversions_never_dequantize(tmp_path, monkeypatch):
 
             got = load_dir(out)["model.layers.0.mlp.down_proj.weight"]
             assert same_bits(got, expected(codes, scale, block)[0]), (options.to, band_elements)
+
+
+@pytest.mark.parametrize("out_block", [(128, 128), (1, 32)])
+def test_every_search_left_to_the_definitions_sums_gives_the_same_bytes(out_block, monkeypatch):
+    """With no margin wide enough to decide from counts (or gains), every open block is searched by the
+    definition's own sums (choose_exponents on its values, or the tables' squares in pairwise order): the
+    same bytes, so those fallbacks are right wherever the margin sends a block to them."""
+    import fp8conv.backends.pow2_codes as pow2_codes
+
+    codes, scale = block_fp8((300, 257), seed=9)
+    want = requantize_codes_pow2(codes, scale, IN_BLOCK, out_block, 128, torch.empty(codes.shape, dtype=codes.dtype))
+    monkeypatch.setattr(pow2_codes, "DECISION_MARGIN", float("inf"))
+    q = torch.empty(codes.shape, dtype=torch.float8_e4m3fn)
+    exps = requantize_codes_pow2(codes, scale, IN_BLOCK, out_block, 128, q)[0]
+    want_q, want_e = expected(codes, scale, out_block)
+    assert same_bits(exps, want_e) and same_bits(q, want_q) and same_bits(exps, want[0])
