@@ -268,7 +268,7 @@ class GroupTables:
         (squared error at e) - (squared error at e - 1), and the least such term (the terms: exact squares the
         definition sums)."""
         codes = self._codes_of(g, c).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
-        squares = (self.tables.err2 * self.tables.scale2[:, None]).reshape(-1)  # each value's, in its units
+        squares = self.tables.err2.view(-1)
         at = codes.add_((self._table(in_id, e) * MAGNITUDES)[:, None])
         below = at + ((self._table(in_id, e - 1) - self._table(in_id, e)) * MAGNITUDES)[:, None]
         leaves = torch.index_select(squares, 0, at.view(-1)).view(codes.shape)
@@ -280,7 +280,7 @@ class GroupTables:
         summed as block_squared_errors sums them (the definition's own order)."""
         codes = self._codes_of(g, c).to(torch.int64).bitwise_and_(NAN_MAGNITUDE)
         in_id = self.in_id[g, c]
-        squares = (self.tables.err2 * self.tables.scale2[:, None]).reshape(-1)
+        squares = self.tables.err2.view(-1)
 
         def errors_at(rows: torch.Tensor, _: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
             tables = self._table(in_id[rows], exponents[:, 0]).to(torch.int64)

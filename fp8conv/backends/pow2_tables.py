@@ -4,8 +4,9 @@ what the error report counts for it; and the report's sums from code counts.
 
 Every value of an input block is x = float32(code) * s, s the block's scale. At exponent e it is written as
 the definition writes it: y = x / 2^e (exact), clamped to +-448, one cast to e4m3. Its squared error
-(value(q) - y)^2 is exact in float64 (the difference is exact in float32), as is y^2: a chunk's report is
-then counts x those terms, summed in a fixed order: the same digits on every machine.
+(value(q) - y)^2 x 4^e is exact in float64 (the difference is exact in float32, 4^e a power of two), as is
+y^2 x 4^e = x^2: a chunk's report is then counts x those terms, summed in a fixed order: the same digits on
+every machine.
 """
 
 from __future__ import annotations
@@ -48,16 +49,15 @@ def squares_at(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Tables:
-    """P tables: codes [P * 256] uint8 (what each input code is written as); per magnitude code [P, 128] the
-    squared error and value in units of 2^e (float64), whether it saturates and whether it flushes to zero;
-    scale2 [P] 4^e."""
+    """P tables: codes [P * 256] uint8 (what each input code is written as); per magnitude code [P, 128] its
+    squared error and its square as the definition's sums take them (float64, exact: the value's own units),
+    whether it saturates and whether it flushes to zero."""
 
     codes: torch.Tensor
     err2: torch.Tensor
     norm2: torch.Tensor
     saturated: torch.Tensor
     flushed: torch.Tensor
-    scale2: torch.Tensor
 
 
 def tables_at(x: torch.Tensor, e: torch.Tensor) -> Tables:
@@ -65,24 +65,28 @@ def tables_at(x: torch.Tensor, e: torch.Tensor) -> Tables:
     y = x * powers_of_two(-e)[:, None]  # as quantize_pow2_rows: x / 2^e, then the clamp and one cast
     codes = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     written = codes.to(torch.float32)
+    scale2 = 4.0 ** e.to(torch.float64)[:, None]  # back to the value's units: a power of two, exact
+    err2, norm2 = (written - y).to(torch.float64).square_().mul_(scale2), y.to(torch.float64).square_().mul_(scale2)
     absent = ~torch.isfinite(y)  # codes no block holds (NaN, or past float32): counted 0 times, 0 here
+    if bool(absent.any()):
+        err2.masked_fill_(absent, 0.0)
+        norm2.masked_fill_(absent, 0.0)
     return Tables(
         codes=torch.cat((codes.view(torch.uint8), codes.view(torch.uint8) | SIGN), dim=1).reshape(-1),
-        err2=(written - y).to(torch.float64).square_().masked_fill_(absent, 0.0),
-        norm2=y.to(torch.float64).square_().masked_fill_(absent, 0.0),
+        err2=err2,
+        norm2=norm2,
         saturated=y.abs() > FP8_MAX,
         flushed=(x != 0) & (written == 0),
-        scale2=4.0 ** e.to(torch.float64),
     )
 
 
 def table_sums(counts: torch.Tensor, tables: Tables, rows: torch.Tensor | slice) -> torch.Tensor:
     """float64 [R, 4]: per table (tables' rows, magnitude counts [R, 128]): squared error and squared values
-    (count x term, pairwise over the codes, times 4^e), saturated and flushed values (exact integers)."""
+    (count x term, pairwise over the codes), saturated and flushed values (exact integers)."""
     n = counts.to(torch.float64)
     sums = torch.empty((counts.shape[0], 4), dtype=torch.float64)
-    sums[:, 0] = pairwise_sum_(n * tables.err2[rows], 1) * tables.scale2[rows]
-    sums[:, 1] = pairwise_sum_(n * tables.norm2[rows], 1) * tables.scale2[rows]
+    sums[:, 0] = pairwise_sum_(n * tables.err2[rows], 1)
+    sums[:, 1] = pairwise_sum_(n * tables.norm2[rows], 1)
     sums[:, 2] = (counts * tables.saturated[rows]).sum(dim=1)
     sums[:, 3] = (counts * tables.flushed[rows]).sum(dim=1)
     return sums
