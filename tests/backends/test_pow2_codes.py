@@ -140,11 +140,11 @@ def test_every_search_left_to_the_definitions_sums_gives_the_same_bytes(out_bloc
     """With no margin wide enough to decide from counts (or gains), every open block is searched by the
     definition's own sums (choose_exponents on its values, or the tables' squares in pairwise order): the
     same bytes, so those fallbacks are right wherever the margin sends a block to them."""
-    import fp8conv.backends.pow2_codes as pow2_codes
+    import fp8conv.backends.pow2_tables as pow2_tables
 
     codes, scale = block_fp8((300, 257), seed=9)
     want = requantize_codes_pow2(codes, scale, IN_BLOCK, out_block, 128, torch.empty(codes.shape, dtype=codes.dtype))
-    monkeypatch.setattr(pow2_codes, "DECISION_MARGIN", float("inf"))
+    monkeypatch.setattr(pow2_tables, "DECISION_MARGIN", float("inf"))
     q = torch.empty(codes.shape, dtype=torch.float8_e4m3fn)
     exps = requantize_codes_pow2(codes, scale, IN_BLOCK, out_block, 128, q)[0]
     want_q, want_e = expected(codes, scale, out_block)
