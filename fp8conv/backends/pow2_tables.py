@@ -26,6 +26,8 @@ E4M3_VALUES = torch.arange(MAGNITUDES, dtype=torch.uint8).view(torch.float8_e4m3
 # summation of their exact terms (the definition's pairwise one errs by under 16 x 2^-53 of the total for 2^14
 # terms, a sum of 128 counted terms by under 129 x 2^-53); nearer, the definition's own sums decide
 DECISION_MARGIN = 2.0**-40
+FLOAT64_BIAS = 1023
+FLOAT64_EXPONENT_SHIFT = 52
 
 
 def magnitude_values(grid: torch.Tensor) -> torch.Tensor:
@@ -42,12 +44,17 @@ def kept_exponents(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e, (mantissa == 0.5) & (e >= -E8M0_BIAS) & (e <= E8M0_BIAS)
 
 
+def four_to(e: torch.Tensor) -> torch.Tensor:
+    """float64 4^e from its bits (e in [-127, 127]): exact on every machine, no pow."""
+    return ((2 * e.to(torch.int64) + FLOAT64_BIAS) << FLOAT64_EXPONENT_SHIFT).view(torch.float64)
+
+
 def squares_at(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """float64 [P, 128]: each magnitude value x [P, 128] written at exponent e [P], its squared error in the
     value's own units ((value(q) x 2^e - x)^2, exact): the leaves the definition's search sums."""
     y = x * powers_of_two(-e)[:, None]
     written = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    squares = (written - y).to(torch.float64).square_().mul_(4.0 ** e.to(torch.float64)[:, None])
+    squares = (written - y).to(torch.float64).square_().mul_(four_to(e)[:, None])
     return squares.masked_fill_(~torch.isfinite(y), 0.0)
 
 
@@ -69,7 +76,7 @@ def tables_at(x: torch.Tensor, e: torch.Tensor) -> Tables:
     y = x * powers_of_two(-e)[:, None]  # as quantize_pow2_rows: x / 2^e, then the clamp and one cast
     codes = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     written = codes.to(torch.float32)
-    scale2 = 4.0 ** e.to(torch.float64)[:, None]  # back to the value's units: a power of two, exact
+    scale2 = four_to(e)[:, None]  # back to the value's units: a power of two, exact
     err2, norm2 = (written - y).to(torch.float64).square_().mul_(scale2), y.to(torch.float64).square_().mul_(scale2)
     absent = ~torch.isfinite(y)  # codes no block holds (NaN, or past float32): counted 0 times, 0 here
     if bool(absent.any()):
