@@ -23,8 +23,8 @@ from .pow2_tables import (
     NAN_MAGNITUDE,
     SIGN,
     chunk_sums,
-    kept_exponents,
     magnitude_values,
+    power_of_two_scales,
     squares_at,
     table_sums,
     tables_at,
@@ -50,7 +50,7 @@ class BlockTables:
         self.usable = not bool(present[:, NAN_MAGNITUDE].any()) and bool(torch.isfinite(amax).all())
         if not self.usable:
             return
-        kept, keeps = kept_exponents(grid)
+        kept, keeps = power_of_two_scales(grid.reshape(-1))
         ceiling = ceil_exponents(amax)
         exponents = torch.where(keeps, kept, ceiling)
         rows = torch.nonzero(~ceiling_wins(amax, ceiling, bn * bk) & ~keeps)[:, 0]

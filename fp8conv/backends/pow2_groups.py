@@ -23,8 +23,8 @@ from .pow2_tables import (
     MAGNITUDES,
     NAN_MAGNITUDE,
     chunk_sums,
-    kept_exponents,
     magnitude_values,
+    power_of_two_scales,
     table_sums,
     tables_at,
 )
@@ -60,7 +60,7 @@ class GroupTables:
         finite = bool((torch.isfinite(amax) | ~present).all())
         self.usable = finite and not bool(present[:, NAN_MAGNITUDE].any())
         if self.usable:
-            self.usable = self._choose(amax, present, kept_exponents(grid))
+            self.usable = self._choose(amax, present, power_of_two_scales(grid.reshape(-1)))
 
     def _choose(self, amax: torch.Tensor, present: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Per (input block, largest code): the exponent (the input's where its scale is a power of two, else

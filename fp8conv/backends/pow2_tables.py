@@ -36,10 +36,10 @@ def magnitude_values(grid: torch.Tensor) -> torch.Tensor:
     return E4M3_VALUES[None, :] * grid.reshape(-1, 1).to(torch.float32)
 
 
-def kept_exponents(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per input block (grid [n_in] float32): the exponent of its scale, and whether the scale is a power of two
-    E8M0 holds, so that its blocks keep their bytes (rewrite.pow2.kept_exponents' rule)."""
-    mantissa, exponent = torch.frexp(grid.reshape(-1))
+def power_of_two_scales(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per input block (grid: its float32 scales, any shape): the exponent of its scale (int32), and whether
+    the scale is a power of two E8M0 holds, so that its values keep their bytes at that exponent."""
+    mantissa, exponent = torch.frexp(grid)
     e = exponent.to(torch.int32) - 1  # 0.5 x 2^E = 2^(E - 1)
     return e, (mantissa == 0.5) & (e >= -E8M0_BIAS) & (e <= E8M0_BIAS)
 

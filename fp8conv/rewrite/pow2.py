@@ -27,6 +27,7 @@ from ..backends.pow2 import (
     sum64,
 )
 from ..backends.pow2_codes import requantize_codes_pow2
+from ..backends.pow2_tables import power_of_two_scales
 from ..dtypes import torch_dtype
 from ..model.classify import CONVERTIBLE, PACKED, WeightFormat
 from ..output.requant_report import TensorError, exact
@@ -212,10 +213,7 @@ def kept_exponents(
     rows, cols = _inner_index(n, out_block[0], in_block[0]), _inner_index(k, out_block[1], in_block[1])
     if rows is None or cols is None:
         return None
-    grid = scale_grid(scale, fmt, shape)
-    mantissa, exponent = torch.frexp(grid)
-    e = exponent.to(torch.int32) - 1  # 0.5 x 2^E = 2^(E - 1)
-    keep = (mantissa == 0.5) & (e >= -E8M0_BIAS) & (e <= E8M0_BIAS)
+    e, keep = power_of_two_scales(scale_grid(scale, fmt, shape))
     kept_bytes = (e.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
     return kept_bytes[:, rows][:, :, cols].contiguous(), keep[:, rows][:, :, cols].contiguous()
 
