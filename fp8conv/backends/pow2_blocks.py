@@ -23,6 +23,7 @@ from .pow2_tables import (
     NAN_MAGNITUDE,
     SIGN,
     chunk_sums,
+    codes_of,
     magnitude_values,
     power_of_two_scales,
     squares_at,
@@ -108,7 +109,7 @@ class BlockTables:
     def _search_values(self, rows: torch.Tensor, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """int32 [M]: choose_exponents (the definition) on blocks `rows`' values, decoded from their codes."""
         gk = self.blocks.shape[2]
-        codes = self.blocks.permute(0, 2, 1, 3)[rows // gk, rows % gk].to(torch.int64)  # [M, bn, bk]
+        codes = codes_of(self.blocks, rows // gk, rows % gk).to(torch.int64)  # [M, bn, bk]
         magnitudes = x.gather(1, (codes & NAN_MAGNITUDE).flatten(1)).view(codes.shape)
         values = torch.where(codes >= SIGN, -magnitudes, magnitudes)
         return choose_exponents(values.unsqueeze(2), amax[:, None], True)[:, 0]

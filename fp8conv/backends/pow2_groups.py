@@ -23,6 +23,7 @@ from .pow2_tables import (
     MAGNITUDES,
     NAN_MAGNITUDE,
     chunk_sums,
+    codes_of,
     magnitude_values,
     power_of_two_scales,
     table_sums,
@@ -96,7 +97,8 @@ class GroupTables:
         self.table_of = per_block(self.table_at[keys])
         g, c = torch.nonzero(per_block(open_tops), as_tuple=True)
         if g.numel():
-            self._search(g, c, amax.reshape(-1)[self.top[g, c]][:, None], ceiling.reshape(-1)[self.top[g, c]][:, None])
+            tops = self.top[g, c]
+            self._search(g, c, amax.reshape(-1)[tops][:, None], ceiling.reshape(-1)[tops][:, None])
         return True
 
     def _search(self, g: torch.Tensor, c: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> None:
@@ -126,10 +128,11 @@ class GroupTables:
         """Per block (g, c) at exponents e [M], float64 [M]: its squared error at e, the sum over its values of
         (squared error at e) - (squared error at e - 1), and the least such term (the terms: exact squares the
         definition sums)."""
-        codes = self._codes_of(g, c).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
+        codes = codes_of(self.blocks, g, c).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
         squares = self.tables.err2.view(-1)
-        at = codes.add_((self._table(in_id, e) * MAGNITUDES)[:, None])
-        below = at + ((self._table(in_id, e - 1) - self._table(in_id, e)) * MAGNITUDES)[:, None]
+        table = self._table(in_id, e)
+        at = codes.add_((table * MAGNITUDES)[:, None])
+        below = at + ((self._table(in_id, e - 1) - table) * MAGNITUDES)[:, None]
         leaves = torch.index_select(squares, 0, at.view(-1)).view(codes.shape)
         terms = leaves - torch.index_select(squares, 0, below.view(-1)).view(codes.shape)
         return leaves.sum(dim=1), terms.sum(dim=1), terms.amin(dim=1)
@@ -137,7 +140,7 @@ class GroupTables:
     def _search_sums(self, g: torch.Tensor, c: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> None:
         """search_exponents on blocks (g, c): each candidate's squared error from the tables' exact squares,
         summed as block_squared_errors sums them (the definition's own order)."""
-        codes = self._codes_of(g, c).to(torch.int64).bitwise_and_(NAN_MAGNITUDE)
+        codes = codes_of(self.blocks, g, c).to(torch.int64).bitwise_and_(NAN_MAGNITUDE)
         in_id = self.in_id[g, c]
         squares = self.tables.err2.view(-1)
 
@@ -149,13 +152,6 @@ class GroupTables:
         chosen = search_exponents(amax, ceiling, every, errors_at)[:, 0]
         self.exponents[g, c] = (chosen + E8M0_BIAS).to(torch.uint8)
         self.table_of[g, c] = self._table(in_id, chosen)
-
-    def _codes_of(self, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """uint8 [M, bn, bk]: blocks (g, c)'s codes; groups within a row are rows of 32 bytes, gathered whole."""
-        gn, bn, gk, bk = self.blocks.shape
-        if bn == 1:
-            return torch.index_select(self.blocks.view(gn * gk, bk), 0, g * gk + c).view(-1, 1, bk)
-        return self.blocks.permute(0, 2, 1, 3)[g, c]
 
     def _table(self, in_id: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
         """The table of each (input block, exponent)."""

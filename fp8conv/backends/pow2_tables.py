@@ -49,15 +49,6 @@ def four_to(e: torch.Tensor) -> torch.Tensor:
     return ((2 * e.to(torch.int64) + FLOAT64_BIAS) << FLOAT64_EXPONENT_SHIFT).view(torch.float64)
 
 
-def squares_at(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """float64 [P, 128]: each magnitude value x [P, 128] written at exponent e [P], its squared error in the
-    value's own units ((value(q) x 2^e - x)^2, exact): the leaves the definition's search sums."""
-    y = x * powers_of_two(-e)[:, None]
-    written = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    squares = (written - y).to(torch.float64).square_().mul_(four_to(e)[:, None])
-    return squares.masked_fill_(~torch.isfinite(y), 0.0)
-
-
 @dataclass(frozen=True)
 class Tables:
     """P tables: codes [P * 256] uint8 (what each input code is written as); per magnitude code [P, 128] its
@@ -89,6 +80,21 @@ def tables_at(x: torch.Tensor, e: torch.Tensor) -> Tables:
         saturated=y.abs() > FP8_MAX,
         flushed=(x != 0) & (written == 0),
     )
+
+
+def squares_at(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """float64 [P, 128]: each magnitude value x [P, 128] written at exponent e [P], its squared error in the
+    value's own units ((value(q) x 2^e - x)^2, exact): the leaves the definition's search sums."""
+    return tables_at(x, e).err2
+
+
+def codes_of(blocks: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """uint8 [M, bn, bk]: blocks [gn, bn, gk, bk]'s codes at (g, c); a row's groups (bn = 1) are rows of bytes,
+    gathered whole."""
+    gn, bn, gk, bk = blocks.shape
+    if bn == 1:
+        return torch.index_select(blocks.view(gn * gk, bk), 0, g * gk + c).view(-1, 1, bk)
+    return blocks.permute(0, 2, 1, 3)[g, c]
 
 
 def table_sums(counts: torch.Tensor, tables: Tables, rows: torch.Tensor | slice) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ..plan.conversion import Action, RunJob
 from .dequant import scale_grid
 from .exact_pow2 import exact_pow2_for, prefer_exact_pow2
 from .int8_report import int8_tensor_error, row_sums_for
-from .pow2 import ReportPart, from_codes, kept_exponents, nested, pow2_band, tensor_error_of
+from .pow2 import ReportPart, from_codes, kept_exponents, pow2_band, tensor_error_of
 from .unpack import band_decoder, band_quantizer
 
 
@@ -70,8 +70,7 @@ class BandedJob:
             kept = kept_exponents(self.grid[None], job.fmt, (1, n, k), self.out_block)
             self._kept = kept if kept is not None and bool(kept[1].any()) else None
         # pow2 from FP8 codes by tables where the input's blocks hold the output's (rewrite.pow2.from_codes)
-        self._codes = self.pow2 and not packed and from_codes(job.fmt, self.out_block)
-        self._codes = self._codes and nested((n, k), self.in_block, self.out_block)
+        self._codes = self.pow2 and not packed and from_codes(job.fmt, (n, k), self.out_block)
         if self.pow2:  # E8M0 bytes, stored as the job says once every band is in (pow2.stored_exponents)
             self.new_scale = torch.full(job.outputs[1].shape, E8M0_BIAS, dtype=torch.uint8)
         else:

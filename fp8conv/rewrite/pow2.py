@@ -82,7 +82,8 @@ def _pow2_tensors(
         kept = kept_exponents(scale, fmt, tuple(weight.shape), job.out_block) if unpadded else None
         if kept is not None and bool(kept[1].all()):  # every block stays: no arithmetic at all
             return (weight, kept[0]), exact(weight.numel())
-        if unpadded and not chunked_view and weight.dtype == torch.float8_e4m3fn and from_codes(fmt, job.out_block):
+        codes = unpadded and not chunked_view and weight.dtype == torch.float8_e4m3fn
+        if codes and from_codes(fmt, tuple(weight.shape), job.out_block):
             done = _pow2_from_codes(weight, scale, fmt, job.out_block)
             if done is not None:
                 return done
@@ -98,29 +99,27 @@ def _pow2_tensors(
     return (q, exponents), tensor_error_of(parts, w32.numel())
 
 
-def from_codes(fmt: WeightFormat, out_block: tuple[int, int]) -> bool:
-    """Whether an FP8 weight of this format may be requantized from its codes (requantize_codes_pow2): a
-    plain scale grid whose blocks each hold whole output blocks (checked per shape by nested)."""
-    return fmt.kind in CONVERTIBLE and fmt.row_scales is None
-
-
-def nested(shape: tuple[int, ...], in_block: tuple[int, int], out_block: tuple[int, int]) -> bool:
-    """Whether each output block of a [..., N, K] weight lies inside one input block."""
+def from_codes(fmt: WeightFormat, shape: tuple[int, ...], out_block: tuple[int, int]) -> bool:
+    """Whether an FP8 weight [..., N, K] of this format may be requantized from its codes
+    (requantize_codes_pow2): a plain scale grid whose blocks each hold whole output blocks."""
+    if fmt.kind not in CONVERTIBLE or fmt.row_scales is not None:
+        return False
+    in_block = fmt.math_block(shape)
     n, k = shape[-2], shape[-1]
-    rows, columns = _inner_index(n, out_block[0], in_block[0]), _inner_index(k, out_block[1], in_block[1])
-    return rows is not None and columns is not None
+    return (
+        _inner_index(n, out_block[0], in_block[0]) is not None
+        and _inner_index(k, out_block[1], in_block[1]) is not None
+    )
 
 
 def _pow2_from_codes(
     weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, out_block: tuple[int, int]
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], TensorError] | None:
     """(q, E8M0 bytes) and the report of a whole FP8 weight [..., N, K] requantized from its codes, matrix by
-    matrix; None where its format or values need the definition (requantize_codes_pow2)."""
+    matrix (from_codes holds); None where its values need the definition (requantize_codes_pow2)."""
     shape = tuple(weight.shape)
     n, k = shape[-2], shape[-1]
     in_block = fmt.math_block(shape)
-    if not nested(shape, in_block, out_block):
-        return None
     grid = scale_grid(scale, fmt, shape)
     q = torch.empty(shape, dtype=torch.float8_e4m3fn)
     out_grid = (math.ceil(n / out_block[0]), math.ceil(k / out_block[1]))
