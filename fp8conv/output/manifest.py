@@ -15,11 +15,12 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..errors import Fp8ConvError, OptionsError
 from ..options import ConvertOptions
 from ..source.checkpoint import Checkpoint
+from ..storage.digest import stream_sha256
 from ..storage.input_files import plain_relative, read_contained, reopen
 from ..storage.json_file import read_json_object
 from ..storage.out_dir import OutDir
@@ -36,15 +37,6 @@ def file_sha256(path: Path) -> str | None:
         return None
     with os.fdopen(fd, "rb") as f:
         return stream_sha256(f)
-
-
-def stream_sha256(f: BinaryIO) -> str:
-    """sha256 of the rest of an open file, in 1 MiB reads (not hashlib.file_digest: that needs Python
-    3.11, and 3.10 is supported)."""
-    digest = hashlib.sha256()
-    while chunk := f.read(1 << 20):
-        digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _lstat(path: Path) -> os.stat_result | None:

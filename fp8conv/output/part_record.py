@@ -17,8 +17,9 @@ from typing import Any
 from ..errors import Fp8ConvError, OutputError
 from ..source.config import CONFIG_NAME
 from ..source.index import INDEX_NAME
+from ..storage.digest import stream_sha256
 from ..storage.input_files import plain_relative
-from .manifest import MANIFEST, check_record, stream_sha256
+from .manifest import MANIFEST, check_record
 from .provenance import hub_snapshot_of
 
 _RESERVED = {INDEX_NAME, CONFIG_NAME}

@@ -13,7 +13,7 @@ tensor of that name. Anything else is refused by name: other PEFT types, DoRA, L
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import math
 import re
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from ..storage.digest import stream_sha256
 from ..storage.header import read_header
 from ..storage.safetensors_file import TensorEntry
 from .hub import looks_like_repo_id, snapshot_files
@@ -284,9 +285,5 @@ def _unknown(name: str, file: str, why: str) -> CheckpointError:
 
 
 def _digest(*paths: Path) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
+    with contextlib.ExitStack() as files:
+        return stream_sha256(*(files.enter_context(open(path, "rb")) for path in paths))
