@@ -97,9 +97,33 @@ class GroupTables:
         self.table_of = per_block(self.table_at[keys])
         g, c = torch.nonzero(per_block(open_tops), as_tuple=True)
         if g.numel():
+            moving = self._lowest_moving(open_tops & clamps, ceiling).view(-1)
             tops = self.top[g, c]
+            rows = torch.nonzero(self._smallest_codes(g, c) < moving[tops])[:, 0]
+            g, c, tops = g[rows], c[rows], tops[rows]
             self._search(g, c, amax.reshape(-1)[tops][:, None], ceiling.reshape(-1)[tops][:, None])
         return True
+
+    def _lowest_moving(self, keys: torch.Tensor, ceiling: torch.Tensor) -> torch.Tensor:
+        """int32 [n_in, 128]: per (input block, largest code) in keys (the open ones that clamp one exponent
+        lower), 1 + the largest code at most that one whose squared error differs between the ceiling e and
+        e - 1 (0: none does); elsewhere 128. A block holding no nonzero code below it errs the same at both:
+        _search's gain 0, the ceiling settled (zero's error is zero at every exponent)."""
+        moving = torch.full(keys.shape, MAGNITUDES, dtype=torch.int32)
+        b, top = torch.nonzero(keys, as_tuple=True)
+        if b.numel():
+            e = ceiling[b, top]
+            squares = self.tables.err2
+            differs = squares[self._table(b, e)] != squares[self._table(b, e - 1)]
+            codes = torch.arange(1, MAGNITUDES + 1, dtype=torch.int32)
+            differs &= codes[None, :] <= (top[:, None] + 1)
+            moving[b, top] = (differs * codes).amax(dim=1).to(torch.int32)
+        return moving
+
+    def _smallest_codes(self, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """int32 [M]: the smallest nonzero code magnitude of blocks (g, c) (NAN_MAGNITUDE where all are zero)."""
+        codes = codes_of(self.blocks, g, c).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
+        return codes.masked_fill_(codes == 0, NAN_MAGNITUDE).amin(dim=1)
 
     def _search(self, g: torch.Tensor, c: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> None:
         """Blocks (g, c), with their largest values and ceiling exponents [M, 1]: search_exponents' answer; their

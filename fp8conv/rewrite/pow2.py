@@ -204,7 +204,9 @@ def kept_exponents(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """When each output block lies inside one input block: per output block [M, gn, gk], the E8M0 byte of
     its input scale and whether the block can keep its bytes (that scale a positive power of two E8M0
-    holds). None when output blocks straddle input blocks."""
+    holds). None when output blocks straddle input blocks, or no input scale is such a power of two (amax/448
+    scales: checked on the scale grid, before the gather per output block, which the main thread would pay
+    for a whole tensor before its first band)."""
     if fmt.kind not in CONVERTIBLE:
         return None
     n, k = shape[-2], shape[-1]
@@ -213,6 +215,8 @@ def kept_exponents(
     if rows is None or cols is None:
         return None
     e, keep = power_of_two_scales(scale_grid(scale, fmt, shape))
+    if not bool(keep.any()):
+        return None
     kept_bytes = (e.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
     return kept_bytes[:, rows][:, :, cols].contiguous(), keep[:, rows][:, :, cols].contiguous()
 

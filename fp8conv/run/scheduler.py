@@ -72,7 +72,8 @@ class RunTotals:
         """Every job once, whatever its strategy; new_scale: the scale it wrote, if any."""
         self.converted += job.action is not Action.COPY
         self.copied += job.action is Action.COPY
-        if new_scale is not None and self.all_scales_pow2:
+        # E8M0 scales are powers of two by construction: no pass over an MXFP8 scale (a byte per 32 values)
+        if new_scale is not None and self.all_scales_pow2 and job.action is not Action.QUANTIZE_POW2:
             self.all_scales_pow2 = all_powers_of_two(new_scale)
 
 
