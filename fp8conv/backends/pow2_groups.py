@@ -4,6 +4,8 @@ block, largest code) pair and looked up per group, its codes counted as they are
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import pow2_tables
@@ -22,15 +24,16 @@ from .pow2_tables import (
     CODES,
     MAGNITUDES,
     NAN_MAGNITUDE,
-    chunk_sums,
     codes_of,
     magnitude_values,
     power_of_two_scales,
+    slot_sums,
     table_sums,
     tables_at,
 )
 from .scratch import scratch
 
+MAGNITUDE_VALUES = 2**20  # codes whose magnitudes are taken at once (4 MiB of int32: ~30% faster than 4x that)
 EXPONENT_SPAN = 32  # tables per input block at most: e4m3 spans 2^-9..448 (under 18 binades), search 3 below
 
 
@@ -49,13 +52,14 @@ class GroupTables:
         grid: [gn_in, gk_in] float32 scales of the input blocks from the band's first row."""
         gn, bn, gk, bk = blocks.shape
         self.blocks, self.report_rows = blocks, report_rows
+        self.in_rows, self.gk_in = in_block[0], grid.shape[1]
         rows = (torch.arange(gn) * bn) // in_block[0]
         columns = (torch.arange(gk) * bk) // in_block[1]
         self.in_id = (rows[:, None] * grid.shape[1] + columns[None, :]).to(torch.int32)  # each block's input block
         grid = grid.reshape(-1).to(torch.float32)
         # the positive codes' values in each input block: the definition's float32 product
         self.values = magnitude_values(grid)
-        self.top = _largest_magnitudes(blocks, report_rows).add_(self.in_id * MAGNITUDES)  # (input block, top)
+        self.top = _largest_magnitudes(blocks).add_(self.in_id * MAGNITUDES)  # (input block, top)
         present = torch.bincount(self.top.view(-1), minlength=self.values.numel()).view(self.values.shape) > 0
         amax = self.values.abs()  # a block's largest value, by its largest code
         finite = bool((torch.isfinite(amax) | ~present).all())
@@ -85,8 +89,11 @@ class GroupTables:
         clamps = amax > HALF_FP8_MAX * powers_of_two(ceiling)
         for i in range(1, SEARCH_BELOW + 1):
             used[keys[open_tops & (~clamps if i > 1 else True)] + i] = True
-        self.table_at = (torch.cumsum(used, 0) - 1).to(torch.int32)  # dense (input block, exponent) key -> table
-        self._build_tables(torch.nonzero(used)[:, 0])
+        before = torch.cumsum(used, 0).to(torch.int32)
+        self.table_at = before - 1  # dense (input block, exponent) key -> table
+        self.tables_before = torch.cat((torch.zeros(1, dtype=torch.int32), before))  # tables under each key
+        self.table_keys = torch.nonzero(used)[:, 0]
+        self._build_tables(self.table_keys)
         top = self.top.reshape(-1)
 
         def per_block(by_top: torch.Tensor) -> torch.Tensor:  # a lookup per block (int32 indexes: no copy)
@@ -97,33 +104,55 @@ class GroupTables:
         self.table_of = per_block(self.table_at[keys])
         g, c = torch.nonzero(per_block(open_tops), as_tuple=True)
         if g.numel():
-            moving = self._lowest_moving(open_tops & clamps, ceiling).view(-1)
-            tops = self.top[g, c]
-            rows = torch.nonzero(self._smallest_codes(g, c) < moving[tops])[:, 0]
-            g, c, tops = g[rows], c[rows], tops[rows]
-            self._search(g, c, amax.reshape(-1)[tops][:, None], ceiling.reshape(-1)[tops][:, None])
+            self._settle_open(g, c, open_tops & clamps, amax.reshape(-1), ceiling.reshape(-1))
         return True
 
-    def _lowest_moving(self, keys: torch.Tensor, ceiling: torch.Tensor) -> torch.Tensor:
-        """int32 [n_in, 128]: per (input block, largest code) in keys (the open ones that clamp one exponent
-        lower), 1 + the largest code at most that one whose squared error differs between the ceiling e and
-        e - 1 (0: none does); elsewhere 128. A block holding no nonzero code below it errs the same at both:
-        _search's gain 0, the ceiling settled (zero's error is zero at every exponent)."""
-        moving = torch.full(keys.shape, MAGNITUDES, dtype=torch.int32)
-        b, top = torch.nonzero(keys, as_tuple=True)
-        if b.numel():
-            e = ceiling[b, top]
-            squares = self.tables.err2
-            differs = squares[self._table(b, e)] != squares[self._table(b, e - 1)]
-            codes = torch.arange(1, MAGNITUDES + 1, dtype=torch.int32)
-            differs &= codes[None, :] <= (top[:, None] + 1)
-            moving[b, top] = (differs * codes).amax(dim=1).to(torch.int32)
-        return moving
+    def _settle_open(
+        self, g: torch.Tensor, c: torch.Tensor, clamping: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor
+    ) -> None:
+        """The open blocks (g, c) whose key (_key_rules) decides: e - 1 where the block holds a code whose term
+        is positive (_search's gain beyond its margin), else the ceiling (no term nonzero: _search's zero
+        gain); the rest go to _search."""
+        keys = self.top[g, c]
+        row_of, positive = self._key_rules(clamping, ceiling.view(clamping.shape))
+        row = row_of[keys]
+        decided = torch.nonzero(row >= 0)[:, 0]
+        codes = codes_of(self.blocks, g[decided], c[decided]).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
+        codes.add_((row[decided] * MAGNITUDES)[:, None])
+        gains = torch.index_select(positive.view(-1), 0, codes.view(-1)).view(codes.shape).any(dim=1)
+        lowered = decided[gains]
+        self._lower(g[lowered], c[lowered], ceiling[keys[lowered]])
+        rest = torch.nonzero(row < 0)[:, 0]
+        g, c, keys = g[rest], c[rest], keys[rest]
+        self._search(g, c, amax[keys][:, None], ceiling[keys][:, None])
 
-    def _smallest_codes(self, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """int32 [M]: the smallest nonzero code magnitude of blocks (g, c) (NAN_MAGNITUDE where all are zero)."""
-        codes = codes_of(self.blocks, g, c).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
-        return codes.masked_fill_(codes == 0, NAN_MAGNITUDE).amin(dim=1)
+    def _key_rules(self, keys: torch.Tensor, ceiling: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per (input block, largest code) in keys [n_in, 128] (open, clamping one exponent lower) at its ceiling
+        e, each code's term: its squared error at e less at e - 1 (codes above the largest: 0). A key decides
+        where no term is negative and its least positive term is over 4 x DECISION_MARGIN x the largest squared
+        error a block can have (any positive term then passes _search's test, with room for its float64 sums).
+        Returns row_of, int32 [n_in x 128]: each deciding key's row of positive (-1: none, or not a key), and
+        positive, bool [keys, 128]: which codes' terms are positive."""
+        row_of = torch.full((keys.numel(),), -1, dtype=torch.int32)
+        b, top = torch.nonzero(keys, as_tuple=True)
+        if not b.numel():
+            return row_of, torch.zeros((0, MAGNITUDES), dtype=torch.bool)
+        e = ceiling[b, top]
+        leaves = self.tables.err2[self._table(b, e)]
+        terms = leaves - self.tables.err2[self._table(b, e - 1)]
+        above = torch.arange(MAGNITUDES, dtype=torch.int32)[None, :] > top[:, None]
+        terms.masked_fill_(above, 0.0)
+        least_positive = torch.where(terms > 0, terms, math.inf).amin(dim=1)
+        largest_error = self.blocks.shape[1] * self.blocks.shape[3] * leaves.masked_fill_(above, 0.0).amax(dim=1)
+        decides = (terms >= 0).all(dim=1) & (least_positive > 4 * pow2_tables.DECISION_MARGIN * largest_error)
+        row_of[b * MAGNITUDES + top] = torch.where(decides, torch.arange(b.numel(), dtype=torch.int32), -1)
+        return row_of, terms > 0
+
+    def _lower(self, g: torch.Tensor, c: torch.Tensor, ceiling: torch.Tensor) -> None:
+        """Blocks (g, c) written one exponent below their ceilings [M]."""
+        at = g * self.exponents.shape[1] + c  # flat indexes: ~3x faster than pairs
+        self.exponents.view(-1)[at] = (ceiling - 1 + E8M0_BIAS).to(torch.uint8)
+        self.table_of.view(-1)[at] = self._table(self.in_id.view(-1)[at], ceiling - 1)
 
     def _search(self, g: torch.Tensor, c: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor) -> None:
         """Blocks (g, c), with their largest values and ceiling exponents [M, 1]: search_exponents' answer; their
@@ -139,8 +168,7 @@ class GroupTables:
         lower = clamps & (least >= 0) & (gain > pow2_tables.DECISION_MARGIN * 2 * error)
         settled = lower | (clamps & (least >= 0) & (gain == 0))
         rows = torch.nonzero(lower)[:, 0]
-        self.exponents[g[rows], c[rows]] = (e[rows] - 1 + E8M0_BIAS).to(torch.uint8)
-        self.table_of[g[rows], c[rows]] = self._table(in_id[rows], e[rows] - 1)
+        self._lower(g[rows], c[rows], e[rows])
         for rest in (~settled & clamps, ~settled & ~clamps):  # apart: the first set tries one exponent lower only
             rows = torch.nonzero(rest)[:, 0]
             if rows.numel():
@@ -188,36 +216,55 @@ class GroupTables:
 
     def apply(self, q_out: torch.Tensor) -> list[ReportSums]:
         """Write the output codes of every chunk of report rows into q_out (uint8 laid out as the blocks) and
-        return each chunk's report sums."""
+        return each chunk's report sums. A chunk's tables are those of the input blocks it touches: a run of
+        table numbers (keys in order), counted together."""
         gn, bn, gk, bk = self.blocks.shape
         step = max(1, self.report_rows // bn)
-        chunk_counts, chunk_tables = [], []
-        for g0 in range(0, gn, step):
+        spans = self._chunk_spans(step)
+        offsets = self.table_of * CODES
+        counts = []
+        for g0, (_, t0, t1) in zip(range(0, gn, step), spans, strict=True):
             g1 = min(gn, g0 + step)
-            tables = self.table_of[g0:g1]
-            t0, t1 = int(tables.min()), int(tables.max()) + 1
             index = scratch("pow2 codes index", (g1 - g0, bn, gk, bk), torch.int32)
             index.copy_(self.blocks[g0:g1])
-            index.add_(((tables - t0) * CODES)[:, None, :, None])
-            counts = torch.bincount(index.view(-1), minlength=(t1 - t0) * CODES).view(t1 - t0, 2, MAGNITUDES)
-            table = self.tables.codes[t0 * CODES : t1 * CODES]
-            torch.index_select(table, 0, index.view(-1), out=q_out[g0:g1].view(-1))
-            counts = counts.sum(dim=1)
-            used = torch.nonzero(counts.sum(dim=1) > 0)[:, 0]  # the chunk's own tables: its digits band-free
-            chunk_counts.append(counts[used])
-            chunk_tables.append(used + t0)
-        sums = table_sums(torch.cat(chunk_counts), self.tables, torch.cat(chunk_tables)).split(
-            [len(t) for t in chunk_tables]
-        )
-        return [chunk_sums(chunk) for chunk in sums]
+            index.add_((offsets[g0:g1] - t0 * CODES)[:, None, :, None])
+            chunk = torch.bincount(index.view(-1), minlength=(t1 - t0) * CODES)
+            torch.index_select(self.tables.codes[t0 * CODES : t1 * CODES], 0, index.view(-1), out=q_out[g0:g1].view(-1))
+            counts.append(chunk.view(t1 - t0, 2, MAGNITUDES).sum(dim=1))
+        tables = torch.cat([torch.arange(t0, t1) for _, t0, t1 in spans])
+        chunk_of = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([t1 - t0 for _, t0, t1 in spans]))
+        slots = self.table_keys[tables] - torch.tensor([k0 for k0, _, _ in spans])[chunk_of]
+        # chunks of whole input-block rows count each table once, in order: its rows as they are
+        every_once = tables.numel() == self.table_keys.numel()
+        sums = table_sums(torch.cat(counts), self.tables, slice(None) if every_once else tables)
+        return slot_sums(sums, chunk_of, slots, len(spans), self._chunk_slots())
+
+    def _chunk_spans(self, step: int) -> list[tuple[int, int, int]]:
+        """Per chunk of `step` block rows: its first key and its run of tables [t0, t1) (the keys of the input
+        blocks its rows touch)."""
+        gn, bn = self.blocks.shape[:2]
+        starts = torch.arange(0, gn, step)
+        first = (starts * bn) // self.in_rows
+        last = -(-(torch.clamp(starts + step, max=gn) * bn) // self.in_rows)
+        keys_per_row = self.gk_in * EXPONENT_SPAN
+        k0, k1 = first * keys_per_row, last * keys_per_row
+        return list(zip(k0.tolist(), self.tables_before[k0].tolist(), self.tables_before[k1].tolist(), strict=True))
+
+    def _chunk_slots(self) -> int:
+        """A chunk's report slots: the keys of as many input-block rows as any chunk of report rows can touch
+        (its rows start at multiples of report_rows from the matrix's first row: from the shapes alone, so a
+        chunk's sums are the same whatever band holds it)."""
+        rows, in_rows = self.report_rows, self.in_rows
+        most_rows = -(-(in_rows - math.gcd(rows, in_rows) + rows) // in_rows)
+        return most_rows * self.gk_in * EXPONENT_SPAN
 
 
-def _largest_magnitudes(blocks: torch.Tensor, report_rows: int) -> torch.Tensor:
-    """[gn, gk] int32: each block's largest code magnitude (its sign bit cleared), a chunk at a time: over a
-    block's rows first where it has several (elementwise maxima of whole rows: fast in uint8), in int32
-    within a row (a reduction over a few contiguous values runs ~8x faster in int32 than in uint8)."""
+def _largest_magnitudes(blocks: torch.Tensor) -> torch.Tensor:
+    """[gn, gk] int32: each block's largest code magnitude (its sign bit cleared), MAGNITUDE_VALUES values at a
+    time: over a block's rows first where it has several (elementwise maxima of whole rows: fast in uint8), in
+    int32 within a row (a reduction over a few contiguous values runs ~8x faster in int32 than in uint8)."""
     gn, bn, gk, bk = blocks.shape
-    step = max(1, report_rows // bn)
+    step = max(1, MAGNITUDE_VALUES // (bn * gk * bk))
     top = torch.empty((gn, gk), dtype=torch.int32)
     for g0 in range(0, gn, step):
         g1 = min(gn, g0 + step)
