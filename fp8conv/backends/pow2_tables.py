@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .pow2 import E8M0_BIAS, FP8_MAX, ReportSums, pairwise_sum, pairwise_sum_, powers_of_two
+from .scratch import scratch
 
 CODES = 256
 MAGNITUDES = 128  # e4m3 codes without their sign bit: a table's second half is its first with the sign set
@@ -107,13 +108,16 @@ def codes_of(blocks: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Te
 def table_sums(counts: torch.Tensor, tables: Tables, rows: torch.Tensor | slice) -> torch.Tensor:
     """float64 [R, 4]: per table (tables' rows, magnitude counts [R, 128]): squared error and squared values
     (count x term, pairwise over the codes), saturated and flushed values (exact integers)."""
-    n = counts.to(torch.float64)
+    n = scratch("pow2 table counts", tuple(counts.shape), torch.float64).copy_(counts)  # reused: no page faults
+    terms = torch.mul(n, tables.err2[rows], out=scratch("pow2 table terms", tuple(counts.shape), torch.float64))
     sums = torch.zeros((counts.shape[0], 4), dtype=torch.float64)
-    sums[:, 0] = pairwise_sum_(n * tables.err2[rows], 1)
+    sums[:, 0] = pairwise_sum_(terms, 1)
     sums[:, 1] = pairwise_sum_(n.mul_(tables.norm2[rows]), 1)
     for column, marked in ((2, tables.saturated[rows]), (3, tables.flushed[rows])):
-        if bool(marked.any()):  # rare: a masked sum (an int64 x bool product takes a slow path, ~7x)
-            sums[:, column] = torch.where(marked, counts, 0).sum(dim=1)
+        codes = torch.nonzero(marked.any(dim=0))[:, 0]  # a few: the largest codes saturate, the smallest flush
+        if codes.numel():  # a masked sum over those codes (an int64 x bool product takes a slow path, ~7x)
+            span = slice(int(codes[0]), int(codes[-1]) + 1)
+            sums[:, column] = torch.where(marked[:, span], counts[:, span], 0).sum(dim=1)
     return sums
 
 
