@@ -5,6 +5,7 @@ block, largest code) pair and looked up per group, its codes counted as they are
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -24,6 +25,7 @@ from .pow2_tables import (
     CODES,
     MAGNITUDES,
     NAN_MAGNITUDE,
+    codes_at,
     codes_of,
     magnitude_values,
     power_of_two_scales,
@@ -35,6 +37,35 @@ from .scratch import scratch
 
 MAGNITUDE_VALUES = 2**20  # codes whose magnitudes are taken at once (4 MiB of int32: ~30% faster than 4x that)
 EXPONENT_SPAN = 32  # tables per input block at most: e4m3 spans 2^-9..448 (under 18 binades), search 3 below
+
+
+class Keys:
+    """The (input block, largest code) pairs of a band that occur (flat keys block x 128 + top code, in order)
+    and what the choice needs of each: its largest value, its ceiling exponent, whether that value clamps one
+    exponent lower, and (set by GroupTables._choose) whether the search may move it."""
+
+    def __init__(self, key: torch.Tensor, amax: torch.Tensor) -> None:
+        self.key, self.amax = key, amax
+        self.block, self.top = key // MAGNITUDES, key % MAGNITUDES
+        self.ceiling = ceil_exponents(amax)
+        self.clamps = amax > HALF_FP8_MAX * powers_of_two(self.ceiling)
+        self.open = torch.zeros(key.shape, dtype=torch.bool)
+
+    def per_block(self, block_keys: torch.Tensor, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A lookup of per-key values for every block (block_keys: each block's flat key, int32, of `size`)."""
+
+        def lookup(values: torch.Tensor) -> torch.Tensor:
+            dense = torch.zeros(size, dtype=values.dtype)
+            dense[self.key] = values
+            return torch.index_select(dense, 0, block_keys.view(-1)).view(block_keys.shape)
+
+        return lookup
+
+    def index_of(self, block_keys: torch.Tensor, size: int) -> torch.Tensor:
+        """Each of these blocks' row among the keys (block_keys: their flat keys; `size`: all flat keys)."""
+        rows = torch.zeros(size, dtype=torch.int32)
+        rows[self.key] = torch.arange(self.key.numel(), dtype=torch.int32)
+        return torch.index_select(rows, 0, block_keys)
 
 
 class GroupTables:
@@ -60,97 +91,90 @@ class GroupTables:
         # the positive codes' values in each input block: the definition's float32 product
         self.values = magnitude_values(grid)
         self.top = _largest_magnitudes(blocks).add_(self.in_id * MAGNITUDES)  # (input block, top)
-        present = torch.bincount(self.top.view(-1), minlength=self.values.numel()).view(self.values.shape) > 0
-        amax = self.values.abs()  # a block's largest value, by its largest code
-        finite = bool((torch.isfinite(amax) | ~present).all())
-        self.usable = finite and not bool(present[:, NAN_MAGNITUDE].any())
+        # the (input block, largest code) pairs that occur, in order: the rest of the choice is per pair
+        key = torch.nonzero(torch.bincount(self.top.view(-1), minlength=self.values.numel()))[:, 0]
+        amax = torch.index_select(self.values.view(-1), 0, key).abs_()  # a block's largest value, by its top code
+        finite = bool(torch.isfinite(amax).all())
+        self.usable = finite and not bool((key % MAGNITUDES == NAN_MAGNITUDE).any())
         if self.usable:
-            self.usable = self._choose(amax, present, power_of_two_scales(grid.reshape(-1)))
+            self.usable = self._choose(Keys(key, amax), power_of_two_scales(grid))
 
-    def _choose(self, amax: torch.Tensor, present: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        """Per (input block, largest code): the exponent (the input's where its scale is a power of two, else
-        the ceiling), whether the search may move it, its table; then per block, and the search."""
-        gn, bn, gk, bk = self.blocks.shape
+    def _choose(self, keys: Keys, kept: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Per (input block, largest code) that occurs: the exponent (the input's where its scale is a power of
+        two, else the ceiling), whether the search may move it, its table; then per block, and the search."""
+        bn, bk = self.blocks.shape[1], self.blocks.shape[3]
         kept_exponent, keeps = kept
-        ceiling = ceil_exponents(amax)
-        base = torch.where(keeps[:, None], kept_exponent[:, None], ceiling)
-        open_tops = ~ceiling_wins(amax, ceiling, bn * bk) & ~keeps[:, None] & present
+        b, top, ceiling = keys.block, keys.top, keys.ceiling
+        keep = keeps[b]
+        base = torch.where(keep, kept_exponent[b], ceiling)
+        keys.open = ~ceiling_wins(keys.amax, ceiling, bn * bk) & ~keep
         lowest = torch.iinfo(torch.int32).min
-        self.top_exponent = torch.where(present, base, lowest).amax(dim=1)  # each input block's largest exponent
-        below = self.top_exponent[:, None] - base
-        below[:, 0] = 0  # an all-zero block: every table writes its zeros as they are; its exponent is its own
-        if int(torch.where(present, below, 0).max()) + SEARCH_BELOW >= EXPONENT_SPAN:
+        self.top_exponent = torch.full((keeps.numel(),), lowest, dtype=torch.int32).scatter_reduce_(0, b, base, "amax")
+        # an all-zero block: every table writes its zeros as they are (its exponent stays its own)
+        below = (self.top_exponent[b] - base).masked_fill_(top == 0, 0)
+        if int(below.max()) + SEARCH_BELOW >= EXPONENT_SPAN:
             return False  # not one e4m3 block's values: the definition decides
-        in_blocks = torch.arange(amax.shape[0])[:, None]
-        keys = in_blocks * EXPONENT_SPAN + below
-        used = torch.zeros(amax.shape[0] * EXPONENT_SPAN, dtype=torch.bool)
-        used[keys[present]] = True
+        tables = b * EXPONENT_SPAN + below
+        used = torch.zeros(keeps.numel() * EXPONENT_SPAN, dtype=torch.bool)
+        used[tables] = True
         # the exponents the search may try: one lower where the largest value clamps there, else three
-        clamps = amax > HALF_FP8_MAX * powers_of_two(ceiling)
         for i in range(1, SEARCH_BELOW + 1):
-            used[keys[open_tops & (~clamps if i > 1 else True)] + i] = True
+            used[tables[keys.open & (~keys.clamps if i > 1 else True)] + i] = True
         before = torch.cumsum(used, 0).to(torch.int32)
         self.table_at = before - 1  # dense (input block, exponent) key -> table
         self.tables_before = torch.cat((torch.zeros(1, dtype=torch.int32), before))  # tables under each key
         self.table_keys = torch.nonzero(used)[:, 0]
         self._build_tables(self.table_keys)
-        top = self.top.reshape(-1)
-
-        def per_block(by_top: torch.Tensor) -> torch.Tensor:  # a lookup per block (int32 indexes: no copy)
-            return torch.index_select(by_top.reshape(-1), 0, top).view(gn, gk)
-
         self.kept_all = bool(keeps.all())
+        per_block = keys.per_block(self.top, self.values.numel())
         self.exponents = per_block((base + E8M0_BIAS).to(torch.uint8))
-        self.table_of = per_block(self.table_at[keys])
-        g, c = torch.nonzero(per_block(open_tops), as_tuple=True)
-        if g.numel():
-            self._settle_open(g, c, open_tops & clamps, amax.reshape(-1), ceiling.reshape(-1))
+        self.table_of = per_block(self.table_at[tables])
+        opens = torch.nonzero(per_block(keys.open).view(-1))[:, 0]
+        if opens.numel():
+            self._settle_open(opens, keys)
         return True
 
-    def _settle_open(
-        self, g: torch.Tensor, c: torch.Tensor, clamping: torch.Tensor, amax: torch.Tensor, ceiling: torch.Tensor
-    ) -> None:
-        """The open blocks (g, c) whose key (_key_rules) decides: e - 1 where the block holds a code whose term
-        is positive (_search's gain beyond its margin), else the ceiling (no term nonzero: _search's zero
-        gain); the rest go to _search."""
-        keys = self.top[g, c]
-        row_of, positive = self._key_rules(clamping, ceiling.view(clamping.shape))
-        row = row_of[keys]
+    def _settle_open(self, opens: torch.Tensor, keys: Keys) -> None:
+        """The open blocks (flat indexes) whose key (_key_rules) decides: e - 1 where the block holds a code
+        whose term is positive (_search's gain beyond its margin), else the ceiling (no term nonzero: _search's
+        zero gain); the rest go to _search."""
+        k = keys.index_of(torch.index_select(self.top.view(-1), 0, opens), self.values.numel())
+        row_of, positive = self._key_rules(keys)
+        row = row_of[k]
         decided = torch.nonzero(row >= 0)[:, 0]
-        codes = codes_of(self.blocks, g[decided], c[decided]).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
+        codes = codes_at(self.blocks, opens[decided]).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
         codes.add_((row[decided] * MAGNITUDES)[:, None])
         gains = torch.index_select(positive.view(-1), 0, codes.view(-1)).view(codes.shape).any(dim=1)
         lowered = decided[gains]
-        self._lower(g[lowered], c[lowered], ceiling[keys[lowered]])
+        self._lower(opens[lowered], keys.ceiling[k[lowered]])
         rest = torch.nonzero(row < 0)[:, 0]
-        g, c, keys = g[rest], c[rest], keys[rest]
-        self._search(g, c, amax[keys][:, None], ceiling[keys][:, None])
+        g, c = torch.div(opens[rest], self.blocks.shape[2], rounding_mode="floor"), opens[rest] % self.blocks.shape[2]
+        self._search(g, c, keys.amax[k[rest]][:, None], keys.ceiling[k[rest]][:, None])
 
-    def _key_rules(self, keys: torch.Tensor, ceiling: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per (input block, largest code) in keys [n_in, 128] (open, clamping one exponent lower) at its ceiling
-        e, each code's term: its squared error at e less at e - 1 (codes above the largest: 0). A key decides
-        where no term is negative and its least positive term is over 4 x DECISION_MARGIN x the largest squared
-        error a block can have (any positive term then passes _search's test, with room for its float64 sums).
-        Returns row_of, int32 [n_in x 128]: each deciding key's row of positive (-1: none, or not a key), and
-        positive, bool [keys, 128]: which codes' terms are positive."""
-        row_of = torch.full((keys.numel(),), -1, dtype=torch.int32)
-        b, top = torch.nonzero(keys, as_tuple=True)
-        if not b.numel():
+    def _key_rules(self, keys: Keys) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per open key that clamps one exponent lower, at its ceiling e, each code's term: its squared error at
+        e less at e - 1 (codes above the largest: 0). Such a key decides where no term is negative and its
+        least positive term is over 4 x DECISION_MARGIN x the largest squared error a block can have (any
+        positive term then passes _search's test, with room for its float64 sums). Returns row_of, int32 per
+        key: a deciding key's row of positive (else -1), and positive, bool [rows, 128]: which codes' terms are
+        positive."""
+        row_of = torch.full(keys.key.shape, -1, dtype=torch.int32)
+        ruled = torch.nonzero(keys.open & keys.clamps)[:, 0]
+        if not ruled.numel():
             return row_of, torch.zeros((0, MAGNITUDES), dtype=torch.bool)
-        e = ceiling[b, top]
+        b, top, e = keys.block[ruled], keys.top[ruled], keys.ceiling[ruled]
         leaves = self.tables.err2[self._table(b, e)]
         terms = leaves - self.tables.err2[self._table(b, e - 1)]
-        above = torch.arange(MAGNITUDES, dtype=torch.int32)[None, :] > top[:, None]
+        above = torch.arange(MAGNITUDES)[None, :] > top[:, None]
         terms.masked_fill_(above, 0.0)
         least_positive = torch.where(terms > 0, terms, math.inf).amin(dim=1)
         largest_error = self.blocks.shape[1] * self.blocks.shape[3] * leaves.masked_fill_(above, 0.0).amax(dim=1)
         decides = (terms >= 0).all(dim=1) & (least_positive > 4 * pow2_tables.DECISION_MARGIN * largest_error)
-        row_of[b * MAGNITUDES + top] = torch.where(decides, torch.arange(b.numel(), dtype=torch.int32), -1)
+        row_of[ruled] = torch.where(decides, torch.arange(ruled.numel(), dtype=torch.int32), -1)
         return row_of, terms > 0
 
-    def _lower(self, g: torch.Tensor, c: torch.Tensor, ceiling: torch.Tensor) -> None:
-        """Blocks (g, c) written one exponent below their ceilings [M]."""
-        at = g * self.exponents.shape[1] + c  # flat indexes: ~3x faster than pairs
+    def _lower(self, at: torch.Tensor, ceiling: torch.Tensor) -> None:
+        """Blocks `at` (flat indexes: ~3x faster than pairs) written one exponent below their ceilings [M]."""
         self.exponents.view(-1)[at] = (ceiling - 1 + E8M0_BIAS).to(torch.uint8)
         self.table_of.view(-1)[at] = self._table(self.in_id.view(-1)[at], ceiling - 1)
 
@@ -168,7 +192,7 @@ class GroupTables:
         lower = clamps & (least >= 0) & (gain > pow2_tables.DECISION_MARGIN * 2 * error)
         settled = lower | (clamps & (least >= 0) & (gain == 0))
         rows = torch.nonzero(lower)[:, 0]
-        self._lower(g[rows], c[rows], e[rows])
+        self._lower(g[rows] * self.blocks.shape[2] + c[rows], e[rows])
         for rest in (~settled & clamps, ~settled & ~clamps):  # apart: the first set tries one exponent lower only
             rows = torch.nonzero(rest)[:, 0]
             if rows.numel():

@@ -105,6 +105,14 @@ def codes_of(blocks: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Te
     return blocks.permute(0, 2, 1, 3)[g, c]
 
 
+def codes_at(blocks: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """uint8 [M, bn, bk]: the codes of blocks [gn, bn, gk, bk] at flat indexes `at` (g x gk + c)."""
+    gk = blocks.shape[2]
+    if blocks.shape[1] == 1:
+        return torch.index_select(blocks.view(-1, blocks.shape[3]), 0, at).unsqueeze(1)
+    return codes_of(blocks, torch.div(at, gk, rounding_mode="floor"), at % gk)
+
+
 def table_sums(counts: torch.Tensor, tables: Tables, rows: torch.Tensor | slice) -> torch.Tensor:
     """float64 [R, 4]: per table (tables' rows, magnitude counts [R, 128]): squared error and squared values
     (count x term, pairwise over the codes), saturated and flushed values (exact integers)."""
