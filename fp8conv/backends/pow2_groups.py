@@ -36,6 +36,7 @@ from .pow2_tables import (
 from .scratch import scratch
 
 MAGNITUDE_VALUES = 2**20  # codes whose magnitudes are taken at once (4 MiB of int32: ~30% faster than 4x that)
+SLICE_VALUES = 2**21  # codes indexed, counted and gathered at once (8 MiB of int32 index)
 EXPONENT_SPAN = 32  # tables per input block at most: e4m3 spans 2^-9..448 (under 18 binades), search 3 below
 
 
@@ -247,8 +248,7 @@ class GroupTables:
         spans = self._chunk_spans(step)
         offsets = self.table_of * CODES
         counts = []
-        for g0, (_, t0, t1) in zip(range(0, gn, step), spans, strict=True):
-            g1 = min(gn, g0 + step)
+        for g0, g1, t0, t1 in _slices(spans, step, gn, bn * gk * bk):
             index = scratch("pow2 codes index", (g1 - g0, bn, gk, bk), torch.int32)
             index.copy_(self.blocks[g0:g1])
             index.add_((offsets[g0:g1] - t0 * CODES)[:, None, :, None])
@@ -281,6 +281,20 @@ class GroupTables:
         rows, in_rows = self.report_rows, self.in_rows
         most_rows = -(-(in_rows - math.gcd(rows, in_rows) + rows) // in_rows)
         return most_rows * self.gk_in * EXPONENT_SPAN
+
+
+def _slices(spans: list[tuple[int, int, int]], step: int, gn: int, row_values: int) -> list[tuple[int, int, int, int]]:
+    """Runs of whole chunks (block rows [g0, g1), tables [t0, t1)) counted and gathered at once, SLICE_VALUES
+    at most: chunks whose tables no other chunk shares (whole input-block rows) are counted together, their
+    counts still each chunk's own (a few ops per run, not per chunk: MoE experts have many short chunks)."""
+    runs: list[tuple[int, int, int, int]] = []
+    for i, (_, t0, t1) in enumerate(spans):
+        g0, g1 = i * step, min(gn, (i + 1) * step)
+        if runs and runs[-1][3] == t0 and (g1 - runs[-1][0]) * row_values <= SLICE_VALUES:
+            runs[-1] = (runs[-1][0], g1, runs[-1][2], t1)
+        else:
+            runs.append((g0, g1, t0, t1))
+    return runs
 
 
 def _largest_magnitudes(blocks: torch.Tensor) -> torch.Tensor:

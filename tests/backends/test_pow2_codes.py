@@ -149,3 +149,29 @@ def test_every_search_left_to_the_definitions_sums_gives_the_same_bytes(out_bloc
     exps = requantize_codes_pow2(codes, scale, IN_BLOCK, out_block, 128, q)[0]
     want_q, want_e = expected(codes, scale, out_block)
     assert same_bits(exps, want_e) and same_bits(q, want_q) and same_bits(exps, want[0])
+
+
+@pytest.mark.parametrize("in_block", [(256, 128), (64, 64), (96, 128)])
+def test_other_input_blocks_give_the_definitions_bytes_and_report(in_block):
+    """Input blocks other than 128x128 (report chunks of 128 rows share one input block, span two, or straddle
+    them): MXFP8 from the codes is the definition's (plain_pow2 of the dequantized values), and each chunk's
+    report sums to the float64 one over its rows."""
+    n, k = 320, 256
+    gen = torch.Generator().manual_seed(in_block[0])
+    values = torch.randn((n, k), generator=gen) * 2.0 ** torch.randint(-6, 7, (n, k), generator=gen)
+    codes = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    grid = (math.ceil(n / in_block[0]), math.ceil(k / in_block[1]))
+    mantissa = 1.1 + 0.8 * torch.rand(grid, generator=gen)  # never a power of two: every block requantized
+    scale = torch.exp2(torch.randint(-14, 3, grid, generator=gen).float()) * mantissa
+    full = scale.repeat_interleave(in_block[0], 0)[:n].repeat_interleave(in_block[1], 1)[:, :k]
+    w = codes.float() * full
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+    exps, parts, _ = requantize_codes_pow2(codes, scale, in_block, (1, 32), 128, q)
+    want_q, want_e = plain_pow2(w, (1, 32), search=True)
+    assert same_bits(exps, want_e) and same_bits(q, want_q)
+    s = scale_values(exps).double().repeat_interleave(32, 1)[:, :k]
+    err2 = ((q.double() * s - w.double()) ** 2).sum(dim=1)
+    assert len(parts) == 3
+    for i, part in enumerate(parts):
+        assert part[0] == pytest.approx(float(err2[i * 128 : (i + 1) * 128].sum()), rel=1e-12)
+        assert part[1] == pytest.approx(float((w.double()[i * 128 : (i + 1) * 128] ** 2).sum()), rel=1e-12)
