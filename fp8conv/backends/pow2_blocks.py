@@ -22,10 +22,10 @@ from .pow2_tables import (
     MAGNITUDES,
     NAN_MAGNITUDE,
     SIGN,
-    chunk_sums,
     codes_of,
     magnitude_values,
     power_of_two_scales,
+    slot_sums,
     squares_at,
     table_sums,
     tables_at,
@@ -61,7 +61,9 @@ class BlockTables:
         self.exponents = (exponents + E8M0_BIAS).to(torch.uint8).view(gn, gk)
         self.kept_all = bool(keeps.all())
         sums, per_chunk = table_sums(counts, self.tables, slice(None)), self.step * gk
-        self.parts = [chunk_sums(sums[r : r + per_chunk]) for r in range(0, gn * gk, per_chunk)]
+        chunks = -(-gn // self.step)
+        slots = torch.arange(gn * gk)
+        self.parts = slot_sums(sums, slots // per_chunk, slots % per_chunk, chunks, per_chunk)
 
     def _index(self, g0: int, g1: int) -> torch.Tensor:
         """Block rows g0..g1's codes as indexes into their blocks' tables (code + 256 x the block's place)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pow2 import E8M0_BIAS, FP8_MAX, ReportSums, pairwise_sum, pairwise_sum_, powers_of_two
+from .pow2 import E8M0_BIAS, FP8_MAX, ReportSums, pairwise_sum_, powers_of_two
 from .scratch import scratch
 
 CODES = 256
@@ -127,14 +127,6 @@ def table_sums(counts: torch.Tensor, tables: Tables, rows: torch.Tensor | slice)
             span = slice(int(codes[0]), int(codes[-1]) + 1)
             sums[:, column] = torch.where(marked[:, span], counts[:, span], 0).sum(dim=1)
     return sums
-
-
-def chunk_sums(sums: torch.Tensor) -> ReportSums:
-    """One chunk's report from its tables' sums [R, 4] (table_sums), in order."""
-    if not sums.shape[0]:
-        return (0.0, 0.0, 0, 0)
-    err2, norm2 = pairwise_sum(sums[:, :2], 0).tolist()  # each column as backends.pow2.sum64 sums it
-    return (err2, norm2, int(sums[:, 2].sum()), int(sums[:, 3].sum()))
 
 
 def slot_sums(
