@@ -149,8 +149,12 @@ class GroupTables:
         lowered = decided[gains]
         self._lower(opens[lowered], keys.ceiling[k[lowered]])
         rest = torch.nonzero(row < 0)[:, 0]
-        g, c = torch.div(opens[rest], self.blocks.shape[2], rounding_mode="floor"), opens[rest] % self.blocks.shape[2]
-        self._search(g, c, keys.amax[k[rest]][:, None], keys.ceiling[k[rest]][:, None])
+        if rest.numel():
+            g, c = (
+                torch.div(opens[rest], self.blocks.shape[2], rounding_mode="floor"),
+                opens[rest] % self.blocks.shape[2],
+            )
+            self._search(g, c, keys.amax[k[rest]][:, None], keys.ceiling[k[rest]][:, None])
 
     def _key_rules(self, keys: Keys) -> tuple[torch.Tensor, torch.Tensor]:
         """Per open key that clamps one exponent lower, at its ceiling e, each code's term: its squared error at

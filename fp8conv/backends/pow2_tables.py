@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pow2 import E8M0_BIAS, FP8_MAX, ReportSums, pairwise_sum_, powers_of_two
+from .pow2 import E8M0_BIAS, FP8_MAX, ReportSums, powers_of_two
 from .scratch import scratch
 
 CODES = 256
@@ -113,14 +113,22 @@ def codes_at(blocks: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return codes_of(blocks, torch.div(at, gk, rounding_mode="floor"), at % gk)
 
 
+def in_order_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """float64 sum over `dim`, one term after another in index order: a cumulative sum's last (its scan adds
+    in order on every machine, where a reduction's vector lanes differ between AVX2 and AVX-512): one op
+    where halving takes three a level, and these sums are a band's many small ones."""
+    return values.cumsum(dim).select(dim, -1)
+
+
 def table_sums(counts: torch.Tensor, tables: Tables, rows: torch.Tensor | slice) -> torch.Tensor:
     """float64 [R, 4]: per table (tables' rows, magnitude counts [R, 128]): squared error and squared values
-    (count x term, pairwise over the codes), saturated and flushed values (exact integers)."""
+    (count x term, summed over the codes in their order), saturated and flushed values (exact integers)."""
     n = scratch("pow2 table counts", tuple(counts.shape), torch.float64).copy_(counts)  # reused: no page faults
-    terms = torch.mul(n, tables.err2[rows], out=scratch("pow2 table terms", tuple(counts.shape), torch.float64))
+    terms = scratch("pow2 table terms", (2, *counts.shape), torch.float64)
+    torch.mul(n, tables.err2[rows], out=terms[0])
+    torch.mul(n, tables.norm2[rows], out=terms[1])
     sums = torch.zeros((counts.shape[0], 4), dtype=torch.float64)
-    sums[:, 0] = pairwise_sum_(terms, 1)
-    sums[:, 1] = pairwise_sum_(n.mul_(tables.norm2[rows]), 1)
+    sums[:, :2] = in_order_sum(terms, 2).T
     for column, marked in ((2, tables.saturated[rows]), (3, tables.flushed[rows])):
         codes = torch.nonzero(marked.any(dim=0))[:, 0]  # a few: the largest codes saturate, the smallest flush
         if codes.numel():  # a masked sum over those codes (an int64 x bool product takes a slow path, ~7x)
@@ -133,10 +141,10 @@ def slot_sums(
     sums: torch.Tensor, chunk_of: torch.Tensor, slots: torch.Tensor, chunks: int, width: int
 ) -> list[ReportSums]:
     """Each chunk's report from its tables' sums [R, 4] (table_sums), the table in row r at slot slots[r] of
-    chunk chunk_of[r] (its key's place among the chunk's `width`; empty slots zero, which add exactly): pairwise
-    over the slots, all chunks at once, in an order fixed by the slots alone."""
+    chunk chunk_of[r] (its key's place among the chunk's `width`; empty slots zero, which add exactly): summed
+    over the slots in their order, all chunks at once."""
     dense = torch.zeros((chunks, width, 4), dtype=torch.float64)
     dense[chunk_of, slots] = sums
-    err2, norm2 = pairwise_sum_(dense[:, :, :2], 1).T.tolist()
+    err2, norm2 = in_order_sum(dense[:, :, :2], 1).T.tolist()
     saturated, flushed = dense[:, :, 2:].sum(dim=1).to(torch.int64).T.tolist()
     return list(zip(err2, norm2, saturated, flushed, strict=True))
