@@ -67,25 +67,17 @@ class Tables:
 
 def tables_at(x: torch.Tensor, e: torch.Tensor) -> Tables:
     """The tables of magnitude values x [P, 128] at exponents e [P] int32."""
-    y = x * powers_of_two(-e)[:, None]  # as quantize_pow2_rows: x / 2^e, then the clamp and one cast
-    codes = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    # each code's value looked up (torch's own cast, tabled: its cast back is scalar, ~5x slower)
-    written = torch.index_select(E4M3_BY_CODE, 0, codes.view(-1).to(torch.int32)).view(codes.shape)
-    scale2 = four_to(e)[:, None]  # back to the value's units: a power of two, exact
-    err2 = (written - y).to(torch.float64).square_().mul_(scale2)
+    written = _written_at(x, e)
     norm2 = x.to(torch.float64).square_()  # y^2 x 4^e: both exact products of the same value
-    magnitude = y.abs()
-    # codes no block holds, counted 0 times, 0 here: NaN's, and any past float32
-    err2[:, NAN_MAGNITUDE], norm2[:, NAN_MAGNITUDE] = 0.0, 0.0
-    if not bool(magnitude[:, :NAN_MAGNITUDE].amax() < math.inf):
-        absent = ~torch.isfinite(y)
-        err2.masked_fill_(absent, 0.0)
-        norm2.masked_fill_(absent, 0.0)
+    norm2[:, NAN_MAGNITUDE] = 0.0
+    if written.absent is not None:
+        norm2.masked_fill_(written.absent, 0.0)
+    codes = written.codes
     return Tables(
         codes=torch.cat((codes, codes | SIGN), dim=1).reshape(-1),
-        err2=err2,
+        err2=written.err2,
         norm2=norm2,
-        saturated=magnitude > FP8_MAX,
+        saturated=written.magnitude > FP8_MAX,
         flushed=(codes == 0).logical_and_(x != 0),
     )
 
@@ -93,7 +85,35 @@ def tables_at(x: torch.Tensor, e: torch.Tensor) -> Tables:
 def squares_at(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """float64 [P, 128]: each magnitude value x [P, 128] written at exponent e [P], its squared error in the
     value's own units ((value(q) x 2^e - x)^2, exact): the leaves the definition's search sums."""
-    return tables_at(x, e).err2
+    return _written_at(x, e).err2
+
+
+@dataclass(frozen=True)
+class _Written:
+    """Magnitude values at an exponent, as the definition writes them: their codes (uint8), squared errors
+    (the value's units), |x / 2^e|, and the codes no block holds past float32 (None: none)."""
+
+    codes: torch.Tensor
+    err2: torch.Tensor
+    magnitude: torch.Tensor
+    absent: torch.Tensor | None
+
+
+def _written_at(x: torch.Tensor, e: torch.Tensor) -> _Written:
+    y = x * powers_of_two(-e)[:, None]  # as quantize_pow2_rows: x / 2^e, then the clamp and one cast
+    codes = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    # each code's value looked up (torch's own cast, tabled: its cast back is scalar, ~5x slower)
+    written = torch.index_select(E4M3_BY_CODE, 0, codes.view(-1).to(torch.int32)).view(codes.shape)
+    scale2 = four_to(e)[:, None]  # back to the value's units: a power of two, exact
+    err2 = written.sub_(y).to(torch.float64).square_().mul_(scale2)
+    magnitude = y.abs_()
+    # codes no block holds, counted 0 times, 0 here: NaN's, and any past float32
+    err2[:, NAN_MAGNITUDE] = 0.0
+    absent = None
+    if not bool(magnitude[:, :NAN_MAGNITUDE].amax() < math.inf):
+        absent = ~torch.isfinite(magnitude)
+        err2.masked_fill_(absent, 0.0)
+    return _Written(codes, err2, magnitude, absent)
 
 
 def codes_of(blocks: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
