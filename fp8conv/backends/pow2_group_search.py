@@ -4,8 +4,8 @@ from the codes they hold, the rest searched on the tables' exact squares as the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +20,7 @@ from .pow2 import (
 )
 from .pow2_tables import MAGNITUDES, NAN_MAGNITUDE, Tables, codes_at, codes_of
 
+WITHIN_MARGIN, DECIDES = 1, 2  # kinds of code in an open key: a positive term, one far beyond the margin
 EXPONENT_SPAN = 32  # tables per input block at most: e4m3 spans 2^-9..448 (under 18 binades), search 3 below
 
 
@@ -52,6 +53,17 @@ class Keys:
         return torch.index_select(rows, 0, block_keys)
 
 
+@dataclass(frozen=True)
+class KeyRules:
+    """_key_rules' answer: row_of, int32 per key: the row of a key with no negative term (else -1); per row
+    and code, kinds (uint8: DECIDES, WITHIN_MARGIN, or 0: no gain), leaves and terms (float64)."""
+
+    row_of: torch.Tensor
+    kinds: torch.Tensor
+    leaves: torch.Tensor
+    terms: torch.Tensor
+
+
 class OpenGroups:
     """GroupTables' search: what it reads of the plan (set by GroupTables) and how it settles open groups."""
 
@@ -66,47 +78,52 @@ class OpenGroups:
     table_of: torch.Tensor  # each group's table, int32 [gn, gk]
 
     def _settle_open(self, opens: torch.Tensor, keys: Keys) -> None:
-        """The open blocks (flat indexes) whose key (_key_rules) decides: e - 1 where the block holds a code
-        whose term is positive (_search's gain beyond its margin), else the ceiling (no term nonzero: _search's
-        zero gain); the rest go to _search."""
+        """The open blocks (flat indexes) whose key has no negative term (_key_rules), as _search would settle
+        them: e - 1 where the block holds a code whose term is beyond the margin's reach, the ceiling where it
+        holds none whose term is positive (zero gain), else by the block's gain and error (its codes' terms
+        and leaves, summed), the definition's sums (_search_sums) where those are within the margin; the rest
+        (keys with a negative term) go to _search."""
         k = keys.index_of(torch.index_select(self.top.view(-1), 0, opens), self.values.numel())
-        row_of, positive = self._key_rules(keys)
-        row = row_of[k]
-        decided = torch.nonzero(row >= 0)[:, 0]
-        codes = codes_at(self.blocks, opens[decided]).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
-        codes.add_((row[decided] * MAGNITUDES)[:, None])
-        gains = torch.index_select(positive.view(-1), 0, codes.view(-1)).view(codes.shape).any(dim=1)
-        lowered = decided[gains]
+        rules = self._key_rules(keys)
+        row = rules.row_of[k]
+        ruled = torch.nonzero(row >= 0)[:, 0]
+        codes = codes_at(self.blocks, opens[ruled]).flatten(1).to(torch.int32).bitwise_and_(NAN_MAGNITUDE)
+        codes.add_((row[ruled] * MAGNITUDES)[:, None])
+        kind = torch.index_select(rules.kinds.view(-1), 0, codes.view(-1)).view(codes.shape).amax(dim=1)
+        lowered, near = ruled[kind == DECIDES], ruled[:0]
+        within = torch.nonzero(kind == WITHIN_MARGIN)[:, 0]
+        if within.numel():
+            at = codes[within].view(-1)
+            error = torch.index_select(rules.leaves.view(-1), 0, at).view(-1, codes.shape[1]).sum(dim=1)
+            gain = torch.index_select(rules.terms.view(-1), 0, at).view(-1, codes.shape[1]).sum(dim=1)
+            wins = gain > pow2_tables.DECISION_MARGIN * 2 * error
+            lowered, near = torch.cat((lowered, ruled[within[wins]])), ruled[within[~wins]]
         self._lower(opens[lowered], keys.ceiling[k[lowered]])
-        rest = torch.nonzero(row < 0)[:, 0]
-        if rest.numel():
-            g, c = (
-                torch.div(opens[rest], self.blocks.shape[2], rounding_mode="floor"),
-                opens[rest] % self.blocks.shape[2],
-            )
-            self._search(g, c, keys.amax[k[rest]][:, None], keys.ceiling[k[rest]][:, None])
+        for rest, search in ((near, self._search_sums), (torch.nonzero(row < 0)[:, 0], self._search)):
+            if rest.numel():
+                g = torch.div(opens[rest], self.blocks.shape[2], rounding_mode="floor")
+                search(
+                    g, opens[rest] % self.blocks.shape[2], keys.amax[k[rest]][:, None], keys.ceiling[k[rest]][:, None]
+                )
 
-    def _key_rules(self, keys: Keys) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per open key that clamps one exponent lower, at its ceiling e, each code's term: its squared error at
-        e less at e - 1 (codes above the largest: 0). Such a key decides where no term is negative and its
-        least positive term is over 4 x DECISION_MARGIN x the largest squared error a block can have (any
-        positive term then passes _search's test, with room for its float64 sums). Returns row_of, int32 per
-        key: a deciding key's row of positive (else -1), and positive, bool [rows, 128]: which codes' terms are
-        positive."""
+    def _key_rules(self, keys: Keys) -> KeyRules:
+        """Per open key that clamps one exponent lower, at its ceiling e, each code's leaf (squared error at e)
+        and term (that less its squared error at e - 1; codes above the largest: 0). Where no term is
+        negative, a block's gain is at least its largest term: one over 4 x DECISION_MARGIN x the largest
+        squared error a block can have decides (it passes _search's test, with room for its float64 sums)."""
         row_of = torch.full(keys.key.shape, -1, dtype=torch.int32)
         ruled = torch.nonzero(keys.open & keys.clamps)[:, 0]
-        if not ruled.numel():
-            return row_of, torch.zeros((0, MAGNITUDES), dtype=torch.bool)
         b, top, e = keys.block[ruled], keys.top[ruled], keys.ceiling[ruled]
         leaves = self.tables.err2[self._table(b, e)]
         terms = leaves - self.tables.err2[self._table(b, e - 1)]
         above = torch.arange(MAGNITUDES)[None, :] > top[:, None]
         terms.masked_fill_(above, 0.0)
-        least_positive = torch.where(terms > 0, terms, math.inf).amin(dim=1)
-        largest_error = self.blocks.shape[1] * self.blocks.shape[3] * leaves.masked_fill_(above, 0.0).amax(dim=1)
-        decides = (terms >= 0).all(dim=1) & (least_positive > 4 * pow2_tables.DECISION_MARGIN * largest_error)
-        row_of[ruled] = torch.where(decides, torch.arange(ruled.numel(), dtype=torch.int32), -1)
-        return row_of, terms > 0
+        leaves.masked_fill_(above, 0.0)
+        largest_error = self.blocks.shape[1] * self.blocks.shape[3] * leaves.amax(dim=1)
+        decisive = terms > (4 * pow2_tables.DECISION_MARGIN * largest_error)[:, None]
+        kinds = (terms > 0).to(torch.uint8).add_(decisive)  # WITHIN_MARGIN, or DECIDES where decisive
+        row_of[ruled] = torch.where((terms >= 0).all(dim=1), torch.arange(ruled.numel(), dtype=torch.int32), -1)
+        return KeyRules(row_of, kinds, leaves, terms)
 
     def _lower(self, at: torch.Tensor, ceiling: torch.Tensor) -> None:
         """Blocks `at` (flat indexes: ~3x faster than pairs) written one exponent below their ceilings [M]."""
