@@ -91,11 +91,14 @@ class BlockTables:
         rest (none on bench/synth.py's input) are searched by the definition on their values."""
         below = 1 if bool((amax > HALF_FP8_MAX * powers_of_two(ceiling)).all()) else SEARCH_BELOW
         n, present = counts.to(torch.float64), counts > 0
-        best, best_squares = ceiling.clone(), squares_at(x, ceiling)
+        # every candidate's squares at once (one table build, not one per exponent): [below + 1, M, 128]
+        tried = (ceiling[None, :] - torch.arange(below + 1, dtype=torch.int32)[:, None]).reshape(-1)
+        candidates = squares_at(x.repeat(below + 1, 1), tried).view(below + 1, *x.shape)
+        best, best_squares = ceiling.clone(), candidates[0]
         best_error = (n * best_squares).sum(dim=1)
         unsure = torch.zeros(rows.shape, dtype=torch.bool)
         for i in range(1, below + 1):
-            squares = squares_at(x, ceiling - i)
+            squares = candidates[i]
             error = (n * squares).sum(dim=1)
             may_win = (present & (squares < best_squares)).any(dim=1)
             margin = pow2_tables.DECISION_MARGIN * (error + best_error)
