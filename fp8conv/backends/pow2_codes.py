@@ -8,7 +8,7 @@ chunk), and a count of each input code per table (torch.bincount) the error repo
 decoded into float32. Each table is the definition's own operations on the 256 values, so the bytes are
 the definition's. Exponents: a block's largest value is its largest magnitude code's (e4m3 magnitudes order
 as their bytes); the blocks ceiling_wins cannot settle are searched on the same exact squares the
-definition sums, each choice proven to be the definition's (pow2_blocks, pow2_groups: their _search).
+definition sums, each choice proven to be the definition's (pow2_blocks._search, pow2_group_search).
 
 Two plans: pow2_blocks.BlockTables where each input block is one output block (ue8m0 from 128x128 blocks:
 counts first, every choice from them), pow2_groups.GroupTables where input blocks hold many (MXFP8's 1x32
