@@ -31,6 +31,7 @@ TOP_LOGPROBS = 5
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 KV_CACHE_BYTES = 64 << 20
 
+SHARED_MEMORY = Path("/dev/shm")  # where vLLM's CPU communicator keeps its segments (load: one group per TP)
 CPU_ENV = "FP8CONV_VLLM_CPU"
 KERNELS_LINE = "fp8conv-worker: vLLM's CPU FP8 kernels here:"  # the tests read the rest of this stderr line
 
@@ -132,7 +133,7 @@ def generate(model: str, out: Path, native_rope: bool) -> None:
     out.write_text(json.dumps({"tokens": list(result.token_ids), "logprobs": steps, "timing": timing}))
 
 
-def _load_rank(model: str, out: Path, tp: int, rank: int, port: int) -> None:
+def _load_rank(model: str, out: Path, tp: int, rank: int, port: int, ident: str) -> None:
     """One tensor-parallel rank: vLLM builds the model with its quantization method (create_weights, the
     per-rank parameter shapes) and runs the model's load_weights through DefaultModelLoader, which
     refuses any parameter the checkpoint did not initialize. process_weights_after_loading is not run: it
@@ -155,7 +156,7 @@ def _load_rank(model: str, out: Path, tp: int, rank: int, port: int) -> None:
         distributed_executor_backend="mp" if tp > 1 else "uni",
     )
     config = args.create_engine_config()
-    os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPUWorker sets: the name of its shared-memory group
+    os.environ["VLLM_DIST_IDENT"] = ident  # what vLLM's CPUWorker sets: the name of its shared-memory group
     with set_current_vllm_config(config):
         init_distributed_environment(
             world_size=tp,
@@ -192,6 +193,10 @@ def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
+            # vLLM names its shared memory (/dev/shm/<ident>-tp:0-[0-1]-cpushm_<rank>, 8 MiB each) after this,
+            # and the ranks leave it there (os._exit): the port alone repeats between runs, and a segment
+            # left with that name makes the next group's creation fail (errno 17)
+            ident = f"fp8conv-{port}-{os.getpid()}-{time.time_ns()}"
             folder = out / name / f"tp{tp}"
             folder.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
@@ -201,7 +206,7 @@ def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
                 if pid == 0:
                     code = 0
                     try:
-                        _load_rank(model, folder, tp, rank, port)
+                        _load_rank(model, folder, tp, rank, port, ident)
                     except BaseException as e:  # the message is what a refusal test asserts on
                         (folder / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
                         code = 1
@@ -210,6 +215,8 @@ def load(models: dict[str, str], out: Path, tps: list[int]) -> int:
             for pid in pids:
                 _, status = os.waitpid(pid, 0)
                 failed |= os.waitstatus_to_exitcode(status) != 0
+            for segment in SHARED_MEMORY.glob(f"{ident}-*"):  # this load's alone: its name is unique
+                segment.unlink(missing_ok=True)
             timing[f"tp{tp}_s"] = time.perf_counter() - t0
         (out / name / "timing.json").write_text(json.dumps(timing))
     return 1 if failed else 0
